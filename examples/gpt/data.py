@@ -1,0 +1,42 @@
+"""The corpus, character-level, and batches that are a pure function of (step, rank, world).
+
+A restarted or replaced worker asks for step s and gets exactly the samples it would have
+had without the failure: nothing is skipped or seen twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+
+
+class CharCorpus:
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.data = torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+    @classmethod
+    def load(cls, path: Path = CORPUS) -> CharCorpus:
+        return cls(path.read_text(encoding="utf-8"))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(
+        self, step: int, rank: int, world: int, batch: int, seq: int, seed: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the global batch of `step`."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.data) - seq - 1, (world * batch,), generator=g)
+        mine = starts[rank * batch : (rank + 1) * batch]
+        x = torch.stack([self.data[s : s + seq] for s in mine.tolist()])
+        y = torch.stack([self.data[s + 1 : s + seq + 1] for s in mine.tolist()])
+        return x, y
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)

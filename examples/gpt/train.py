@@ -1,0 +1,59 @@
+"""Train a small GPT on the Python Language Reference, data-parallel (DDP) over gloo on CPU.
+
+Runs unchanged under `unbroken run`, under `torchrun`, or as a single `python train.py`:
+
+    unbroken run --nproc-per-node 4 --max-restarts 3 examples/gpt/train.py --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+
+import torch
+import torch.nn.functional as F
+from data import CharCorpus
+from model import GPT, GPTConfig
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import unbroken
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--print-every", type=int, default=10)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    corpus = CharCorpus.load()
+    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.seq,
+                          n_layer=args.layers, n_embd=args.dim))
+    ddp = DDP(model) if run.world_size > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    run.track(ddp, optimizer)
+
+    for step in run.steps(args.steps):
+        x, y = corpus.batch(step, run.rank, run.world_size, args.batch, args.seq, args.seed)
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        run.log(loss=loss, data=zlib.crc32(x.numpy().tobytes()))
+        if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss.item():.3f}", flush=True)
+    run.close()
+
+
+if __name__ == "__main__":
+    main()

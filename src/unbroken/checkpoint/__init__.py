@@ -1,0 +1,1 @@
+"""Checkpoints in PyTorch's distributed checkpoint (DCP) format, committed atomically."""

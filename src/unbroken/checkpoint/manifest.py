@@ -1,0 +1,73 @@
+"""A checkpoint's manifest: every file with its size and SHA-256, written last.
+
+A checkpoint directory is only ever renamed into place after its manifest is durable, so a
+directory without a valid manifest, or whose files disagree with it, is torn or corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {"format": "unbroken-dcp/1", "step": step, "files": files, **(extra or {})}
+    tmp = directory / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    fsync_path(tmp)
+    os.replace(tmp, directory / MANIFEST)
+    for name in files:
+        fsync_path(directory / name)
+    fsync_path(directory)
+    return manifest
+
+
+def verify_manifest(directory: Path) -> str | None:
+    """None if the checkpoint is intact, else the reason it is not."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest (an unfinished save)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable manifest: {exc}"
+    if ".metadata" not in files:
+        return "manifest lists no .metadata"
+    for name, info in files.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"missing file {name}"
+        if size != info.get("bytes"):
+            return f"{name} has {size} bytes, manifest says {info.get('bytes')} (truncated?)"
+        if file_digest(path) != info.get("sha256"):
+            return f"{name} does not match its checksum (corrupt)"
+    return None

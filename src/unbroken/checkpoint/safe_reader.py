@@ -1,0 +1,63 @@
+"""Reading DCP checkpoints without executing anything a checkpoint file contains.
+
+DCP's `.metadata` file is a pickle, and `FileSystemReader` unpickles it with plain `pickle`,
+so a crafted checkpoint could run code on load. This reader allows only the metadata
+classes DCP itself writes; tensors are read as raw bytes and other objects with
+`weights_only=True`, as DCP already does.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_ALLOWED: dict[str, set[str] | None] = {
+    "torch.distributed.checkpoint.metadata": None,  # any class defined there
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """The checkpoint's metadata asks for something that is not checkpoint metadata."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        allowed = _ALLOWED.get(module, set())
+        if module == "torch.distributed.checkpoint.metadata":
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif allowed and name in allowed:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def load_metadata(path: str | pathlib.Path) -> Metadata:
+    with open(path, "rb") as fh:
+        metadata = _MetadataUnpickler(fh).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError("checkpoint metadata is not a DCP Metadata object")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = load_metadata(pathlib.Path(self.path) / ".metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,49 @@
+"""Fires the injected faults inside a worker, at the start of the named step.
+
+Each fault fires once per job, not once per attempt: after a restart the run resumes from a
+checkpoint taken before the fault's step, and a fault that fired again would loop forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from unbroken.faults.spec import FaultSpec
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by an `exception` fault."""
+
+
+class FaultInjector:
+    def __init__(
+        self,
+        faults: list[FaultSpec],
+        rank: int,
+        claim: Callable[[str], bool],
+        record: Callable[..., None],
+    ) -> None:
+        """`claim(key)` returns True only the first time a key is claimed in the job."""
+        self._by_step: dict[int, list[FaultSpec]] = {}
+        for fault in faults:
+            if fault.rank == rank:
+                self._by_step.setdefault(fault.step, []).append(fault)
+        self._claim = claim
+        self._record = record
+
+    def at_step(self, step: int) -> None:
+        for fault in self._by_step.get(step, ()):
+            if not self._claim(fault.key):
+                continue
+            self._record("fault_injected", fault=str(fault), kind=fault.kind, step=step)
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "exception":
+                raise InjectedFault(f"injected fault {fault}")
+            elif fault.kind == "slow":
+                time.sleep(fault.seconds)

@@ -1,0 +1,565 @@
+"""The node agent: `unbroken run`. One per node; the node-0 agent is the leader.
+
+Each attempt is one generation of worker processes. The leader opens it (`current`), every
+agent joins, the leader publishes the plan (ranks, a fresh worker store), every agent starts
+its workers and watches them. The first fault anyone sees is published once (compare-and-set)
+and ends the attempt everywhere; the leader then opens the next attempt, until the restart
+budget is spent. The agent never imports the user's code.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.launch.config import LaunchConfig
+from unbroken.launch.control_store import ControlStore, connect_store, serve_store
+from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.worker_process import (
+    WorkerProcess,
+    describe_exit,
+    open_pidfd,
+    read_error,
+    spawn,
+    stop_workers,
+    worker_command,
+)
+from unbroken.runtime.heartbeat import HeartbeatReader
+from unbroken.telemetry.events import EVENTS_FILE, EventLog
+
+_STORE_ERRORS = (RuntimeError, OSError)  # what a TCPStore call raises when the server is gone
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Finished(Exception):
+    """The leader published the run's result."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        super().__init__(result.get("status"))
+        self.result = result
+
+
+@dataclass
+class Outcome:
+    kind: str  # "done" or "fault"
+    fault: dict[str, Any] | None = None
+
+
+class Agent:
+    def __init__(self, cfg: LaunchConfig, out: TextIO = sys.stderr) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.instance = uuid.uuid4().hex[:12]
+        self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
+        self.events = EventLog(
+            Path(cfg.run_dir) / EVENTS_FILE, source="agent", node=cfg.node_rank
+        )
+        self.workers: list[WorkerProcess] = []
+        self._signal: int | None = None
+        self._servers: list[Any] = []  # keeps per-attempt worker stores alive
+        self._hb_stop = threading.Event()
+        self._node_seen: dict[int, tuple[int, float]] = {}
+        self.ctl: ControlStore | None = None
+        self.control_port = cfg.master_port
+
+    # ---------------------------------------------------------------- entry point
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        cfg = self.cfg
+        self.events.emit(
+            "agent_start", run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
+            nproc_per_node=cfg.nproc_per_node, max_restarts=cfg.max_restarts,
+            script=cfg.script, args=cfg.script_args, faults=cfg.faults, instance=self.instance,
+        )
+        self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
+        try:
+            self._connect()
+            code = self._lead() if cfg.is_leader else self._follow()
+        except _Interrupted as exc:
+            self.say(f"{exc}: stopping workers")
+            self._stop_workers("interrupted")
+            self._publish_interrupt(exc.signum)
+            code = 128 + exc.signum
+        except ControlPlaneError as exc:
+            self._stop_workers("control plane lost")
+            self.events.emit("agent_error", error=str(exc))
+            raise
+        finally:
+            self._stop_workers("agent exit")
+            self._hb_stop.set()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        self.events.emit("agent_exit", code=int(code))
+        self.events.close()
+        return int(code)
+
+    def say(self, msg: str) -> None:
+        print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signal = signum
+
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            raise _Interrupted(self._signal)
+
+    # ---------------------------------------------------------------- control plane
+    def _connect(self) -> None:
+        cfg = self.cfg
+        if cfg.is_leader:
+            store, sock = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+            self._servers.append((store, sock))
+            self.control_port = sock.getsockname()[1]  # the real one when --master-port was 0
+        else:
+            store = self._connect_with_retries()
+        self.ctl = ControlStore(store, cfg.run_id)
+        if not cfg.is_leader:
+            threading.Thread(target=self._heartbeat_loop, daemon=True, name="agent-hb").start()
+
+    def _connect_with_retries(self) -> Any:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while True:
+            self._check_signal()
+            try:
+                return connect_store(cfg.master_addr, cfg.master_port, timeout=2.0)
+            except ControlPlaneError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _heartbeat_loop(self) -> None:
+        """Proves this agent alive to the leader; own connection, so a busy main loop can't stall it."""
+        cfg = self.cfg
+        try:
+            ctl = ControlStore(connect_store(cfg.master_addr, cfg.master_port, 10.0), cfg.run_id)
+            period = max(0.05, min(1.0, cfg.node_timeout / 5))
+            while not self._hb_stop.wait(period):
+                ctl.add(f"hb/{cfg.node_rank}/{self.instance}", 1)
+        except (ControlPlaneError, *_STORE_ERRORS):
+            return  # the main loop sees the lost store on its next call
+
+    def _store(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except _STORE_ERRORS as exc:
+            raise ControlPlaneError(
+                f"lost the control store at {self.cfg.master_addr}:{self.cfg.master_port} "
+                f"(node-0 agent gone?): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
+
+    def _get(self, key: str) -> Any:
+        return self._store(self.ctl.get_json, key)
+
+    def _set(self, key: str, value: Any) -> None:
+        self._store(self.ctl.set_json, key, value)
+
+    def _sleep(self, seconds: float = 0.02) -> None:
+        time.sleep(seconds)
+        self._check_signal()
+
+    # ---------------------------------------------------------------- leader
+    def _lead(self) -> int:
+        cfg = self.cfg
+        attempt = 0
+        while True:
+            t0 = time.monotonic()
+            self._set("current", attempt)
+            self._join(attempt)
+            nodes = self._wait_joined(attempt)
+            plan = self._make_plan(attempt, nodes)
+            self._set(f"a/{attempt}/plan", plan)
+            self.events.emit(
+                "rendezvous", attempt=attempt, world_size=plan["world_size"],
+                duration=round(time.monotonic() - t0, 6), worker_port=plan["worker_port"],
+            )
+            outcome = self._run_attempt(attempt, plan)
+            if outcome.kind == "done":
+                self._set(f"a/{attempt}/done/{cfg.node_rank}", True)
+                outcome = self._leader_wait_all_done(attempt, plan)
+            if outcome.kind == "done":
+                self._set("result", {"status": "success", "attempt": attempt})
+                self.say(f"all {plan['world_size']} workers finished (attempts: {attempt + 1})")
+                self._wait_acks(plan)
+                return ExitCode.SUCCESS
+            self._end_attempt(attempt, outcome.fault)
+            self._wait_stopped(attempt, plan)
+            if attempt >= cfg.max_restarts:
+                self._set("result", {"status": "failed", "fault": outcome.fault})
+                self._report_failure(outcome.fault)
+                self._wait_acks(plan)
+                return ExitCode.WORKERS_FAILED
+            attempt += 1
+            self.events.emit("restart", attempt=attempt, restarts_left=cfg.max_restarts - attempt,
+                             reason=outcome.fault.get("kind") if outcome.fault else None)
+            self.say(f"restarting all workers: attempt {attempt} of at most {cfg.max_restarts + 1}")
+
+    def _wait_joined(self, attempt: int) -> dict[int, dict[str, Any]]:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while True:
+            nodes = {k: self._get(f"a/{attempt}/node/{k}") for k in range(cfg.nnodes)}
+            if all(nodes.values()):
+                return nodes
+            if time.monotonic() > deadline:
+                missing = [k for k, v in nodes.items() if not v]
+                raise ControlPlaneError(
+                    f"node(s) {missing} did not join within {cfg.rdzv_timeout:g}s; start their "
+                    f"agents with --nnodes {cfg.nnodes} and the same --master-addr/--master-port/--rdzv-id"
+                )
+            self._sleep()
+
+    def _make_plan(self, attempt: int, nodes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        store, sock = serve_store(self.cfg.master_addr, 0, self.cfg.rdzv_timeout)
+        self._servers.append((store, sock))
+        offset, layout = 0, {}
+        for k in range(self.cfg.nnodes):
+            layout[str(k)] = {"offset": offset, "nproc": nodes[k]["nproc"],
+                              "instance": nodes[k]["instance"]}
+            offset += nodes[k]["nproc"]
+        self._node_seen.clear()
+        return {"attempt": attempt, "world_size": offset, "nodes": layout,
+                "worker_port": sock.getsockname()[1]}
+
+    def _check_nodes(self, attempt: int, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """A node_lost fault for the first follower whose agent stopped heartbeating."""
+        now = time.monotonic()
+        for key, node in plan["nodes"].items():
+            k = int(key)
+            if k == self.cfg.node_rank:
+                continue
+            count = self._store(self.ctl.add, f"hb/{k}/{node['instance']}", 0)
+            last = self._node_seen.get(k)
+            if last is None or last[0] != count:
+                self._node_seen[k] = (count, now)
+            elif now - last[1] > self.cfg.node_timeout:
+                return {"kind": "node_lost", "node": k, "rank": None,
+                        "detail": f"agent of node {k} silent for {now - last[1]:.1f}s"}
+        return None
+
+    def _leader_wait_all_done(self, attempt: int, plan: dict[str, Any]) -> Outcome:
+        while True:
+            fault = self._get(f"a/{attempt}/fault")
+            if fault:
+                return Outcome("fault", fault)
+            if all(self._get(f"a/{attempt}/done/{k}") for k in plan["nodes"]):
+                return Outcome("done")
+            lost = self._check_nodes(attempt, plan)
+            if lost:
+                return Outcome("fault", self._publish_fault(attempt, lost))
+            self._sleep()
+
+    def _wait_stopped(self, attempt: int, plan: dict[str, Any]) -> None:
+        """Wait until every live follower has stopped its workers of this attempt."""
+        deadline = time.monotonic() + self.cfg.kill_grace + self.cfg.node_timeout
+        pending = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank}
+        while pending and time.monotonic() < deadline:
+            pending = {k for k in pending if not self._get(f"a/{attempt}/stopped/{k}")}
+            fault = self._get(f"a/{attempt}/fault") or {}
+            if fault.get("kind") == "node_lost":
+                pending.discard(fault.get("node"))
+            if pending:
+                self._sleep()
+
+    def _wait_acks(self, plan: dict[str, Any]) -> None:
+        """Keep the store up until the followers have read the result (bounded)."""
+        deadline = time.monotonic() + 5.0
+        followers = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank}
+        while followers and time.monotonic() < deadline:
+            followers = {k for k in followers if not self._get(f"ack/{k}")}
+            if followers:
+                time.sleep(0.02)
+
+    # ---------------------------------------------------------------- follower
+    def _follow(self) -> int:
+        seen = -1
+        while True:
+            try:
+                attempt = self._wait_next_attempt(seen)
+                seen = attempt
+                self._join(attempt)
+                plan = self._wait_plan(attempt)
+                if plan is None:
+                    continue
+                outcome = self._run_attempt(attempt, plan)
+                if outcome.kind == "done":
+                    self._set(f"a/{attempt}/done/{self.cfg.node_rank}", True)
+                    outcome = self._follower_wait(attempt)
+                self._end_attempt(attempt, outcome.fault)
+            except _Finished as fin:
+                self._set(f"ack/{self.cfg.node_rank}", True)
+                status = fin.result.get("status")
+                if status == "success":
+                    self.say("job finished")
+                    return ExitCode.SUCCESS
+                if status == "interrupted":
+                    self.say("the node-0 agent was interrupted; stopping")
+                    return 128 + int(fin.result.get("signal", signal.SIGTERM))
+                self._report_failure(fin.result.get("fault"))
+                return ExitCode.WORKERS_FAILED
+
+    def _finished(self) -> None:
+        result = self._get("result")
+        if result:
+            raise _Finished(result)
+
+    def _wait_next_attempt(self, seen: int) -> int:
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while True:
+            self._finished()
+            current = self._get("current")
+            if current is not None and current > seen:
+                return int(current)
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"the node-0 agent opened no new attempt within {self.cfg.rdzv_timeout:g}s"
+                )
+            self._sleep()
+
+    def _wait_plan(self, attempt: int) -> dict[str, Any] | None:
+        """The plan for this attempt, or None if it already runs without this agent."""
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while True:
+            self._finished()
+            plan = self._get(f"a/{attempt}/plan")
+            if plan is not None:
+                mine = plan["nodes"].get(str(self.cfg.node_rank), {})
+                return plan if mine.get("instance") == self.instance else None
+            current = self._get("current")
+            if current is not None and current > attempt:
+                return None
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"no plan for attempt {attempt} within {self.cfg.rdzv_timeout:g}s")
+            self._sleep()
+
+    def _follower_wait(self, attempt: int) -> Outcome:
+        while True:
+            self._finished()
+            fault = self._get(f"a/{attempt}/fault")
+            if fault:
+                return Outcome("fault", fault)
+            self._sleep()
+
+    # ---------------------------------------------------------------- both roles
+    def _join(self, attempt: int) -> None:
+        info = {"nproc": self.cfg.nproc_per_node, "instance": self.instance, "pid": os.getpid(),
+                "host": os.uname().nodename}
+        self._store(self.ctl.first_json, f"a/{attempt}/node/{self.cfg.node_rank}", info)
+
+    def _publish_fault(self, attempt: int, fault: dict[str, Any]) -> dict[str, Any]:
+        fault = {**fault, "attempt": attempt, "t": time.time(), "reported_by": self.cfg.node_rank}
+        won = self._store(self.ctl.first_json, f"a/{attempt}/fault", fault)
+        if won.get("t") == fault["t"] and won.get("reported_by") == fault["reported_by"]:
+            self.events.emit("fault", **{k: v for k, v in won.items() if k != "t"})
+            where = f"rank {won['rank']}" if won.get("rank") is not None else f"node {won.get('node')}"
+            self.say(f"fault: {where} {won['kind']}: {won['detail']}")
+        return won
+
+    def _publish_interrupt(self, signum: int) -> None:
+        if self.ctl is None:
+            return
+        try:
+            if self.cfg.is_leader:
+                self.ctl.set_json("result", {"status": "interrupted", "signal": signum})
+            else:
+                current = self.ctl.get_json("current")
+                if current is not None:
+                    self.ctl.first_json(f"a/{current}/fault", {
+                        "kind": "agent_stopped", "node": self.cfg.node_rank, "rank": None,
+                        "detail": f"agent received {signal.Signals(signum).name}", "t": time.time(),
+                    })
+        except _STORE_ERRORS:
+            pass  # the leader is gone too; nothing left to tell
+
+    def _end_attempt(self, attempt: int, fault: dict[str, Any] | None) -> None:
+        t0 = time.monotonic()
+        self._stop_workers("fault")
+        self._set(f"a/{attempt}/stopped/{self.cfg.node_rank}", True)
+        self.events.emit("workers_stopped", attempt=attempt, duration=round(time.monotonic() - t0, 6),
+                         reason=(fault or {}).get("kind"))
+
+    def _stop_workers(self, reason: str) -> None:
+        if not self.workers:
+            return
+        stop_workers(self.workers, self.cfg.kill_grace)
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+    def _spawn(self, attempt: int, plan: dict[str, Any]) -> None:
+        cfg = self.cfg
+        node = plan["nodes"][str(cfg.node_rank)]
+        attempt_dir = self.node_dir / f"attempt_{attempt}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        cmd = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
+        for local_rank in range(node["nproc"]):
+            rank = node["offset"] + local_rank
+            base = attempt_dir / f"rank_{rank}"
+            env = self._worker_env(attempt, plan, rank, local_rank, node["nproc"], base)
+            log = base.with_suffix(".log") if cfg.redirect else None
+            proc = spawn(cmd, env, log)
+            worker = WorkerProcess(
+                rank=rank, local_rank=local_rank, proc=proc,
+                heartbeat=HeartbeatReader(base.with_suffix(".hb")),
+                hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
+                error_file=base.with_suffix(".error.json"), log_file=log,
+            )
+            worker.pidfd = open_pidfd(proc.pid)
+            self.workers.append(worker)
+
+    def _worker_env(self, attempt: int, plan: dict[str, Any], rank: int, local_rank: int,
+                    local_world: int, base: Path) -> dict[str, str]:
+        cfg = self.cfg
+        env = dict(os.environ)
+        env.update({
+            # The same variables torchrun sets, so unmodified torchrun scripts run as they are.
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(plan["world_size"]), "LOCAL_WORLD_SIZE": str(local_world),
+            "GROUP_RANK": str(cfg.node_rank), "GROUP_WORLD_SIZE": str(cfg.nnodes),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(plan["world_size"]), "ROLE_NAME": "default",
+            "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(plan["worker_port"]),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+            "TORCHELASTIC_RUN_ID": cfg.run_id,
+            # Workers connect to the agent's fresh per-attempt store as clients; no worker hosts it.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_ERROR_FILE": str(base.with_suffix(".torchelastic.json")),
+            # unbroken's own: the runtime and fault injection read these.
+            "UNBROKEN_RUN_ID": cfg.run_id, "UNBROKEN_RUN_DIR": str(Path(cfg.run_dir).resolve()),
+            "UNBROKEN_NODE_RANK": str(cfg.node_rank), "UNBROKEN_ATTEMPT": str(attempt),
+            "UNBROKEN_HEARTBEAT_FILE": str(base.with_suffix(".hb")),
+            "UNBROKEN_ERROR_FILE": str(base.with_suffix(".error.json")),
+            "UNBROKEN_AGENT_PID": str(os.getpid()),
+            "UNBROKEN_CONTROL_ADDR": cfg.master_addr, "UNBROKEN_CONTROL_PORT": str(self.control_port),
+            "UNBROKEN_FAULTS": cfg.faults,
+        })
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if local_world > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscription
+        return env
+
+    def _run_attempt(self, attempt: int, plan: dict[str, Any]) -> Outcome:
+        """Start this node's workers and watch them until they all finish or a fault ends the attempt."""
+        t0 = time.monotonic()
+        self._spawn(attempt, plan)
+        self.events.emit("workers_started", attempt=attempt, duration=round(time.monotonic() - t0, 6),
+                         pids={w.rank: w.pid for w in self.workers})
+        if attempt == 0 or self.cfg.is_leader:
+            ranks = [w.rank for w in self.workers]
+            self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan['world_size']}")
+        selector = selectors.DefaultSelector()
+        for w in self.workers:
+            if w.pidfd is not None:
+                selector.register(w.pidfd, selectors.EVENT_READ, w)
+        done: set[int] = set()
+        multi = len(plan["nodes"]) > 1
+        try:
+            while True:
+                selector.select(timeout=self.cfg.monitor_interval)
+                self._check_signal()
+                failed = []
+                for w in self.workers:
+                    rc = w.proc.poll()
+                    if rc == 0 and w.rank not in done:
+                        done.add(w.rank)
+                        if w.pidfd is not None:
+                            selector.unregister(w.pidfd)
+                    elif rc is not None and rc != 0:
+                        failed.append(w)
+                    elif rc is None and w.error_file.exists():
+                        failed.append(w)  # raised: report now, not after interpreter teardown
+                if failed:
+                    return Outcome("fault", self._publish_fault(attempt, self._exit_fault(failed)))
+                hung = self._find_hang()
+                if hung is not None:
+                    return Outcome("fault", self._publish_fault(attempt, hung))
+                if multi:
+                    remote = self._get(f"a/{attempt}/fault")
+                    if remote:
+                        return Outcome("fault", remote)
+                    if self.cfg.is_leader:
+                        lost = self._check_nodes(attempt, plan)
+                        if lost:
+                            return Outcome("fault", self._publish_fault(attempt, lost))
+                if len(done) == len(self.workers):
+                    self.events.emit("workers_done", attempt=attempt)
+                    return Outcome("done")
+        finally:
+            selector.close()
+
+    def _exit_fault(self, failed: list[WorkerProcess]) -> dict[str, Any]:
+        """Describe the most likely culprit among workers that exited non-zero together."""
+        def blame(w: WorkerProcess) -> int:
+            if w.proc.returncode is not None and w.proc.returncode < 0:
+                return 0  # killed by a signal: the root cause, its peers only saw it
+            error = read_error(w.error_file) or {}
+            peer_error = any(s in error.get("traceback", "") for s in ("gloo", "Connection", "DistNetwork"))
+            return 2 if peer_error or not error else 1
+        w = min(failed, key=blame)
+        code = w.proc.returncode
+        kind, detail = describe_exit(code) if code is not None else ("exception", "raised")
+        fault: dict[str, Any] = {"kind": kind, "rank": w.rank, "node": self.cfg.node_rank,
+                                 "pid": w.pid, "exit_code": code, "detail": detail}
+        error = read_error(w.error_file)
+        if error:
+            fault.update(kind="exception", detail=f"{error['type']}: {error['message']}",
+                         traceback=error["traceback"][-4000:])
+        beat = w.heartbeat.read()
+        if beat is not None:
+            fault["step"] = beat.step
+        return fault
+
+    def _find_hang(self) -> dict[str, Any] | None:
+        now = time.monotonic()
+        overdue = []
+        for w in self.workers:
+            if w.proc.returncode is not None:
+                continue
+            beat = w.heartbeat.read()
+            if beat is None:
+                continue
+            w.hang.observe(beat)
+            timeout = w.hang.overdue(now)
+            if timeout is not None:
+                overdue.append((w, timeout))
+        if not overdue:
+            return None
+        # A stopped process is the culprit; otherwise the one silent the longest.
+        w, timeout = min(overdue, key=lambda p: (not _is_stopped(p[0].pid), p[0].hang.last_beat.monotonic))
+        beat = w.hang.last_beat
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait()
+        return {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
+                "step": beat.step, "silent_for": round(now - beat.monotonic, 3),
+                "hang_started": round(time.time() - (now - beat.monotonic), 6),
+                "timeout": round(timeout, 3),
+                "detail": f"no heartbeat for {now - beat.monotonic:.1f}s (timeout {timeout:.1f}s); killed"}
+
+    def _report_failure(self, fault: dict[str, Any] | None) -> None:
+        fault = fault or {}
+        where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node')}"
+        self.say(f"giving up after {self.cfg.max_restarts} restart(s): last fault was {where} "
+                 f"{fault.get('kind')}: {fault.get('detail')}")
+        if fault.get("traceback"):
+            print(fault["traceback"].rstrip(), file=self.out, flush=True)
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")

@@ -1,0 +1,34 @@
+"""The launcher's typed configuration, filled from `unbroken run`'s flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class LaunchConfig:
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    run_id: str = "default"
+    run_dir: Path = Path("unbroken_runs/default")
+    module: bool = False
+    no_python: bool = False
+    redirect: bool = False
+    faults: str = ""  # fault spec string handed to workers (see unbroken.faults)
+    hang_timeout: float | None = None  # None: calibrated from observed step times
+    startup_timeout: float = 600.0  # first heartbeat to first step
+    node_timeout: float = 10.0  # an agent silent this long is a lost node
+    rdzv_timeout: float = 300.0  # all nodes must join an attempt within this
+    kill_grace: float = 3.0  # SIGTERM to SIGKILL when stopping workers
+    monitor_interval: float = 0.05
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0

@@ -1,0 +1,112 @@
+"""Starting, watching and stopping one node's worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unbroken.launch.hang_detector import HangDetector
+from unbroken.runtime.heartbeat import HeartbeatReader
+
+
+@dataclass
+class WorkerProcess:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    heartbeat: HeartbeatReader
+    hang: HangDetector
+    error_file: Path
+    log_file: Path | None
+    started: float = field(default_factory=time.monotonic)
+    pidfd: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.heartbeat.close()
+
+
+def worker_command(script: str, args: list[str], module: bool, no_python: bool) -> list[str]:
+    if no_python:
+        return [script, *args]
+    boot = [sys.executable, "-u", "-m", "unbroken.runtime.bootstrap"]
+    return [*boot, "-m", script, *args] if module else [*boot, script, *args]
+
+
+def spawn(cmd: list[str], env: dict[str, str], log_file: Path | None) -> subprocess.Popen:
+    """Start a worker in its own session, so that stopping it also stops its children."""
+    out = open(log_file, "ab") if log_file else None  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    finally:
+        if out:
+            out.close()
+
+
+def open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_workers(workers: list[WorkerProcess], grace: float) -> None:
+    """SIGTERM, then SIGKILL whatever is left after `grace` seconds; reaps every process."""
+    alive = [w for w in workers if w.proc.poll() is None]
+    for w in alive:
+        _signal_group(w.proc, signal.SIGTERM)
+        _signal_group(w.proc, signal.SIGCONT)  # a stopped process only dies once continued
+    deadline = time.monotonic() + grace
+    for w in alive:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for w in workers:
+        # The whole group, also when the leader exited: its children may still run.
+        _signal_group(w.proc, signal.SIGKILL)
+        w.proc.wait()
+
+
+def describe_exit(returncode: int) -> tuple[str, str]:
+    """(fault kind, human detail) for a worker's non-zero exit."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return "crash", f"killed by {name}"
+    return "exit", f"exited with code {returncode}"
+
+
+def read_error(path: Path) -> dict | None:
+    """The traceback record the bootstrap wrote, or None."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

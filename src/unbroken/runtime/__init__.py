@@ -1,0 +1,1 @@
+"""Inside the worker: the step loop, heartbeat, checkpoint hooks and fault injection."""

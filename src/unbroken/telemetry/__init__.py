@@ -1,0 +1,1 @@
+"""Events, and what is read back from them."""

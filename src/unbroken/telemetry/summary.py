@@ -1,0 +1,93 @@
+"""What a run's event log says: steps, faults, the time each fault cost, the loss.
+
+For each fault, `downtime` runs from the moment the fault happened (a hang: its last
+heartbeat; otherwise: its detection) to the first step completed after recovery, and
+`redone` counts the steps that were computed before the fault and had to run again.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from unbroken.errors import UserError
+from unbroken.telemetry.events import EVENTS_FILE, read_events
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.is_file():
+        raise UserError(f"no event log at {path}; pass the run directory `unbroken run` printed")
+    events = read_events(path)
+    steps = [e for e in events if e["event"] == "step"]
+    starts = [e["t"] for e in events if e["event"] == "agent_start"]
+    exits = [e for e in events if e["event"] == "agent_exit"]
+    wall = (max(e["t"] for e in exits) - min(starts)) if starts and exits else None
+
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    last_attempt: dict[int, int] = {}
+    for e in steps:
+        last_attempt[e["step"]] = max(last_attempt.get(e["step"], -1), e["attempt"])
+    for e in steps:  # the run's history is the last attempt that computed each step
+        if e["attempt"] == last_attempt[e["step"]]:
+            by_step.setdefault(e["step"], []).append(e)
+
+    def mean_loss(step: int) -> float | None:
+        losses = [e["loss"] for e in by_step.get(step, []) if "loss" in e]
+        return round(statistics.fmean(losses), 4) if losses else None
+
+    durations = [statistics.fmean(e["duration"] for e in es) for es in by_step.values()]
+    faults = []
+    for f in (e for e in events if e["event"] == "fault"):
+        attempt = f.get("attempt", 0)
+        injected = next((e["t"] for e in events if e["event"] == "fault_injected"
+                         and e.get("attempt") == attempt and e.get("rank") == f.get("rank")), None)
+        began = injected or f.get("hang_started") or f["t"]
+        resumed = next((e for e in steps if e["attempt"] > attempt and e["t"] > f["t"]), None)
+        reached = max((e["step"] for e in steps if e["attempt"] == attempt), default=-1) + 1
+        restart_from = next((e["step"] for e in events if e["event"] == "resume"
+                             and e.get("attempt") == attempt + 1), None)
+        faults.append({
+            "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"), "attempt": attempt,
+            "step": f.get("step"), "detail": f.get("detail"),
+            "detection": round(f["t"] - began, 3),
+            "downtime": round(resumed["t"] - began, 3) if resumed else None,
+            "redone": max(0, reached - restart_from) if restart_from is not None else None,
+        })
+    committed = max(by_step, default=-1) + 1
+    return {
+        "run_dir": str(run_dir),
+        "steps": committed,
+        "steps_computed": len({(e["attempt"], e["step"]) for e in steps}),
+        "attempts": 1 + max((e.get("attempt", 0) for e in events), default=0),
+        "wall": round(wall, 3) if wall is not None else None,
+        "step_time": round(statistics.median(durations), 4) if durations else None,
+        "useful": round(sum(durations), 3),
+        "first_loss": mean_loss(min(by_step)) if by_step else None,
+        "final_loss": mean_loss(max(by_step)) if by_step else None,
+        "faults": faults,
+        "exit_code": exits[-1]["code"] if exits else None,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"run {s['run_dir']}"]
+    wall = f"{s['wall']:.1f}s" if s["wall"] is not None else "unfinished"
+    lines.append(f"  steps done      {s['steps']} ({s['steps_computed']} computed, "
+                 f"{s['attempts']} attempt(s)), wall time {wall}")
+    if s["step_time"] is not None:
+        goodput = f", goodput {100 * s['useful'] / s['wall']:.0f}%" if s["wall"] else ""
+        lines.append(f"  step time       {1000 * s['step_time']:.0f} ms median, useful {s['useful']:.1f}s{goodput}")
+    if s["first_loss"] is not None:
+        lines.append(f"  loss            {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+    lines.append(f"  faults          {len(s['faults'])}")
+    for i, f in enumerate(s["faults"], 1):
+        who = f"rank {f['rank']}" if f["rank"] is not None else f"node {f['node']}"
+        down = f"{f['downtime']:.2f}s" if f["downtime"] is not None else "not recovered"
+        redone = f", {f['redone']} step(s) redone" if f["redone"] is not None else ""
+        lines.append(f"   {i}. {f['kind']:<9} {who} at step {f['step']}: detected in "
+                     f"{f['detection']:.2f}s, {down} to the next step{redone}")
+    if s["exit_code"] is not None:
+        lines.append(f"  exit code       {s['exit_code']}")
+    return "\n".join(lines)
