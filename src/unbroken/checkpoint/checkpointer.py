@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from unbroken.checkpoint.safe_reader import (
 from unbroken.errors import CheckpointMismatch
 
 _COMMITTED = re.compile(r"^step_(\d{9})$")
+# DCP warns on every single-process save/load; a single process is a supported use here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:

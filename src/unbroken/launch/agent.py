@@ -24,6 +24,7 @@ from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.control_store import ControlStore, connect_store, serve_store
 from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.worker_process import (
     WorkerProcess,
     describe_exit,
@@ -69,10 +70,12 @@ class Agent:
             Path(cfg.run_dir) / EVENTS_FILE, source="agent", node=cfg.node_rank
         )
         self.workers: list[WorkerProcess] = []
+        self._guard: OrphanGuard | None = None
         self._signal: int | None = None
         self._servers: list[Any] = []  # keeps per-attempt worker stores alive
         self._hb_stop = threading.Event()
         self._node_seen: dict[int, tuple[int, float]] = {}
+        self._lost: set[int] = set()  # followers lost in the current attempt
         self.ctl: ControlStore | None = None
         self.control_port = cfg.master_port
 
@@ -87,6 +90,7 @@ class Agent:
         )
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         try:
+            self._guard = OrphanGuard()
             self._connect()
             code = self._lead() if cfg.is_leader else self._follow()
         except _Interrupted as exc:
@@ -100,6 +104,8 @@ class Agent:
             raise
         finally:
             self._stop_workers("agent exit")
+            if self._guard is not None:
+                self._guard.close()
             self._hb_stop.set()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -210,10 +216,15 @@ class Agent:
     def _wait_joined(self, attempt: int) -> dict[int, dict[str, Any]]:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.rdzv_timeout
+        told = False
         while True:
             nodes = {k: self._get(f"a/{attempt}/node/{k}") for k in range(cfg.nnodes)}
             if all(nodes.values()):
                 return nodes
+            if not told and time.monotonic() > deadline - cfg.rdzv_timeout + 3:
+                missing = [k for k, v in nodes.items() if not v]
+                self.say(f"waiting up to {cfg.rdzv_timeout:g}s for node(s) {missing} to join")
+                told = True
             if time.monotonic() > deadline:
                 missing = [k for k, v in nodes.items() if not v]
                 raise ControlPlaneError(
@@ -231,6 +242,7 @@ class Agent:
                               "instance": nodes[k]["instance"]}
             offset += nodes[k]["nproc"]
         self._node_seen.clear()
+        self._lost.clear()
         return {"attempt": attempt, "world_size": offset, "nodes": layout,
                 "worker_port": sock.getsockname()[1]}
 
@@ -239,15 +251,18 @@ class Agent:
         now = time.monotonic()
         for key, node in plan["nodes"].items():
             k = int(key)
-            if k == self.cfg.node_rank:
+            if k == self.cfg.node_rank or k in self._lost:
                 continue
             count = self._store(self.ctl.add, f"hb/{k}/{node['instance']}", 0)
             last = self._node_seen.get(k)
             if last is None or last[0] != count:
                 self._node_seen[k] = (count, now)
             elif now - last[1] > self.cfg.node_timeout:
-                return {"kind": "node_lost", "node": k, "rank": None,
-                        "detail": f"agent of node {k} silent for {now - last[1]:.1f}s"}
+                self._lost.add(k)
+                detail = f"agent of node {k} silent for {now - last[1]:.1f}s"
+                self.events.emit("node_lost", attempt=attempt, lost_node=k, detail=detail)
+                self.say(f"node {k} lost: {detail}")
+                return {"kind": "node_lost", "node": k, "rank": None, "detail": detail}
         return None
 
     def _leader_wait_all_done(self, attempt: int, plan: dict[str, Any]) -> Outcome:
@@ -268,9 +283,8 @@ class Agent:
         pending = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank}
         while pending and time.monotonic() < deadline:
             pending = {k for k in pending if not self._get(f"a/{attempt}/stopped/{k}")}
-            fault = self._get(f"a/{attempt}/fault") or {}
-            if fault.get("kind") == "node_lost":
-                pending.discard(fault.get("node"))
+            self._check_nodes(attempt, plan)
+            pending -= self._lost
             if pending:
                 self._sleep()
 
@@ -396,6 +410,7 @@ class Agent:
             return
         stop_workers(self.workers, self.cfg.kill_grace)
         for w in self.workers:
+            self._guard.forget(w.pid)
             w.close()
         self.workers = []
 
@@ -411,6 +426,7 @@ class Agent:
             env = self._worker_env(attempt, plan, rank, local_rank, node["nproc"], base)
             log = base.with_suffix(".log") if cfg.redirect else None
             proc = spawn(cmd, env, log)
+            self._guard.watch(proc.pid)  # its process group: the worker and its children
             worker = WorkerProcess(
                 rank=rank, local_rank=local_rank, proc=proc,
                 heartbeat=HeartbeatReader(base.with_suffix(".hb")),

@@ -1,0 +1,132 @@
+"""Helpers for tests that launch real agents and workers.
+
+Every launch runs under a timeout, and every test checks afterwards that no process of
+its run is still alive (an agent, a worker, or a worker's child).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from unbroken.telemetry.events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# A GPT small enough that 2 cores run a few workers at tens of steps per second.
+TINY = ["--batch", "4", "--seq", "32", "--dim", "32", "--layers", "1", "--print-every", "1000"]
+
+
+@dataclass
+class Launched:
+    code: int
+    output: str
+    run_dir: Path
+
+    def events(self, name: str | None = None) -> list[dict]:
+        evs = read_events(self.run_dir / "events.jsonl")
+        return [e for e in evs if name is None or e["event"] == name]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unbroken_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "unbroken", *args]
+
+
+def start(run_dir: Path, *flags: str, script: Path | str = EXAMPLE, args: list[str] | None = None,
+          port: int | None = None) -> subprocess.Popen:
+    """Start `unbroken run` in the background; output goes to run_dir/../agent-N.out."""
+    port_flags = ["--master-port", str(port)] if port is not None else ["--standalone"]
+    cmd = unbroken_cmd("run", "--run-dir", str(run_dir), *port_flags, *flags, str(script), *(args or []))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    out = open(run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out", "w+b")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    proc.output_file = out  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> Launched:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"unbroken run did not finish within {timeout}s") from None
+    out = proc.output_file  # type: ignore[attr-defined]
+    out.seek(0)
+    text = out.read().decode(errors="replace")
+    out.close()
+    return Launched(proc.returncode, text, run_dir)
+
+
+def launch(run_dir: Path, *flags: str, timeout: float = 240, **kw) -> Launched:
+    return finish(start(run_dir, *flags, **kw), run_dir, timeout)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def events_of(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs whose command line or environment mentions marker (our agents and workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            blob = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in blob:
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(tmp_path):
+    yield
+    marker = str(tmp_path)
+    try:
+        wait_for(lambda: not [p for p in processes_mentioning(marker) if alive(p)], 10,
+                 "the test's processes to exit")
+    except AssertionError:
+        leaked = [p for p in processes_mentioning(marker) if alive(p)]
+        for pid in leaked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise AssertionError(f"processes outlived the test: {leaked}") from None

@@ -1,0 +1,133 @@
+"""The agent's life: torchrun compatibility, clean stops, bad input, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from conftest import (
+    EXAMPLE,
+    REPO,
+    SCRIPTS,
+    TINY,
+    alive,
+    events_of,
+    finish,
+    launch,
+    start,
+    unbroken_cmd,
+    wait_for,
+)
+
+
+def test_plain_torchrun_script_runs_unmodified(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", script=SCRIPTS / "plain_torchrun.py",
+                    args=[str(out_dir), "--flag-for-the-script"])
+    assert result.code == 0, result.output
+    records = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(3)]
+    for rank, rec in enumerate(records):
+        assert rec["RANK"] == str(rank) and rec["LOCAL_RANK"] == str(rank)
+        assert rec["WORLD_SIZE"] == "3" and rec["LOCAL_WORLD_SIZE"] == "3"
+        assert rec["GROUP_RANK"] == "0" and rec["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert rec["MASTER_ADDR"] == "127.0.0.1"
+        assert rec["sum"] == 6.0  # 1 + 2 + 3: a real all-reduce over the group
+        assert rec["argv"] == [str(out_dir), "--flag-for-the-script"]
+
+
+def test_script_failing_at_import_stops_after_the_budget(tmp_path):
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                    script=SCRIPTS / "broken_import.py", timeout=180)
+    assert result.code == 1
+    assert "giving up after 2 restart(s)" in result.output
+    assert "ModuleNotFoundError: No module named 'this_module_does_not_exist'" in result.output
+    assert len(result.events("fault")) == 3
+
+
+def test_killing_the_agent_leaves_no_worker_or_child_alive(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--redirect", script=SCRIPTS / "sleeper.py")
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
+    workers = list(started[0]["pids"].values())
+    logs = sorted(run_dir.glob("node_0/attempt_0/rank_*.log"))
+    children = wait_for(
+        lambda: [int(t.split()[1]) for log in logs for t in log.read_text().splitlines()
+                 if t.startswith("child ")] if len(logs) == 2 else None,
+        60, "workers to spawn children")
+    children = wait_for(lambda: children if len(children) == 2 else None, 1, "two children")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in workers + children:
+        wait_for(lambda pid=pid: not alive(pid), 10, f"process {pid} to die with its agent")
+
+
+def test_sigterm_stops_workers_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", args=["--steps", "100000", *TINY])
+    wait_for(lambda: events_of(run_dir, "step"), 90, "training to start")
+    workers = events_of(run_dir, "workers_started")[0]["pids"].values()
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, run_dir, timeout=30)
+    assert result.code == 143, result.output
+    assert all(not alive(pid) for pid in workers)
+    assert result.events("agent_exit")[-1]["code"] == 143
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(unbroken_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def _one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert res.returncode == code, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr  # one clear line, no traceback
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_gets_one_clear_line(tmp_path):
+    _one_line_error(_cli("run", "--no-such-flag", str(EXAMPLE)), 2, "--no-such-flag")
+    _one_line_error(_cli("run", str(tmp_path / "missing.py")), 2, "script not found", "missing.py")
+    _one_line_error(_cli("run", "--nproc-per-node", "0", str(EXAMPLE)), 2, "at least 1")
+    _one_line_error(_cli("run", "--nnodes", "2", "--node-rank", "2", str(EXAMPLE)), 2, "--node-rank")
+    _one_line_error(_cli("run", "--fault", "explode:rank=0,step=1", str(EXAMPLE)), 2, "explode")
+    _one_line_error(_cli("run", "--nnodes", "1:4", str(EXAMPLE)), 2, "elastic")
+    _one_line_error(_cli("report", str(tmp_path)), 2, "no event log")
+
+
+def test_port_in_use_is_reported(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = _cli("run", "--run-dir", str(tmp_path / "run"), "--master-port", str(port),
+                   str(EXAMPLE), *TINY)
+    assert res.returncode == 3, res
+    assert f"port {port} on 127.0.0.1 is already in use" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_module_mode(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
+    res = subprocess.run(
+        unbroken_cmd("run", "--standalone", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2",
+                     "-m", "plain_torchrun", str(out_dir)),
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out_dir / "rank1.json").read_text())["sum"] == 3.0
+
+
+def test_runs_without_a_launcher(tmp_path):
+    """The example (and the worker API) also runs as a plain single process."""
+    res = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "5", *TINY,
+                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "ckpt" / "step_000000005" / "manifest.json").is_file()

@@ -1,0 +1,75 @@
+"""Two agents on loopback acting as two nodes of one job."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from conftest import TINY, alive, events_of, finish, free_port, start, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+
+def _node(tmp_path, port, node_rank, *extra, steps=40, run_dir=None):
+    return start(run_dir or tmp_path / "run", "--nnodes", "2", "--node-rank", str(node_rank),
+                 "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "2",
+                 "--node-timeout", "2", "--rdzv-timeout", "60", *extra, port=port,
+                 args=["--steps", str(steps), *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--checkpoint-every", "5"])
+
+
+def test_two_nodes_complete_and_survive_a_worker_kill_on_node_1(tmp_path):
+    port = free_port()
+    fault = ["--fault", "crash:rank=3,step=11"]
+    leader = _node(tmp_path, port, 0, *fault)
+    follower = _node(tmp_path, port, 1, *fault)
+    run_dir = tmp_path / "run"
+    r1, r0 = finish(follower, run_dir), finish(leader, run_dir)
+    assert r0.code == 0, r0.output
+    assert r1.code == 0, r1.output
+    faults = r0.events("fault")
+    assert [(f["kind"], f["rank"], f["node"]) for f in faults] == [("crash", 3, 1)]
+    started = r0.events("workers_started")
+    # Both nodes ran both attempts; ranks 0-1 on node 0 and 2-3 on node 1.
+    assert sorted((e["node"], e["attempt"]) for e in started) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {tuple(sorted(e["pids"])) for e in started if e["node"] == 1} == {("2", "3")}
+    s = summarize(run_dir)
+    assert s["steps"] == 40 and s["final_loss"] < s["first_loss"] - 0.5
+
+
+def test_lost_node_is_detected_and_a_restarted_agent_rejoins(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    leader = _node(tmp_path, port, 0, steps=400)
+    follower = _node(tmp_path, port, 1, steps=400)
+    wait_for(lambda: any(e.get("step", 0) >= 5 for e in events_of(run_dir, "step")), 120,
+             "training to reach step 5")
+    node1_workers = [e for e in events_of(run_dir, "workers_started") if e["node"] == 1][0]["pids"]
+    os.kill(follower.pid, signal.SIGKILL)  # the whole node 1 agent dies, as with a lost machine
+    follower.wait()
+    # Node 0's workers see gloo errors at once, and the leader names the lost node.
+    lost = wait_for(lambda: events_of(run_dir, "node_lost"), 30, "the leader to declare node 1 lost")
+    assert lost[0]["lost_node"] == 1 and lost[0]["node"] == 0
+    for pid in node1_workers.values():
+        wait_for(lambda pid=pid: not alive(pid), 10, "node 1's workers to die with their agent")
+    replacement = _node(tmp_path, port, 1, steps=400)  # e.g. Kubernetes restarting the pod
+    r0, r1 = finish(leader, run_dir, timeout=300), finish(replacement, run_dir, timeout=60)
+    assert r0.code == 0, r0.output
+    assert r1.code == 0, r1.output
+    assert summarize(run_dir)["steps"] == 400
+
+
+def test_followers_stop_when_the_leader_dies(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    leader = _node(tmp_path, port, 0, steps=100000)
+    follower = _node(tmp_path, port, 1, steps=100000)
+    wait_for(lambda: events_of(run_dir, "step"), 120, "training to start")
+    workers = [p for e in events_of(run_dir, "workers_started") for p in e["pids"].values()]
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    r1 = finish(follower, run_dir, timeout=60)
+    assert r1.code == 3, r1.output
+    assert "lost the control store" in r1.output
+    for pid in workers:
+        wait_for(lambda pid=pid: not alive(pid), 10, f"worker {pid} to stop")

@@ -1,0 +1,91 @@
+"""A SIGKILL, a SIGSTOP hang and an exception in one worker each restart the job, which
+then completes with its loss going down. Real processes, real signals, real gloo groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from conftest import TINY, finish, launch, start, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+STEPS = 40
+ARGS = ["--steps", str(STEPS), *TINY]
+
+
+def _run_with_fault(tmp_path, fault: str, workers: int = 2):
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, "--nproc-per-node", str(workers), "--max-restarts", "2",
+                    "--fault", fault, args=[*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                            "--checkpoint-every", "5"])
+    assert result.code == 0, result.output
+    return result
+
+
+def _assert_recovered(result, kind: str, rank: int, step: int) -> dict:
+    faults = result.events("fault")
+    assert [(f["kind"], f["rank"]) for f in faults] == [(kind, rank)]
+    assert faults[0]["step"] == step
+    assert [e["attempt"] for e in result.events("restart")] == [1]
+    summary = summarize(result.run_dir)
+    assert summary["steps"] == STEPS
+    assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
+    # The second attempt resumed from the last checkpoint before the fault, not from zero.
+    resumed = [e for e in result.events("resume") if e["attempt"] == 1]
+    assert resumed and all(e["step"] == (step // 5) * 5 for e in resumed), resumed
+    return faults[0]
+
+
+def test_sigkill_restarts_and_completes(tmp_path):
+    result = _run_with_fault(tmp_path, "crash:rank=1,step=13")
+    fault = _assert_recovered(result, "crash", 1, 13)
+    assert fault["exit_code"] == -signal.SIGKILL
+
+
+def test_sigstop_hang_is_detected_killed_and_restarted(tmp_path):
+    result = _run_with_fault(tmp_path, "hang:rank=0,step=12")
+    fault = _assert_recovered(result, "hang", 0, 12)
+    # Calibrated from ~tens-of-ms steps, so the 5 s floor applies: detected in seconds, not minutes.
+    assert 4.5 <= fault["silent_for"] < 15, fault
+
+
+def test_exception_traceback_is_recorded(tmp_path):
+    result = _run_with_fault(tmp_path, "exception:rank=1,step=17")
+    fault = _assert_recovered(result, "exception", 1, 17)
+    assert "InjectedFault" in fault["detail"]
+    assert "Traceback (most recent call last)" in fault["traceback"]
+    assert "train.py" in fault["traceback"]
+
+
+def test_external_sigkill_of_a_worker(tmp_path):
+    """A kill from outside the worker, at whatever step it happens to be in."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                 args=["--steps", "60", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--checkpoint-every", "5"])
+    from conftest import events_of
+
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
+    victim = started[0]["pids"]["1"]
+    wait_for(lambda: any(e.get("step", 0) >= 8 for e in events_of(run_dir, "step")), 90,
+             "training to reach step 8")
+    os.kill(victim, signal.SIGKILL)
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    faults = result.events("fault")
+    assert len(faults) == 1 and faults[0]["rank"] == 1 and faults[0]["pid"] == victim
+    assert faults[0]["detail"] == "killed by SIGKILL"
+    assert summarize(run_dir)["steps"] == 60
+
+
+def test_restart_budget_is_respected(tmp_path):
+    """Two faults with --max-restarts 1: the job stops with exit 1 and says why."""
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                    "--fault", "exception:rank=0,step=3", "--fault", "exception:rank=1,step=6",
+                    args=["--steps", "20", *TINY])
+    assert result.code == 1
+    assert "giving up after 1 restart(s)" in result.output
+    assert "InjectedFault" in result.output
+    assert len(result.events("fault")) == 2

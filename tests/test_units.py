@@ -1,0 +1,76 @@
+"""Pure logic: the fault language, hang-timeout calibration, the heartbeat page."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.errors import UserError
+from unbroken.faults import FaultSpec, parse_faults
+from unbroken.launch.hang_detector import HangDetector
+from unbroken.runtime.heartbeat import (
+    PHASE_CHECKPOINT,
+    PHASE_STARTING,
+    PHASE_TRAINING,
+    Beat,
+    HeartbeatReader,
+    HeartbeatWriter,
+)
+
+
+def test_fault_language_roundtrips():
+    faults = parse_faults("crash:rank=1,step=30; hang:rank=2,step=60 ;slow:rank=0,step=5,seconds=2.5")
+    assert faults == [FaultSpec("crash", 1, 30), FaultSpec("hang", 2, 60), FaultSpec("slow", 0, 5, 2.5)]
+    assert parse_faults(";".join(map(str, faults))) == faults
+    assert parse_faults("") == [] and parse_faults(None) == []
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("boom:rank=1,step=2", "unknown fault kind"),
+    ("crash:rank=1", "needs rank= and step="),
+    ("crash:rank=x,step=1", "non-numeric"),
+    ("crash:rank=1,step=1,when=now", "unknown fault field"),
+    ("crash:rank=-1,step=1", ">= 0"),
+    ("crash:rank1,step=1", "NAME=VALUE"),
+])
+def test_fault_language_rejects_bad_specs(bad, needle):
+    with pytest.raises(UserError, match=needle):
+        parse_faults(bad)
+
+
+def _beat(step, t, phase=PHASE_TRAINING):
+    return Beat(step=step, monotonic=t, phase=phase, pid=1)
+
+
+def test_hang_timeout_is_calibrated_from_step_times():
+    d = HangDetector(startup_timeout=100, floor=5, factor=10)
+    d.observe(_beat(-1, 0.0, PHASE_STARTING))
+    assert d.overdue(99.0) is None and d.overdue(101.0) == 100  # startup timeout
+    d.observe(_beat(0, 101.0))  # the first step began; nothing timed yet
+    assert d.step_timeout() == 100
+    for i in range(1, 6):
+        d.observe(_beat(i, 101.0 + i * 2.0))  # 2 s steps
+    assert d.step_timeout() == pytest.approx(20.0)  # 10 x the slowest step
+    assert d.overdue(111.0 + 19.0) is None and d.overdue(111.0 + 21.0) == pytest.approx(20.0)
+
+
+def test_hang_timeout_has_a_floor_and_respects_checkpoints_and_fixed_values():
+    d = HangDetector(floor=5, factor=10, checkpoint_timeout=300)
+    d.observe(_beat(0, 0.0))
+    d.observe(_beat(1, 0.01))
+    assert d.step_timeout() == 5  # 10 x 10 ms is below the floor
+    d.observe(_beat(1, 0.02, PHASE_CHECKPOINT))
+    assert d.overdue(200.0) is None and d.overdue(301.0) == 300
+    fixed = HangDetector(fixed_timeout=2.5)
+    fixed.observe(_beat(0, 0.0))
+    assert fixed.overdue(3.0) == 2.5
+
+
+def test_heartbeat_page_is_shared_between_writer_and_reader(tmp_path):
+    path = tmp_path / "rank_0.hb"
+    reader = HeartbeatReader(path)
+    assert reader.read() is None  # nothing yet
+    writer = HeartbeatWriter(path)
+    assert reader.read().phase == PHASE_STARTING
+    writer.stamp(41)
+    beat = reader.read()
+    assert beat.step == 41 and beat.phase == PHASE_TRAINING
