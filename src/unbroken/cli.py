@@ -101,6 +101,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds for all nodes to join an attempt")
     p.add_argument("--kill-grace", type=_seconds, default=3.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
+    p.add_argument("--no-warm-restarts", dest="warm_restarts", action="store_false",
+                   help="do not keep torch-imported standbys for restarts (see README)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true",
                    help="run SCRIPT as an executable, not through python")
@@ -179,6 +181,7 @@ def config_from_args(args: argparse.Namespace):
         module=args.module, no_python=args.no_python, redirect=args.redirect, faults=faults,
         hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
+        warm_restarts=args.warm_restarts,
     )
 
 

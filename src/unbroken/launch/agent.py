@@ -25,11 +25,13 @@ from unbroken.launch.config import LaunchConfig
 from unbroken.launch.control_store import ControlStore, connect_store, serve_store
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
+from unbroken.launch.warm_pool import WarmPool
 from unbroken.launch.worker_process import (
     WorkerProcess,
     describe_exit,
     open_pidfd,
     read_error,
+    script_argv,
     spawn,
     stop_workers,
     worker_command,
@@ -71,6 +73,7 @@ class Agent:
         )
         self.workers: list[WorkerProcess] = []
         self._guard: OrphanGuard | None = None
+        self._pool: WarmPool | None = None
         self._signal: int | None = None
         self._servers: list[Any] = []  # keeps per-attempt worker stores alive
         self._hb_stop = threading.Event()
@@ -91,6 +94,8 @@ class Agent:
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         try:
             self._guard = OrphanGuard()
+            if cfg.warm_restarts and not cfg.no_python:
+                self._pool = WarmPool(cfg.nproc_per_node, self._standby_env(), self._guard)
             self._connect()
             code = self._lead() if cfg.is_leader else self._follow()
         except _Interrupted as exc:
@@ -104,6 +109,8 @@ class Agent:
             raise
         finally:
             self._stop_workers("agent exit")
+            if self._pool is not None:
+                self._pool.close()
             if self._guard is not None:
                 self._guard.close()
             self._hb_stop.set()
@@ -425,8 +432,11 @@ class Agent:
             base = attempt_dir / f"rank_{rank}"
             env = self._worker_env(attempt, plan, rank, local_rank, node["nproc"], base)
             log = base.with_suffix(".log") if cfg.redirect else None
-            proc = spawn(cmd, env, log)
-            self._guard.watch(proc.pid)  # its process group: the worker and its children
+            argv = script_argv(cfg.script, cfg.script_args, cfg.module)
+            proc = self._pool.take(env, argv, log) if self._pool is not None else None
+            if proc is None:
+                proc = spawn(cmd, env, log)
+                self._guard.watch(proc.pid)  # its process group: the worker and its children
             worker = WorkerProcess(
                 rank=rank, local_rank=local_rank, proc=proc,
                 heartbeat=HeartbeatReader(base.with_suffix(".hb")),
@@ -435,6 +445,30 @@ class Agent:
             )
             worker.pidfd = open_pidfd(proc.pid)
             self.workers.append(worker)
+
+    def _standby_env(self) -> dict[str, str]:
+        """What a standby imports torch under: the workers' environment without rank or attempt."""
+        env = dict(os.environ)
+        env["UNBROKEN_AGENT_PID"] = str(os.getpid())
+        env["UNBROKEN_RUN_DIR"] = str(Path(self.cfg.run_dir).resolve())
+        env["UNBROKEN_NODE_RANK"] = str(self.cfg.node_rank)
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if self.cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _maybe_fill_pool(self, spawned_at: float) -> None:
+        """Warm the next attempt's workers once this attempt is training, not during its start-up."""
+        pool = self._pool
+        if pool is None or pool.full:
+            return
+        # Only once every worker has timed a step of this attempt: warming up during a
+        # restart's resume would slow the very recovery the pool is there to speed up.
+        training = all(w.hang.timed_steps > 0 for w in self.workers)
+        no_heartbeats = all(w.hang.last_beat is None for w in self.workers)
+        if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
+            if pool.fill():
+                self.events.emit("standbys_started", count=pool.size)
 
     def _worker_env(self, attempt: int, plan: dict[str, Any], rank: int, local_rank: int,
                     local_world: int, base: Path) -> dict[str, str]:
@@ -481,6 +515,7 @@ class Agent:
             if w.pidfd is not None:
                 selector.register(w.pidfd, selectors.EVENT_READ, w)
         done: set[int] = set()
+        peer_errors_since: float | None = None
         multi = len(plan["nodes"]) > 1
         try:
             while True:
@@ -498,7 +533,13 @@ class Agent:
                     elif rc is None and w.error_file.exists():
                         failed.append(w)  # raised: report now, not after interpreter teardown
                 if failed:
-                    return Outcome("fault", self._publish_fault(attempt, self._exit_fault(failed)))
+                    # A peer's death reaches the survivors' sockets before the kernel lets us
+                    # reap the dead process; give the root cause a moment to show itself.
+                    if all(_blame(w) == _PEER_ERROR for w in failed):
+                        peer_errors_since = peer_errors_since or time.monotonic()
+                    if time.monotonic() - (peer_errors_since or 0.0) >= _ROOT_CAUSE_GRACE or any(
+                            _blame(w) != _PEER_ERROR for w in failed):
+                        return Outcome("fault", self._publish_fault(attempt, self._exit_fault(failed)))
                 hung = self._find_hang()
                 if hung is not None:
                     return Outcome("fault", self._publish_fault(attempt, hung))
@@ -513,18 +554,13 @@ class Agent:
                 if len(done) == len(self.workers):
                     self.events.emit("workers_done", attempt=attempt)
                     return Outcome("done")
+                self._maybe_fill_pool(t0)
         finally:
             selector.close()
 
     def _exit_fault(self, failed: list[WorkerProcess]) -> dict[str, Any]:
         """Describe the most likely culprit among workers that exited non-zero together."""
-        def blame(w: WorkerProcess) -> int:
-            if w.proc.returncode is not None and w.proc.returncode < 0:
-                return 0  # killed by a signal: the root cause, its peers only saw it
-            error = read_error(w.error_file) or {}
-            peer_error = any(s in error.get("traceback", "") for s in ("gloo", "Connection", "DistNetwork"))
-            return 2 if peer_error or not error else 1
-        w = min(failed, key=blame)
+        w = min(failed, key=_blame)
         code = w.proc.returncode
         kind, detail = describe_exit(code) if code is not None else ("exception", "raised")
         fault: dict[str, Any] = {"kind": kind, "rank": w.rank, "node": self.cfg.node_rank,
@@ -571,6 +607,22 @@ class Agent:
                  f"{fault.get('kind')}: {fault.get('detail')}")
         if fault.get("traceback"):
             print(fault["traceback"].rstrip(), file=self.out, flush=True)
+
+
+_ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
+_PEER_ERROR = 2
+_PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "DistNetworkError", "NCCL")
+
+
+def _blame(w: WorkerProcess) -> int:
+    """0: killed by a signal (a root cause); 1: its own error; 2: an error caused by a peer."""
+    if w.proc.returncode is not None and w.proc.returncode < 0:
+        return 0
+    error = read_error(w.error_file)
+    if error is None:
+        return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
+    tb = error.get("traceback", "")
+    return _PEER_ERROR if any(m in tb for m in _PEER_ERROR_MARKERS) else 1
 
 
 def _is_stopped(pid: int) -> bool:

@@ -28,6 +28,7 @@ class LaunchConfig:
     rdzv_timeout: float = 300.0  # all nodes must join an attempt within this
     kill_grace: float = 3.0  # SIGTERM to SIGKILL when stopping workers
     monitor_interval: float = 0.05
+    warm_restarts: bool = True  # keep torch-imported standbys ready for the next attempt
 
     @property
     def is_leader(self) -> bool:

@@ -64,5 +64,10 @@ class HangDetector:
         return timeout if now - beat.monotonic > timeout else None
 
     @property
+    def timed_steps(self) -> int:
+        """How many step intervals were observed (0 until the worker completes a step)."""
+        return len(self._intervals)
+
+    @property
     def last_beat(self) -> Beat | None:
         return self._last

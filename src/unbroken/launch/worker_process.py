@@ -38,11 +38,18 @@ class WorkerProcess:
         self.heartbeat.close()
 
 
+BOOTSTRAP = [sys.executable, "-u", "-m", "unbroken.runtime.bootstrap"]
+
+
+def script_argv(script: str, args: list[str], module: bool) -> list[str]:
+    """What the bootstrap is told to run: `SCRIPT ARGS` or `-m MODULE ARGS`."""
+    return ["-m", script, *args] if module else [script, *args]
+
+
 def worker_command(script: str, args: list[str], module: bool, no_python: bool) -> list[str]:
     if no_python:
         return [script, *args]
-    boot = [sys.executable, "-u", "-m", "unbroken.runtime.bootstrap"]
-    return [*boot, "-m", script, *args] if module else [*boot, script, *args]
+    return [*BOOTSTRAP, *script_argv(script, args, module)]
 
 
 def spawn(cmd: list[str], env: dict[str, str], log_file: Path | None) -> subprocess.Popen:

@@ -3,6 +3,10 @@
 It ties the worker's life to its agent's (so killing an agent leaves no worker behind),
 runs the user's script exactly as `python SCRIPT ARGS` would, and records an uncaught
 exception's traceback where the agent reads it.
+
+With `--standby` it is a warm standby for a restart: it imports torch (the bulk of a
+worker's start-up) ahead of time, then waits on stdin for its assignment (environment,
+arguments, log file) and becomes that worker.
 """
 
 from __future__ import annotations
@@ -47,9 +51,57 @@ def _write_error(exc: BaseException) -> None:
     os.replace(tmp, path)
 
 
+def _await_assignment() -> list[str] | None:
+    """Warm up, then block until the agent assigns a rank; None if it never does."""
+    import time
+
+    t0 = time.monotonic()
+    # Warm up at low priority so training keeps the CPU; only where we may restore it
+    # afterwards (lowering a nice value needs root or CAP_SYS_NICE).
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    niced = os.geteuid() == 0
+    if niced:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, priority + 10))
+    import torch  # noqa: F401  - the point of a standby: pay for these imports in advance
+    import torch._dynamo  # noqa: F401  - imported by the first optimizer built: ~1 s
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    import unbroken.runtime.session  # noqa: F401
+    from unbroken.telemetry.events import EVENTS_FILE, EventLog
+
+    run_dir = os.environ.get("UNBROKEN_RUN_DIR")
+    log = EventLog(os.path.join(run_dir, EVENTS_FILE) if run_dir else None, source="standby",
+                   node=int(os.environ.get("UNBROKEN_NODE_RANK", 0)))
+    log.emit("standby_ready", pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
+    log.close()
+    line = sys.stdin.readline()
+    if not line:
+        return None  # the agent closed the pool
+    assignment = json.loads(line)
+    if niced:
+        os.setpriority(os.PRIO_PROCESS, 0, priority)
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if assignment.get("log"):
+        fd = os.open(assignment["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    return assignment["argv"]
+
+
 def main() -> None:
     _die_with_agent()
     args = sys.argv[1:]
+    if args[:1] == ["--standby"]:
+        assigned = _await_assignment()
+        if assigned is None:
+            return
+        args = assigned
     as_module = bool(args) and args[0] == "-m"
     if as_module:
         args = args[1:]
