@@ -54,12 +54,13 @@ def test_killing_the_agent_leaves_no_worker_or_child_alive(tmp_path):
     proc = start(run_dir, "--nproc-per-node", "2", "--redirect", script=SCRIPTS / "sleeper.py")
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
     workers = list(started[0]["pids"].values())
-    logs = sorted(run_dir.glob("node_0/attempt_0/rank_*.log"))
-    children = wait_for(
-        lambda: [int(t.split()[1]) for log in logs for t in log.read_text().splitlines()
-                 if t.startswith("child ")] if len(logs) == 2 else None,
-        60, "workers to spawn children")
-    children = wait_for(lambda: children if len(children) == 2 else None, 1, "two children")
+    def children_of_workers():
+        logs = sorted(run_dir.glob("node_0/attempt_0/rank_*.log"))
+        pids = [int(t.split()[1]) for log in logs for t in log.read_text().splitlines()
+                if t.startswith("child ")]
+        return pids if len(pids) == 2 else None
+
+    children = wait_for(children_of_workers, 60, "both workers to spawn a child")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     for pid in workers + children:
@@ -131,3 +132,34 @@ def test_runs_without_a_launcher(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "ckpt" / "step_000000005" / "manifest.json").is_file()
+
+
+def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, "--nproc-per-node", "2", "--fault", "exception:rank=1,step=3",
+                   args=["--steps", "6", *TINY])
+    assert first.code == 1
+    assert (run_dir / "node_0" / "attempt_0" / "rank_1.error.json").exists()
+    second = launch(run_dir, "--nproc-per-node", "2", args=["--steps", "6", *TINY])
+    assert second.code == 0, second.output
+    assert len(second.events("fault")) == 1  # only the first run's
+
+
+def test_warm_standbys_become_the_restarted_workers(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                 args=["--steps", "100000", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--checkpoint-every", "20"])
+    ready = wait_for(lambda: len(events_of(run_dir, "standby_ready")) >= 2 and
+                     events_of(run_dir, "standby_ready"), 120, "two standbys to be warm")
+    standby_pids = {e["pid"] for e in ready}
+    victim = events_of(run_dir, "workers_started")[0]["pids"]["0"]
+    os.kill(victim, signal.SIGKILL)
+    restarted = wait_for(lambda: [e for e in events_of(run_dir, "workers_started") if e["attempt"] == 1],
+                         60, "the restart")[0]
+    assert set(restarted["pids"].values()) == standby_pids
+    resumed = wait_for(lambda: [e for e in events_of(run_dir, "step") if e["attempt"] == 1], 60,
+                       "a step of the restarted job")
+    assert resumed[0]["step"] % 20 == 0  # resumed at a checkpoint boundary
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc, run_dir, timeout=30).code == 143

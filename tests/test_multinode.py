@@ -73,3 +73,16 @@ def test_followers_stop_when_the_leader_dies(tmp_path):
     assert "lost the control store" in r1.output
     for pid in workers:
         wait_for(lambda pid=pid: not alive(pid), 10, f"worker {pid} to stop")
+
+
+def test_interrupting_the_leader_stops_every_node(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    leader = _node(tmp_path, port, 0, steps=100000)
+    follower = _node(tmp_path, port, 1, steps=100000)
+    wait_for(lambda: events_of(run_dir, "step"), 120, "training to start")
+    leader.send_signal(signal.SIGTERM)
+    r0, r1 = finish(leader, run_dir, timeout=60), finish(follower, run_dir, timeout=60)
+    assert r0.code == 143, r0.output
+    assert r1.code == 143, r1.output
+    assert "the node-0 agent was interrupted" in r1.output

@@ -35,7 +35,11 @@ def _positive_int(name: str):
 
 
 def _nproc(text: str) -> int:
-    if text in ("auto", "cpu"):
+    if text == "auto":  # as torchrun: one per GPU if there are GPUs, else one per CPU
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+    if text == "cpu":
         return os.cpu_count() or 1
     if text == "gpu":
         import torch
@@ -214,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
         return int(exc.exit_code)
+    except OSError as exc:  # an unwritable run dir, an unreadable log, a full disk
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"unbroken {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return ExitCode.USAGE
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED_SIGINT
 

@@ -23,6 +23,7 @@ _ALLOWED: dict[str, set[str] | None] = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
 }

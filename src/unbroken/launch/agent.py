@@ -81,6 +81,7 @@ class Agent:
         self._lost: set[int] = set()  # followers lost in the current attempt
         self.ctl: ControlStore | None = None
         self.control_port = cfg.master_port
+        self._plan: dict[str, Any] | None = None  # the leader's current plan
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -106,6 +107,7 @@ class Agent:
         except ControlPlaneError as exc:
             self._stop_workers("control plane lost")
             self.events.emit("agent_error", error=str(exc))
+            self.events.emit("agent_exit", code=int(exc.exit_code))
             raise
         finally:
             self._stop_workers("agent exit")
@@ -134,9 +136,8 @@ class Agent:
     def _connect(self) -> None:
         cfg = self.cfg
         if cfg.is_leader:
-            store, sock = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
-            self._servers.append((store, sock))
-            self.control_port = sock.getsockname()[1]  # the real one when --master-port was 0
+            store, self.control_port = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+            self._servers.append(store)  # control_port is the real one when --master-port was 0
         else:
             store = self._connect_with_retries()
         self.ctl = ControlStore(store, cfg.run_id)
@@ -194,6 +195,7 @@ class Agent:
             self._join(attempt)
             nodes = self._wait_joined(attempt)
             plan = self._make_plan(attempt, nodes)
+            self._plan = plan
             self._set(f"a/{attempt}/plan", plan)
             self.events.emit(
                 "rendezvous", attempt=attempt, world_size=plan["world_size"],
@@ -210,6 +212,7 @@ class Agent:
                 return ExitCode.SUCCESS
             self._end_attempt(attempt, outcome.fault)
             self._wait_stopped(attempt, plan)
+            self._release_worker_store()
             if attempt >= cfg.max_restarts:
                 self._set("result", {"status": "failed", "fault": outcome.fault})
                 self._report_failure(outcome.fault)
@@ -241,8 +244,8 @@ class Agent:
             self._sleep()
 
     def _make_plan(self, attempt: int, nodes: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        store, sock = serve_store(self.cfg.master_addr, 0, self.cfg.rdzv_timeout)
-        self._servers.append((store, sock))
+        store, worker_port = serve_store(self.cfg.master_addr, 0, self.cfg.rdzv_timeout)
+        self._servers.append(store)
         offset, layout = 0, {}
         for k in range(self.cfg.nnodes):
             layout[str(k)] = {"offset": offset, "nproc": nodes[k]["nproc"],
@@ -251,7 +254,11 @@ class Agent:
         self._node_seen.clear()
         self._lost.clear()
         return {"attempt": attempt, "world_size": offset, "nodes": layout,
-                "worker_port": sock.getsockname()[1]}
+                "worker_port": worker_port}
+
+    def _release_worker_store(self) -> None:
+        """Close the ended attempt's worker store (the control store is _servers[0])."""
+        del self._servers[1:]  # the last reference: the store closes its port
 
     def _check_nodes(self, attempt: int, plan: dict[str, Any]) -> dict[str, Any] | None:
         """A node_lost fault for the first follower whose agent stopped heartbeating."""
@@ -321,7 +328,10 @@ class Agent:
                     outcome = self._follower_wait(attempt)
                 self._end_attempt(attempt, outcome.fault)
             except _Finished as fin:
-                self._set(f"ack/{self.cfg.node_rank}", True)
+                try:
+                    self._set(f"ack/{self.cfg.node_rank}", True)
+                except ControlPlaneError:
+                    pass  # the leader has already gone; the result is what counts
                 status = fin.result.get("status")
                 if status == "success":
                     self.say("job finished")
@@ -395,14 +405,16 @@ class Agent:
         try:
             if self.cfg.is_leader:
                 self.ctl.set_json("result", {"status": "interrupted", "signal": signum})
+                if self._plan is not None:
+                    self._wait_acks(self._plan)
             else:
                 current = self.ctl.get_json("current")
                 if current is not None:
-                    self.ctl.first_json(f"a/{current}/fault", {
+                    self._publish_fault(current, {
                         "kind": "agent_stopped", "node": self.cfg.node_rank, "rank": None,
-                        "detail": f"agent received {signal.Signals(signum).name}", "t": time.time(),
+                        "detail": f"agent received {signal.Signals(signum).name}",
                     })
-        except _STORE_ERRORS:
+        except (ControlPlaneError, *_STORE_ERRORS):
             pass  # the leader is gone too; nothing left to tell
 
     def _end_attempt(self, attempt: int, fault: dict[str, Any] | None) -> None:
@@ -426,6 +438,9 @@ class Agent:
         node = plan["nodes"][str(cfg.node_rank)]
         attempt_dir = self.node_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
+            if stale.suffix != ".log":
+                stale.unlink(missing_ok=True)
         cmd = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
         for local_rank in range(node["nproc"]):
             rank = node["offset"] + local_rank
@@ -467,8 +482,9 @@ class Agent:
         training = all(w.hang.timed_steps > 0 for w in self.workers)
         no_heartbeats = all(w.hang.last_beat is None for w in self.workers)
         if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
-            if pool.fill():
-                self.events.emit("standbys_started", count=pool.size)
+            started = pool.fill()
+            if started:
+                self.events.emit("standbys_started", count=started)
 
     def _worker_env(self, attempt: int, plan: dict[str, Any], rank: int, local_rank: int,
                     local_world: int, base: Path) -> dict[str, str]:
@@ -530,6 +546,8 @@ class Agent:
                             selector.unregister(w.pidfd)
                     elif rc is not None and rc != 0:
                         failed.append(w)
+                        if w.pidfd is not None and w.pidfd in selector.get_map():
+                            selector.unregister(w.pidfd)  # or select() spins during the grace
                     elif rc is None and w.error_file.exists():
                         failed.append(w)  # raised: report now, not after interpreter teardown
                 if failed:
@@ -544,6 +562,7 @@ class Agent:
                 if hung is not None:
                     return Outcome("fault", self._publish_fault(attempt, hung))
                 if multi:
+                    self._finished()
                     remote = self._get(f"a/{attempt}/fault")
                     if remote:
                         return Outcome("fault", remote)
@@ -592,8 +611,7 @@ class Agent:
         # A stopped process is the culprit; otherwise the one silent the longest.
         w, timeout = min(overdue, key=lambda p: (not _is_stopped(p[0].pid), p[0].hang.last_beat.monotonic))
         beat = w.hang.last_beat
-        os.kill(w.pid, signal.SIGKILL)
-        w.proc.wait()
+        os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
         return {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
                 "step": beat.step, "silent_for": round(now - beat.monotonic, 3),
                 "hang_started": round(time.time() - (now - beat.monotonic), 6),

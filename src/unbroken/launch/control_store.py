@@ -46,19 +46,20 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_store(host: str, port: int, timeout: float) -> tuple[TCPStore, socket.socket]:
-    """Host a TCPStore on host:port, bound to that address only (loopback by default)."""
+def serve_store(host: str, port: int, timeout: float) -> tuple[TCPStore, int]:
+    """Host a TCPStore on host:port, bound to that address only (loopback by default).
+
+    Returns the store and its port. The store owns the listening socket: dropping the last
+    reference to it closes the port.
+    """
     sock = bind_listener(host, port)
+    bound = sock.getsockname()[1]
     store = TCPStore(
-        host,
-        sock.getsockname()[1],
-        None,
-        True,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
+        host, bound, None, True, timedelta(seconds=timeout),
+        wait_for_workers=False, master_listen_fd=sock.fileno(),
     )
-    return store, sock
+    sock.detach()  # the store closes the fd when it is destroyed; we must not close it too
+    return store, bound
 
 
 def connect_store(host: str, port: int, timeout: float) -> TCPStore:

@@ -27,9 +27,17 @@ class WarmPool:
         self.guard = guard
         self._standbys: list[subprocess.Popen] = []
 
+    def _drop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        self.guard.forget(proc.pid)
+
     def fill(self) -> int:
         """Start standbys up to the pool's size; returns how many were started."""
-        self._standbys = [p for p in self._standbys if p.poll() is None]
+        for dead in [p for p in self._standbys if p.poll() is not None]:
+            self._drop(dead)
+            self._standbys.remove(dead)
         started = 0
         while len(self._standbys) < self.size:
             proc = subprocess.Popen(
@@ -50,29 +58,20 @@ class WarmPool:
         while self._standbys:
             proc = self._standbys.pop(0)
             if proc.poll() is not None:
+                self._drop(proc)
                 continue
             line = json.dumps({"env": env, "argv": argv, "log": str(log) if log else None})
             try:
                 proc.stdin.write(line.encode() + b"\n")
                 proc.stdin.close()
             except (BrokenPipeError, OSError):
-                proc.kill()
-                proc.wait()
+                self._drop(proc)
                 continue
             return proc
         return None
 
     def close(self) -> None:
+        """Stop every standby at once: they hold no state worth a graceful exit."""
         for proc in self._standbys:
-            try:
-                proc.stdin.close()  # EOF: the standby exits on its own
-            except OSError:
-                pass
-        for proc in self._standbys:
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            self.guard.forget(proc.pid)
+            self._drop(proc)
         self._standbys = []

@@ -97,7 +97,13 @@ def stop_workers(workers: list[WorkerProcess], grace: float) -> None:
     for w in workers:
         # The whole group, also when the leader exited: its children may still run.
         _signal_group(w.proc, signal.SIGKILL)
-        w.proc.wait()
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(grace, 5.0))
+        except subprocess.TimeoutExpired:
+            # Stuck in the kernel (a driver, NFS): never block the agent on it. It stays
+            # SIGKILLed; the orphan guard still holds its process group.
+            pass
 
 
 def describe_exit(returncode: int) -> tuple[str, str]:
