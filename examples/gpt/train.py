@@ -8,6 +8,7 @@ Runs unchanged under `unbroken run`, under `torchrun`, or as a single `python tr
 from __future__ import annotations
 
 import argparse
+import array
 import zlib
 
 import torch
@@ -49,7 +50,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        run.log(loss=loss, data=zlib.crc32(x.numpy().tobytes()))
+        run.log(loss=loss, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.3f}", flush=True)
     run.close()
