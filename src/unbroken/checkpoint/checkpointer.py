@@ -133,17 +133,18 @@ class Checkpointer:
 
     def _choose(self) -> Path | None:
         """Rank 0 picks the newest intact checkpoint; every rank gets the same answer."""
-        choice: list[Any] = [None]
+        choice = torch.tensor([-1], dtype=torch.int64)
         if self.rank == 0:
             for step, path in committed_checkpoints(self.directory):
                 reason = verify_manifest(path)
                 if reason is None:
-                    choice[0] = str(path)
+                    choice[0] = step
                     break
                 self.record("checkpoint_invalid", step=step, path=str(path), reason=reason)
         if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0, group=self.group)
-        return Path(choice[0]) if choice[0] else None
+            dist.broadcast(choice, src=0, group=self.group)
+        step = int(choice[0])
+        return self.directory / f"step_{step:09d}" if step >= 0 else None
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest intact checkpoint into `state` in place; its step, or None if none."""
