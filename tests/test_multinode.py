@@ -59,12 +59,17 @@ def test_lost_node_is_detected_and_a_restarted_agent_rejoins(tmp_path):
     assert summarize(run_dir)["steps"] == 400
 
 
-def test_followers_stop_when_the_leader_dies(tmp_path):
+def _endless_two_node_job(tmp_path):
+    """Leader, follower and run dir of a job that trains until it is stopped."""
     port = free_port()
-    run_dir = tmp_path / "run"
     leader = _node(tmp_path, port, 0, steps=100000)
     follower = _node(tmp_path, port, 1, steps=100000)
-    wait_for(lambda: events_of(run_dir, "step"), 120, "training to start")
+    wait_for(lambda: events_of(tmp_path / "run", "step"), 120, "training to start")
+    return leader, follower, tmp_path / "run"
+
+
+def test_followers_stop_when_the_leader_dies(tmp_path):
+    leader, follower, run_dir = _endless_two_node_job(tmp_path)
     workers = [p for e in events_of(run_dir, "workers_started") for p in e["pids"].values()]
     os.kill(leader.pid, signal.SIGKILL)
     leader.wait()
@@ -76,11 +81,7 @@ def test_followers_stop_when_the_leader_dies(tmp_path):
 
 
 def test_interrupting_the_leader_stops_every_node(tmp_path):
-    port = free_port()
-    run_dir = tmp_path / "run"
-    leader = _node(tmp_path, port, 0, steps=100000)
-    follower = _node(tmp_path, port, 1, steps=100000)
-    wait_for(lambda: events_of(run_dir, "step"), 120, "training to start")
+    leader, follower, run_dir = _endless_two_node_job(tmp_path)
     leader.send_signal(signal.SIGTERM)
     r0, r1 = finish(leader, run_dir, timeout=60), finish(follower, run_dir, timeout=60)
     assert r0.code == 143, r0.output

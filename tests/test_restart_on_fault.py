@@ -89,3 +89,14 @@ def test_restart_budget_is_respected(tmp_path):
     assert "giving up after 1 restart(s)" in result.output
     assert "InjectedFault" in result.output
     assert len(result.events("fault")) == 2
+
+
+def test_hang_blames_the_stopped_worker_among_four(tmp_path):
+    """With 4 workers all blocked behind one SIGSTOPped rank, the stopped one is blamed."""
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, "--nproc-per-node", "4", "--max-restarts", "1",
+                    "--fault", "hang:rank=2,step=14",
+                    args=["--steps", "20", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                          "--checkpoint-every", "5"])
+    assert result.code == 0, result.output
+    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("hang", 2)]

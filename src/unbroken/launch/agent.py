@@ -595,7 +595,7 @@ class Agent:
 
     def _find_hang(self) -> dict[str, Any] | None:
         now = time.monotonic()
-        overdue = []
+        beating, overdue = [], []
         for w in self.workers:
             if w.proc.returncode is not None:
                 continue
@@ -603,13 +603,17 @@ class Agent:
             if beat is None:
                 continue
             w.hang.observe(beat)
-            timeout = w.hang.overdue(now)
-            if timeout is not None:
-                overdue.append((w, timeout))
+            beating.append(w)
+            if w.hang.overdue(now) is not None:
+                overdue.append(w)
         if not overdue:
             return None
-        # A stopped process is the culprit; otherwise the one silent the longest.
-        w, timeout = min(overdue, key=lambda p: (not _is_stopped(p[0].pid), p[0].hang.last_beat.monotonic))
+        # Once anyone is overdue, its peers are usually blocked on the culprit (each worker's
+        # timeout is calibrated on its own, so a victim can time out first). A stopped
+        # process is the culprit; otherwise the overdue worker silent the longest.
+        stopped = [w for w in beating if _is_stopped(w.pid)]
+        w = stopped[0] if stopped else min(overdue, key=lambda w: w.hang.last_beat.monotonic)
+        timeout = w.hang.overdue(now) or w.hang.step_timeout()
         beat = w.hang.last_beat
         os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
         return {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
