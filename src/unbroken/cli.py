@@ -120,7 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch a training script (a drop-in for torchrun)")
     _add_run_flags(run)
     demo = sub.add_parser("demo", help="train the example GPT with 4 workers through injected faults")
-    demo.add_argument("--steps", type=_positive_int("--steps"), default=200)
+    demo.add_argument("--steps", type=_positive_int("--steps"), default=600)
     demo.add_argument("--workers", type=_positive_int("--workers"), default=4)
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--no-faults", action="store_true", help="run without injected faults")

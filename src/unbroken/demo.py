@@ -51,7 +51,7 @@ def _follow(events: Path, total: int, stop: threading.Event) -> None:
                 print(f"  resumed from the checkpoint of step {e['step']}", flush=True)
 
 
-def run_demo(steps: int = 200, workers: int = 4, run_dir: str | None = None, faults: bool = True) -> int:
+def run_demo(steps: int = 600, workers: int = 4, run_dir: str | None = None, faults: bool = True) -> int:
     script = find_example()
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(run_dir or Path("unbroken_runs") / run_id)

@@ -45,6 +45,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                          and e.get("attempt") == attempt and e.get("rank") == f.get("rank")), None)
         began = injected or f.get("hang_started") or f["t"]
         resumed = next((e for e in steps if e["attempt"] > attempt and e["t"] > f["t"]), None)
+        if resumed is None:  # no step was left to run: the restart resumed into the end
+            resumed = next((e for e in events if e["event"] == "resume"
+                            and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
         reached = max((e["step"] for e in steps if e["attempt"] == attempt), default=-1) + 1
         restart_from = next((e["step"] for e in events if e["event"] == "resume"
                              and e.get("attempt") == attempt + 1), None)
