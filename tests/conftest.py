@@ -73,6 +73,14 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> Launc
     return Launched(proc.returncode, text, run_dir)
 
 
+def assert_gave_up(result: Launched, restarts: int, error: str, faults: int) -> None:
+    """The job spent its restart budget, exited 1 and showed the worker's error."""
+    assert result.code == 1, result.output
+    assert f"giving up after {restarts} restart(s)" in result.output
+    assert error in result.output
+    assert len(result.events("fault")) == faults
+
+
 def launch(run_dir: Path, *flags: str, timeout: float = 240, **kw) -> Launched:
     return finish(start(run_dir, *flags, **kw), run_dir, timeout)
 

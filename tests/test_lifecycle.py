@@ -15,6 +15,7 @@ from conftest import (
     SCRIPTS,
     TINY,
     alive,
+    assert_gave_up,
     events_of,
     finish,
     launch,
@@ -43,10 +44,7 @@ def test_plain_torchrun_script_runs_unmodified(tmp_path):
 def test_script_failing_at_import_stops_after_the_budget(tmp_path):
     result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "2",
                     script=SCRIPTS / "broken_import.py", timeout=180)
-    assert result.code == 1
-    assert "giving up after 2 restart(s)" in result.output
-    assert "ModuleNotFoundError: No module named 'this_module_does_not_exist'" in result.output
-    assert len(result.events("fault")) == 3
+    assert_gave_up(result, 2, "ModuleNotFoundError: No module named 'this_module_does_not_exist'", 3)
 
 
 def test_killing_the_agent_leaves_no_worker_or_child_alive(tmp_path):

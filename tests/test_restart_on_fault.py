@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import TINY, finish, launch, start, wait_for
+from conftest import TINY, assert_gave_up, finish, launch, start, wait_for
 
 from unbroken.telemetry.summary import summarize
 
@@ -85,10 +85,7 @@ def test_restart_budget_is_respected(tmp_path):
     result = launch(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
                     "--fault", "exception:rank=0,step=3", "--fault", "exception:rank=1,step=6",
                     args=["--steps", "20", *TINY])
-    assert result.code == 1
-    assert "giving up after 1 restart(s)" in result.output
-    assert "InjectedFault" in result.output
-    assert len(result.events("fault")) == 2
+    assert_gave_up(result, 1, "InjectedFault", 2)
 
 
 def test_hang_blames_the_stopped_worker_among_four(tmp_path):

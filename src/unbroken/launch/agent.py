@@ -101,16 +101,16 @@ class Agent:
             code = self._lead() if cfg.is_leader else self._follow()
         except _Interrupted as exc:
             self.say(f"{exc}: stopping workers")
-            self._stop_workers("interrupted")
+            self._stop_workers()
             self._publish_interrupt(exc.signum)
             code = 128 + exc.signum
         except ControlPlaneError as exc:
-            self._stop_workers("control plane lost")
+            self._stop_workers()
             self.events.emit("agent_error", error=str(exc))
             self.events.emit("agent_exit", code=int(exc.exit_code))
             raise
         finally:
-            self._stop_workers("agent exit")
+            self._stop_workers()
             if self._pool is not None:
                 self._pool.close()
             if self._guard is not None:
@@ -419,12 +419,12 @@ class Agent:
 
     def _end_attempt(self, attempt: int, fault: dict[str, Any] | None) -> None:
         t0 = time.monotonic()
-        self._stop_workers("fault")
+        self._stop_workers()
         self._set(f"a/{attempt}/stopped/{self.cfg.node_rank}", True)
         self.events.emit("workers_stopped", attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          reason=(fault or {}).get("kind"))
 
-    def _stop_workers(self, reason: str) -> None:
+    def _stop_workers(self) -> None:
         if not self.workers:
             return
         stop_workers(self.workers, self.cfg.kill_grace)
@@ -456,7 +456,7 @@ class Agent:
                 rank=rank, local_rank=local_rank, proc=proc,
                 heartbeat=HeartbeatReader(base.with_suffix(".hb")),
                 hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
-                error_file=base.with_suffix(".error.json"), log_file=log,
+                error_file=base.with_suffix(".error.json"),
             )
             worker.pidfd = open_pidfd(proc.pid)
             self.workers.append(worker)

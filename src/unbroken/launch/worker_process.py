@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from unbroken.launch.hang_detector import HangDetector
@@ -23,8 +23,6 @@ class WorkerProcess:
     heartbeat: HeartbeatReader
     hang: HangDetector
     error_file: Path
-    log_file: Path | None
-    started: float = field(default_factory=time.monotonic)
     pidfd: int | None = None
 
     @property
