@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A GPT small enough that 2 cores run a few workers at tens of steps per second.
-TINY = ["--batch", "4", "--seq", "32", "--dim", "32", "--layers", "1", "--print-every", "1000"]
+TINY = ["--global-batch", "8", "--seq", "32", "--dim", "32", "--layers", "1", "--print-every", "1000"]
 
 
 @dataclass

@@ -28,12 +28,17 @@ class CharCorpus:
         return len(self.chars)
 
     def batch(
-        self, step: int, rank: int, world: int, batch: int, seq: int, seed: int = 0
+        self, step: int, rank: int, world: int, global_batch: int, seq: int, seed: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the global batch of `step`."""
+        """This rank's share of the global batch of `step`.
+
+        The global batch depends on the step alone; ranks split it into `world` near-equal
+        contiguous parts. After a shrink the survivors split the same samples more ways, so
+        the global batch, and every sample of it, is kept.
+        """
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.data) - seq - 1, (world * batch,), generator=g)
-        mine = starts[rank * batch : (rank + 1) * batch]
+        starts = torch.randint(0, len(self.data) - seq - 1, (global_batch,), generator=g)
+        mine = starts.tensor_split(world)[rank]
         x = torch.stack([self.data[s : s + seq] for s in mine.tolist()])
         y = torch.stack([self.data[s + 1 : s + seq + 1] for s in mine.tolist()])
         return x, y

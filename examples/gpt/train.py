@@ -3,6 +3,8 @@
 Runs unchanged under `unbroken run`, under `torchrun`, or as a single `python train.py`:
 
     unbroken run --nproc-per-node 4 --max-restarts 3 examples/gpt/train.py --steps 200
+
+Under `unbroken run`, a worker's fault does not stop the others: they recover in place.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import unbroken
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--global-batch", type=int, default=32, help="sequences per step, all ranks")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -35,24 +37,30 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                        seed=args.seed)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     corpus = CharCorpus.load()
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.seq,
                           n_layer=args.layers, n_embd=args.dim))
-    ddp = DDP(model) if run.world_size > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    run.track(ddp, optimizer)
+    run.track(model, optimizer)
 
-    for step in run.steps(args.steps):
-        x, y = corpus.batch(step, run.rank, run.world_size, args.batch, args.seq, args.seed)
-        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        run.log(loss=loss, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
+    def build() -> torch.nn.Module:  # once per generation: the wrapper that needs the group
+        return DDP(model) if run.world_size > 1 else model
+
+    def train_step(step: int, net: torch.nn.Module) -> None:  # forward + backward; no opt.step()
+        x, y = corpus.batch(step, run.rank, run.world_size, args.global_batch, args.seq, args.seed)
+        # Summed over this rank's samples and scaled so that DDP's mean over ranks is the mean
+        # over the global batch, however many ranks share it.
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten(), reduction="sum")
+        (loss * run.world_size / (args.global_batch * args.seq)).backward()
+        mean = loss.detach() / y.numel()
+        run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.3f}", flush=True)
+            print(f"step {step:4d}  loss {mean.item():.3f}", flush=True)
+
+    run.train(train_step, steps=args.steps, build=build)
     run.close()
 
 

@@ -88,7 +88,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standalone", action="store_true",
                    help="single node on a free loopback port (as torchrun --standalone)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restarts of all workers allowed after faults (default 0)")
+                   help="faults the job may recover from, in place or by restart (default 0)")
+    p.add_argument("--on-fault", choices=("shrink", "wait", "restart"), default="shrink",
+                   help="workers using run.train() recover in place: survivors go on without the "
+                        "failed worker until its replacement joins (shrink, default), or wait for "
+                        "the replacement (wait); restart: restart every worker from the checkpoint")
+    p.add_argument("--recovery-timeout", type=_seconds, default=30.0,
+                   help="seconds an in-place recovery may take before a full restart")
     p.add_argument("--run-dir", default=None,
                    help="where events, heartbeats and worker logs go (default unbroken_runs/RUN_ID)")
     p.add_argument("--redirect", action="store_true",
@@ -185,7 +191,8 @@ def config_from_args(args: argparse.Namespace):
         module=args.module, no_python=args.no_python, redirect=args.redirect, faults=faults,
         hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
-        warm_restarts=args.warm_restarts,
+        warm_restarts=args.warm_restarts, on_fault=args.on_fault,
+        recovery_timeout=args.recovery_timeout,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, TextIO
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.control_store import ControlStore, connect_store, serve_store
+from unbroken.launch.generations import GenerationPlanner
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool
@@ -82,6 +84,9 @@ class Agent:
         self.ctl: ControlStore | None = None
         self.control_port = cfg.master_port
         self._plan: dict[str, Any] | None = None  # the leader's current plan
+        self._recovered = 0  # faults recovered in place (they spend the restart budget too)
+        self._replacements = 0
+        self._give_up = False
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -213,7 +218,7 @@ class Agent:
             self._end_attempt(attempt, outcome.fault)
             self._wait_stopped(attempt, plan)
             self._release_worker_store()
-            if attempt >= cfg.max_restarts:
+            if self._give_up or attempt + self._recovered >= cfg.max_restarts:
                 self._set("result", {"status": "failed", "fault": outcome.fault})
                 self._report_failure(outcome.fault)
                 self._wait_acks(plan)
@@ -434,32 +439,43 @@ class Agent:
         self.workers = []
 
     def _spawn(self, attempt: int, plan: dict[str, Any]) -> None:
-        cfg = self.cfg
-        node = plan["nodes"][str(cfg.node_rank)]
+        node = plan["nodes"][str(self.cfg.node_rank)]
         attempt_dir = self.node_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
             if stale.suffix != ".log":
                 stale.unlink(missing_ok=True)
-        cmd = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
         for local_rank in range(node["nproc"]):
             rank = node["offset"] + local_rank
-            base = attempt_dir / f"rank_{rank}"
-            env = self._worker_env(attempt, plan, rank, local_rank, node["nproc"], base)
-            log = base.with_suffix(".log") if cfg.redirect else None
-            argv = script_argv(cfg.script, cfg.script_args, cfg.module)
-            proc = self._pool.take(env, argv, log) if self._pool is not None else None
-            if proc is None:
-                proc = spawn(cmd, env, log)
-                self._guard.watch(proc.pid)  # its process group: the worker and its children
-            worker = WorkerProcess(
-                rank=rank, local_rank=local_rank, proc=proc,
-                heartbeat=HeartbeatReader(base.with_suffix(".hb")),
-                hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
-                error_file=base.with_suffix(".error.json"),
-            )
-            worker.pidfd = open_pidfd(proc.pid)
-            self.workers.append(worker)
+            self._spawn_worker(attempt, plan, rank, local_rank, f"{rank}.0", joining=False)
+
+    def _spawn_worker(self, attempt: int, plan: dict[str, Any], rank: int, local_rank: int,
+                      wid: str, joining: bool) -> WorkerProcess:
+        """Start one worker (from a warm standby when there is one) and watch it."""
+        cfg = self.cfg
+        node = plan["nodes"][str(cfg.node_rank)]
+        incarnation = wid.split(".")[1]
+        name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
+        base = self.node_dir / f"attempt_{attempt}" / name
+        env = self._worker_env(attempt, plan, rank, local_rank, node["nproc"], base)
+        env.update({"UNBROKEN_WORKER_ID": wid, "UNBROKEN_SLOT": str(rank),
+                    "UNBROKEN_JOIN": "1" if joining else "0"})
+        log = base.with_suffix(".log") if cfg.redirect else None
+        argv = script_argv(cfg.script, cfg.script_args, cfg.module)
+        proc = self._pool.take(env, argv, log) if self._pool is not None else None
+        if proc is None:
+            cmd = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
+            proc = spawn(cmd, env, log)
+            self._guard.watch(proc.pid)  # its process group: the worker and its children
+        worker = WorkerProcess(
+            rank=rank, local_rank=local_rank, proc=proc,
+            heartbeat=HeartbeatReader(base.with_suffix(".hb")),
+            hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
+            error_file=base.with_suffix(".error.json"), wid=wid,
+        )
+        worker.pidfd = open_pidfd(proc.pid)
+        self.workers.append(worker)
+        return worker
 
     def _standby_env(self) -> dict[str, str]:
         """What a standby imports torch under: the workers' environment without rank or attempt."""
@@ -511,6 +527,8 @@ class Agent:
             "UNBROKEN_AGENT_PID": str(os.getpid()),
             "UNBROKEN_CONTROL_ADDR": cfg.master_addr, "UNBROKEN_CONTROL_PORT": str(self.control_port),
             "UNBROKEN_FAULTS": cfg.faults,
+            "UNBROKEN_IN_PLACE": "0" if cfg.on_fault == "restart" else "1",
+            "UNBROKEN_RECOVERY_TIMEOUT": str(cfg.recovery_timeout * 2),
         })
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if local_world > 1:
@@ -518,7 +536,12 @@ class Agent:
         return env
 
     def _run_attempt(self, attempt: int, plan: dict[str, Any]) -> Outcome:
-        """Start this node's workers and watch them until they all finish or a fault ends the attempt."""
+        """Start this node's workers and watch them until they all finish or a fault ends the attempt.
+
+        Once every worker runs the resilient loop (its heartbeat names a generation), a
+        worker's death no longer ends the attempt: it is published for the leader's
+        `GenerationPlanner`, a replacement is started, and the survivors recover in place.
+        """
         t0 = time.monotonic()
         self._spawn(attempt, plan)
         self.events.emit("workers_started", attempt=attempt, duration=round(time.monotonic() - t0, 6),
@@ -530,26 +553,32 @@ class Agent:
         for w in self.workers:
             if w.pidfd is not None:
                 selector.register(w.pidfd, selectors.EVENT_READ, w)
-        done: set[int] = set()
         peer_errors_since: float | None = None
         multi = len(plan["nodes"]) > 1
+        in_place = self.cfg.on_fault != "restart" and not self.cfg.no_python
+        resilient = False  # latched once every worker runs the resilient loop
+        planner = self._planner(attempt, plan) if in_place and self.cfg.is_leader else None
+        target = None
         try:
             while True:
-                selector.select(timeout=self.cfg.monitor_interval)
+                fast = planner is not None and planner.busy
+                selector.select(timeout=0.002 if fast else self.cfg.monitor_interval)
                 self._check_signal()
+                if in_place and not resilient:
+                    resilient = self._all_resilient()
                 failed = []
-                for w in self.workers:
+                for w in list(self.workers):
                     rc = w.proc.poll()
-                    if rc == 0 and w.rank not in done:
-                        done.add(w.rank)
-                        if w.pidfd is not None:
+                    if rc == 0:
+                        if w.pidfd is not None and w.pidfd in selector.get_map():
                             selector.unregister(w.pidfd)
-                    elif rc is not None and rc != 0:
-                        failed.append(w)
+                    elif (rc is not None and rc != 0) or (rc is None and w.error_file.exists()):
                         if w.pidfd is not None and w.pidfd in selector.get_map():
                             selector.unregister(w.pidfd)  # or select() spins during the grace
-                    elif rc is None and w.error_file.exists():
-                        failed.append(w)  # raised: report now, not after interpreter teardown
+                        if resilient:
+                            self._worker_died(attempt, plan, w, selector)
+                        else:
+                            failed.append(w)  # raised: report now, not after interpreter teardown
                 if failed:
                     # A peer's death reaches the survivors' sockets before the kernel lets us
                     # reap the dead process; give the root cause a moment to show itself.
@@ -559,8 +588,18 @@ class Agent:
                             _blame(w) != _PEER_ERROR for w in failed):
                         return Outcome("fault", self._publish_fault(attempt, self._exit_fault(failed)))
                 hung = self._find_hang()
-                if hung is not None:
+                if hung is not None and not resilient:
                     return Outcome("fault", self._publish_fault(attempt, hung))
+                if planner is not None and resilient:
+                    verdict = planner.tick(self._max_step())
+                    if verdict is not None:
+                        self._recovered = planner.recovered
+                        if verdict.action == "give_up":
+                            self._give_up = True
+                        return Outcome("fault", self._publish_fault(attempt, verdict.fault))
+                    self._recovered = planner.recovered
+                if resilient:
+                    target = self._mirror_target(attempt, target)
                 if multi:
                     self._finished()
                     remote = self._get(f"a/{attempt}/fault")
@@ -570,12 +609,68 @@ class Agent:
                         lost = self._check_nodes(attempt, plan)
                         if lost:
                             return Outcome("fault", self._publish_fault(attempt, lost))
-                if len(done) == len(self.workers):
+                if all(w.proc.returncode == 0 for w in self.workers):
                     self.events.emit("workers_done", attempt=attempt)
                     return Outcome("done")
                 self._maybe_fill_pool(t0)
         finally:
             selector.close()
+
+    # ---------------------------------------------------------------- in place
+    def _planner(self, attempt: int, plan: dict[str, Any]) -> GenerationPlanner:
+        cfg = self.cfg
+        return GenerationPlanner(
+            self.ctl, attempt, {f"{r}.0": r for r in range(plan["world_size"])},
+            policy=cfg.on_fault, recovery_timeout=cfg.recovery_timeout,
+            join_timeout=cfg.join_timeout, budget=cfg.max_restarts - attempt - self._recovered,
+            record=self.events.emit, say=self.say,
+        )
+
+    def _all_resilient(self) -> bool:
+        beats = [w.heartbeat.read() for w in self.workers]
+        return bool(beats) and all(b is not None and b.generation >= 0 for b in beats)
+
+    def _max_step(self) -> int:
+        steps = [b.step for w in self.workers if (b := w.heartbeat.read()) is not None]
+        return max(steps, default=0)
+
+    def _mirror_target(self, attempt: int, seen: Any) -> Any:
+        """Hand the leader's switch request to this node's workers through their heartbeat page."""
+        target = self._get(f"a/{attempt}/target")
+        if target is not None and target != seen:
+            for w in self.workers:
+                w.heartbeat.set_target(target["gen"], target["step"])
+        return target
+
+    def _worker_died(self, attempt: int, plan: dict[str, Any], w: WorkerProcess,
+                     selector: selectors.BaseSelector) -> None:
+        """Publish a dead worker for the planner and start its replacement; peers go on."""
+        if w.proc.poll() is None:
+            os.kill(w.pid, signal.SIGKILL)  # it raised and is on its way out: don't wait for it
+        try:
+            w.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass  # stuck in the kernel; the orphan guard still holds its group
+        fault = w.fault or self._exit_fault([w])
+        fault = {**fault, "wid": w.wid, "slot": w.rank, "attempt": attempt, "t": time.time()}
+        index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
+        self._set(f"a/{attempt}/death/{index}", fault)
+        self.events.emit("fault", **{k: v for k, v in fault.items() if k != "t"}, in_place=True)
+        self.say(f"fault: rank {w.rank} {fault['kind']}: {fault['detail']} (recovering in place)")
+        self.workers.remove(w)
+        self._guard.forget(w.pid)
+        w.close()
+        if self._replacements >= self.cfg.max_restarts:
+            return  # the planner will give up or shrink; a crash loop must not spawn forever
+        self._replacements += 1
+        incarnation = int(w.wid.split(".")[1]) + 1
+        t0 = time.monotonic()
+        new = self._spawn_worker(attempt, plan, w.rank, w.local_rank, f"{w.rank}.{incarnation}",
+                                 joining=True)
+        if new.pidfd is not None:
+            selector.register(new.pidfd, selectors.EVENT_READ, new)
+        self.events.emit("replacement_started", slot=w.rank, wid=new.wid, pid=new.pid,
+                         duration=round(time.monotonic() - t0, 6))
 
     def _exit_fault(self, failed: list[WorkerProcess]) -> dict[str, Any]:
         """Describe the most likely culprit among workers that exited non-zero together."""
@@ -616,11 +711,12 @@ class Agent:
         timeout = w.hang.overdue(now) or w.hang.step_timeout()
         beat = w.hang.last_beat
         os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
-        return {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
+        w.fault = {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
                 "step": beat.step, "silent_for": round(now - beat.monotonic, 3),
                 "hang_started": round(time.time() - (now - beat.monotonic), 6),
                 "timeout": round(timeout, 3),
                 "detail": f"no heartbeat for {now - beat.monotonic:.1f}s (timeout {timeout:.1f}s); killed"}
+        return w.fault
 
     def _report_failure(self, fault: dict[str, Any] | None) -> None:
         fault = fault or {}

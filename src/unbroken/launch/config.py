@@ -29,6 +29,9 @@ class LaunchConfig:
     kill_grace: float = 3.0  # SIGTERM to SIGKILL when stopping workers
     monitor_interval: float = 0.05
     warm_restarts: bool = True  # keep torch-imported standbys ready for the next attempt
+    on_fault: str = "shrink"  # in place: "shrink" or "wait" for the replacement; or "restart"
+    recovery_timeout: float = 30.0  # an in-place recovery slower than this falls back to restart
+    join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
 
     @property
     def is_leader(self) -> bool:

@@ -12,9 +12,12 @@ from collections import deque
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
+    PHASE_RECOVERY,
     PHASE_STARTING,
     Beat,
 )
+
+_UNTIMED = (PHASE_STARTING, PHASE_RECOVERY)  # an interval from these is not a step time
 
 
 class HangDetector:
@@ -37,7 +40,7 @@ class HangDetector:
 
     def observe(self, beat: Beat) -> None:
         last = self._last
-        if last is not None and beat.step > last.step and last.phase != PHASE_STARTING:
+        if last is not None and beat.step > last.step and last.phase not in _UNTIMED:
             self._intervals.append((beat.monotonic - last.monotonic) / (beat.step - last.step))
         if last is None or beat.step != last.step or beat.phase != last.phase:
             self._last = beat
@@ -57,8 +60,8 @@ class HangDetector:
             return None
         if beat.phase == PHASE_STARTING:
             timeout = self.startup_timeout
-        elif beat.phase == PHASE_CHECKPOINT:
-            timeout = self.checkpoint_timeout
+        elif beat.phase in (PHASE_CHECKPOINT, PHASE_RECOVERY):
+            timeout = self.checkpoint_timeout  # a recovery is bounded by the leader's watchdog
         else:
             timeout = self.step_timeout()
         return timeout if now - beat.monotonic > timeout else None

@@ -24,6 +24,8 @@ class WorkerProcess:
     hang: HangDetector
     error_file: Path
     pidfd: int | None = None
+    wid: str = ""  # worker id: "<slot>.<incarnation>"; a replacement is a new incarnation
+    fault: dict | None = None  # set when the agent killed it (a hang), to name the cause
 
     @property
     def pid(self) -> int:

@@ -1,8 +1,10 @@
-"""Worker heartbeat: a 32-byte memory-mapped file the worker stamps at every step boundary.
+"""Worker heartbeat: a small memory-mapped file shared by a worker and its agent.
 
-A stamp is two stores into shared memory (no syscall, well under a microsecond), so it is
-invisible in step time; the agent reads the same page. The clock is CLOCK_MONOTONIC, which
-is shared by all processes of a machine.
+The worker stamps (step, time, phase) at every step boundary: stores into shared memory, no
+syscall, well under a microsecond, so invisible in step time. The clock is CLOCK_MONOTONIC,
+shared by all processes of a machine. The same page carries the other direction too: the
+generation the worker is in (-1 until it runs the resilient loop) and the generation the agent
+wants it to move to, with the step at which to move, read by the worker at each boundary.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_FORMAT = "<qqqq"  # step, monotonic_ns, phase, pid
-_SIZE = struct.calcsize(_FORMAT)
+_FORMAT = "<qqqq"  # step, monotonic_ns, phase, pid: written by the worker
+_GEN_FORMAT = "<q"  # the generation the worker is in: written by the worker
+_TARGET_FORMAT = "<qq"  # generation to move to, and from which step: written by the agent
+_GEN_OFFSET = struct.calcsize(_FORMAT)
+_TARGET_OFFSET = _GEN_OFFSET + struct.calcsize(_GEN_FORMAT)
+_SIZE = _TARGET_OFFSET + struct.calcsize(_TARGET_FORMAT)
 
 PHASE_STARTING = 0  # process up, no step finished yet
 PHASE_TRAINING = 1  # between or inside steps
 PHASE_CHECKPOINT = 2  # inside a checkpoint save or load: may legitimately take long
 PHASE_DONE = 3  # the training loop has finished
+PHASE_RECOVERY = 4  # re-forming the group in place: bounded by the leader, not by step time
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class Beat:
     monotonic: float
     phase: int
     pid: int
+    generation: int = -1
 
 
 class HeartbeatWriter:
@@ -42,10 +50,19 @@ class HeartbeatWriter:
         finally:
             os.close(fd)
         self._pid = os.getpid()
+        struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, -1)
+        struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, -1, 0)
         self.stamp(-1, PHASE_STARTING)
 
     def stamp(self, step: int, phase: int = PHASE_TRAINING) -> None:
         struct.pack_into(_FORMAT, self._map, 0, step, time.monotonic_ns(), phase, self._pid)
+
+    def set_generation(self, generation: int) -> None:
+        struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, generation)
+
+    def target(self) -> tuple[int, int]:
+        """(generation, step): the agent asks the worker to leave its generation at that step."""
+        return struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
 
 
 class HeartbeatReader:
@@ -58,19 +75,27 @@ class HeartbeatReader:
     def read(self) -> Beat | None:
         if self._map is None:
             try:
-                fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.path, os.O_RDWR)
             except FileNotFoundError:
                 return None
             try:
                 if os.fstat(fd).st_size < _SIZE:
                     return None
-                self._map = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+                self._map = mmap.mmap(fd, _SIZE)
             finally:
                 os.close(fd)
         step, ns, phase, pid = struct.unpack_from(_FORMAT, self._map, 0)
         if pid == 0:
             return None
-        return Beat(step=step, monotonic=ns / 1e9, phase=phase, pid=pid)
+        (generation,) = struct.unpack_from(_GEN_FORMAT, self._map, _GEN_OFFSET)
+        return Beat(step=step, monotonic=ns / 1e9, phase=phase, pid=pid, generation=generation)
+
+    def set_target(self, generation: int, step: int) -> bool:
+        """Ask the worker to leave its generation at `step`; False until it has a heartbeat."""
+        if self._map is None and self.read() is None:
+            return False
+        struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, generation, step)
+        return True
 
     def close(self) -> None:
         if self._map is not None:

@@ -1,24 +1,29 @@
-"""The worker API: `unbroken.init()` returns a `Run`, whose step iterator owns the step counter.
+"""The worker API: `unbroken.init()` returns a `Run`, whose loop owns the step counter.
 
-    run = unbroken.init(checkpoint_dir="ckpt", checkpoint_every=20)
-    model = DDP(GPT(cfg)); optimizer = torch.optim.AdamW(model.parameters())
-    run.track(model, optimizer)              # what a checkpoint saves and a restart restores
-    for step in run.steps(1000):             # resumes after the last committed step
-        x, y = batch(step, run.rank, run.world_size)   # data is a function of the step
-        loss = loss_fn(model(x), y); loss.backward()
-        optimizer.step(); optimizer.zero_grad()
-        run.log(loss=loss)
+    run = unbroken.init(checkpoint_dir="ckpt", checkpoint_every=50)
+    model = GPT(cfg); optimizer = torch.optim.AdamW(model.parameters())
+    run.track(model, optimizer)                    # the state a step commits
+    def build():                                   # once per generation: what needs the group
+        return DDP(model)
+    def train_step(step, ddp):                     # forward and backward; no optimizer.step()
+        x, y = batch(step, run.rank, run.world_size)
+        loss = loss_fn(ddp(x), y); loss.backward(); run.log(loss=loss)
+    run.train(train_step, steps=1000, build=build) # the runtime steps the optimizer: the commit
 
-A step is committed when its loop body returns. The runtime stamps the heartbeat, fires
-injected faults, records each step's duration and metrics, and checkpoints on schedule.
-It works under `unbroken run`, under `torchrun`, and in a single plain process.
+Under `unbroken run`, a fault in one worker does not restart the others: survivors leave the
+broken generation, re-form the group in place, get the newest committed state from a peer,
+call `build()` again and go on (see `runtime/recovery.py`). The simpler `for step in
+run.steps(n)` loop is kept for scripts that step the optimizer themselves; a fault then
+restarts every worker from the last checkpoint. Both work under `unbroken run`, under
+`torchrun`, and in a single plain process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,9 +39,13 @@ from unbroken.faults.spec import parse_faults
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
+    PHASE_RECOVERY,
     PHASE_TRAINING,
     HeartbeatWriter,
 )
+from unbroken.runtime.membership import JobFinished, Membership
+from unbroken.runtime.process_group import AbortableGroups, default_backend
+from unbroken.runtime.recovery import Generations, is_peer_error
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -60,6 +69,7 @@ class Run:
         keep_checkpoints: int = 3,
         backend: str | None = None,
         timeout: float = 1800.0,
+        seed: int | None = 0,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise UserError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
@@ -77,23 +87,36 @@ class Run:
         hb_file = env.get("UNBROKEN_HEARTBEAT_FILE")
         self._heartbeat = HeartbeatWriter(hb_file) if hb_file else None
 
+        # In place: under `unbroken run` with in-place recovery on, identified by worker id
+        # and logical slot (the original rank, which a replacement inherits).
+        self.slot = int(env.get("UNBROKEN_SLOT", self.rank))
+        self.wid = env.get("UNBROKEN_WORKER_ID", f"{self.slot}.0")
+        self.joining = env.get("UNBROKEN_JOIN") == "1"
+        self.events.context["slot"] = self.slot
+        self.in_place = env.get("UNBROKEN_IN_PLACE") == "1" and "UNBROKEN_CONTROL_PORT" in env
+        self.seed = seed
+        self.timeout = timeout
+        self.backend = backend or default_backend()
+        self.gen = 0
+        self._groups = AbortableGroups()
+
         t0 = time.monotonic()
         self._owns_group = False
-        if self.world_size > 1 and not dist.is_initialized():
-            if backend is None:
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(self.local_rank)
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))
-            self._owns_group = True
-        # Checkpoint collectives get a group of their own, never the training one.
-        self._ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        with self._groups.recording():
+            if self.world_size > 1 and not dist.is_initialized() and not self.joining:
+                dist.init_process_group(backend=self.backend, timeout=timedelta(seconds=timeout))
+                self._groups.backend = self.backend
+                self._owns_group = True
+            # Checkpoint collectives get a group of their own, never the training one.
+            self._ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         pg_seconds = time.monotonic() - t0
         started = _process_start_time()
         self.events.emit(
             "worker_start", pid=os.getpid(), world_size=self.world_size,
             startup=round(time.time() - started, 6) if started else None,
-            process_group=round(pg_seconds, 6),
+            process_group=round(pg_seconds, 6), wid=self.wid, joining=self.joining,
         )
 
         self._checkpointer = (
@@ -105,7 +128,7 @@ class Run:
         self._faults = FaultInjector(
             parse_faults(env.get("UNBROKEN_FAULTS")), self.rank, self._claim_fault, self.events.emit
         )
-        self._control = None
+        self._control: Any = None
         self._claimed_here: set[str] = set()
         self._model: torch.nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -114,16 +137,20 @@ class Run:
         self.step = 0  # the next step to run; equals the number of committed steps
 
     # ------------------------------------------------------------------ faults
+    def _control_store(self) -> Any:
+        """The agent's control store (under `unbroken run`), connected once, lazily."""
+        if self._control is None:
+            from unbroken.launch.control_store import ControlStore, connect_store
+
+            env = os.environ
+            store = connect_store(env["UNBROKEN_CONTROL_ADDR"], int(env["UNBROKEN_CONTROL_PORT"]), 30.0)
+            self._control = ControlStore(store, env.get("UNBROKEN_RUN_ID", "default"))
+        return self._control
+
     def _claim_fault(self, key: str) -> bool:
         """A fault fires once per job: claimed in the control store, or per process without one."""
-        port = os.environ.get("UNBROKEN_CONTROL_PORT")
-        if port:
-            if self._control is None:
-                from unbroken.launch.control_store import ControlStore, connect_store
-
-                store = connect_store(os.environ["UNBROKEN_CONTROL_ADDR"], int(port), 30.0)
-                self._control = ControlStore(store, os.environ.get("UNBROKEN_RUN_ID", "default"))
-            return self._control.claim(f"fault/{key}")
+        if os.environ.get("UNBROKEN_CONTROL_PORT"):
+            return self._control_store().claim(f"fault/{key}")
         if key in self._claimed_here:
             return False
         self._claimed_here.add(key)
@@ -212,6 +239,169 @@ class Run:
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step)
 
+    # ------------------------------------------------------------------ the resilient loop
+    def train(
+        self,
+        step_fn: Callable[[int, Any], Any],
+        steps: int,
+        build: Callable[[], Any] | None = None,
+    ) -> None:
+        """Run steps up to `steps`, recovering in place from faults of other workers.
+
+        `step_fn(step, model)` runs one step's forward and backward. `model` is what `build()`
+        returned for the current generation (the tracked model if there is no `build`). The
+        runtime then steps the tracked optimizers and schedulers: that update is the commit.
+        """
+        if steps < 0:
+            raise UserError(f"train(steps=...): must be >= 0, got {steps}")
+        if self._model is None:
+            raise UserError("call run.track(model, optimizer) before run.train()")
+        self._build = build
+        self._holds_state = not self.joining
+        if self.in_place:
+            self._generations = Generations(
+                Membership(self._control_store(), self.attempt, self.wid, self._recovery_beat,
+                           timeout=float(os.environ.get("UNBROKEN_RECOVERY_TIMEOUT", 60))),
+                self.backend, self.timeout, join_timeout=10.0, record=self.events.emit)
+            self._generations.groups = self._groups
+        if self.joining:
+            self._join(reason="replacement")
+        else:
+            self._resume()
+            self._view = self._build_view()
+        self.events.emit("resume", step=self.step, total=steps, gen=self.gen)
+        if self._heartbeat is not None and self.in_place:
+            self._heartbeat.set_generation(self.gen)
+        while self.step < steps:
+            step = self.step
+            if self._heartbeat is not None:
+                self._stamp(step, PHASE_TRAINING)
+                if self.in_place and self._switch_due(step):
+                    self._leave_and_join("switch")
+                    continue
+            self._metrics = {}
+            t0 = time.perf_counter()
+            try:
+                self._faults.at_step(step)
+                if self.seed is not None:
+                    torch.manual_seed((self.seed * 1_000_003 + step) * 10_007 + self.slot)
+                step_fn(step, self._view)
+            except Exception as exc:
+                if not self.in_place:
+                    raise
+                self._step_failed(step, exc)
+                continue
+            self._commit()
+            duration = time.perf_counter() - t0
+            self.step = step + 1
+            self.events.emit("step", step=step, duration=round(duration, 6), gen=self.gen,
+                             **self._metrics)
+            every = self.checkpoint_every
+            if every and (self.step % every == 0 or self.step == steps):
+                try:
+                    self.save_checkpoint()
+                except Exception as exc:
+                    if not (self.in_place and is_peer_error(exc)):
+                        raise
+                    self._leave_and_join("peer", error=str(exc).splitlines()[0][:300])
+        self._stamp(self.step, PHASE_DONE)
+        self.events.emit("training_done", step=self.step, gen=self.gen)
+        if self.in_place:
+            self._control_store().add(f"a/{self.attempt}/g/{self.gen}/ndone", 1)
+
+    def _build_view(self) -> Any:
+        if self._build is None or not dist.is_initialized():
+            return self._model
+        return self._build()
+
+    def _commit(self) -> None:
+        """The optimizer update: after it, this rank holds the state of the step."""
+        self._holds_state = False  # torn if the update itself raises
+        for optimizer in self._optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for obj in self._extra.values():
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                obj.step()
+        self._holds_state = True
+
+    def _switch_due(self, step: int) -> bool:
+        gen, at_step = self._heartbeat.target()
+        return gen > self.gen and step >= at_step
+
+    def _recovery_beat(self) -> None:
+        self._stamp(self.step, PHASE_RECOVERY)
+
+    def _step_failed(self, step: int, exc: Exception) -> None:
+        for optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self._model.zero_grad(set_to_none=True)
+        if is_peer_error(exc):
+            self._leave_and_join("peer", error=str(exc).strip().splitlines()[0][:300] if str(exc) else "")
+            return
+        import traceback
+
+        tb = "".join(traceback.format_exception(exc))
+        self.events.emit("step_failed", step=step, gen=self.gen,
+                         error=f"{type(exc).__name__}: {exc}", traceback=tb[-4000:])
+        self._leave_and_join("exception", error=f"{type(exc).__name__}: {exc}", traceback=tb[-4000:])
+
+    def _leave_and_join(self, reason: str, **detail: Any) -> None:
+        t0 = time.monotonic()
+        self._stamp(self.step, PHASE_RECOVERY)
+        self._view = None
+        self._generations.leave(self.step, self._holds_state, reason, **detail)
+        self.events.emit("gen_leave", gen=self.gen, step=self.step, reason=reason,
+                         holds_state=self._holds_state, duration=round(time.monotonic() - t0, 6))
+        self._join(reason)
+
+    def _join(self, reason: str) -> None:
+        """Wait for the next generation naming us; switch to it with the newest state."""
+        t0 = time.monotonic()
+        self._stamp(self.step, PHASE_RECOVERY)
+        gens = self._generations
+        if self.joining:
+            self._control_store()  # connect before we announce ourselves
+            gens.membership.register_joiner(self.slot)
+        try:
+            switch = gens.join(self.step, self._holds_state, self._peer_state, self._restore_peer,
+                               joining=self.joining)
+        except JobFinished:
+            self.events.emit("joiner_unused", slot=self.slot)
+            self.close()
+            sys.exit(0)  # the job ended before this replacement was needed
+        self.joining = False
+        self._holds_state = True
+        self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
+        self._ckpt_group = switch.ckpt_group
+        if self._checkpointer is not None:
+            self._checkpointer.group = switch.ckpt_group
+        t1 = time.monotonic()
+        self._view = self._build_view()
+        build = time.monotonic() - t1
+        gens.report_up(switch)
+        self.events.context["rank"] = self.rank
+        self._stamp(self.step, PHASE_TRAINING)
+        if self._heartbeat is not None:
+            self._heartbeat.set_generation(self.gen)
+        self.events.emit("gen_switch", gen=self.gen, reason=reason, step=self.step,
+                         world_size=self.world_size, state_from=switch.sync.source,
+                         received_bytes=switch.sync.received_bytes, tries=switch.tries,
+                         build=round(build, 6), duration=round(time.monotonic() - t0, 6),
+                         **switch.phases)
+
+    def _peer_state(self) -> dict[str, Any]:
+        state = self.state_dict()
+        del state["unbroken"]["rng_cpu"]  # per-rank, and re-seeded from the step anyway
+        return state
+
+    def _restore_peer(self, state: dict[str, Any]) -> None:
+        set_state_dict(self._model, self._optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+        for name, obj in self._extra.items():
+            obj.load_state_dict(state[f"extra_{name}"])
+        self.step = int(state["unbroken"]["step"])
+
     def close(self) -> None:
         """Tear down what `init` created; safe to call twice."""
         if self._owns_group and dist.is_initialized():
@@ -232,7 +422,12 @@ def init(
     keep_checkpoints: int = 3,
     backend: str | None = None,
     timeout: float = 1800.0,
+    seed: int | None = 0,
 ) -> Run:
     """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
-    script already did, and set up heartbeat, events, faults and checkpoints."""
-    return Run(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout)
+    script already did, and set up heartbeat, events, faults and checkpoints.
+
+    `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
+    redone or run by a replacement draws the same numbers; None leaves the RNG alone.
+    """
+    return Run(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed)

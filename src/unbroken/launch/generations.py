@@ -1,0 +1,198 @@
+"""The leader's side of in-place recovery: it alone decides each generation's membership.
+
+Every agent publishes the deaths of its workers; workers publish when they leave a
+generation and when they are up in a new one; replacements register as joiners. Each tick,
+the leader reads those and moves one state machine:
+
+    running --(a member died or left)--> broken --(every live member has left)--> forming
+    forming --(every member up)--> running           (the recovery is complete)
+    running --(a joiner is ready, shrink policy)--> a planned switch at a step boundary
+
+A plan lists the members by logical slot (a worker's original rank, which a replacement
+inherits), so when every slot is filled again the layout is exactly the original one. When
+in-place recovery is impossible (no live member holds committed state) or does not complete
+within the recovery timeout, the tick returns a fallback: the agent restarts everything from
+the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.launch.control_store import ControlStore
+
+SHRINK, WAIT = "shrink", "wait"
+
+
+@dataclass
+class Verdict:
+    """What the agent must do now: "fallback" (full restart) or "give_up" (budget spent)."""
+
+    action: str
+    fault: dict[str, Any]
+
+
+@dataclass
+class _Recovery:
+    started: float  # monotonic, when the generation broke
+    wall: float  # time.time() of the same moment
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+
+class GenerationPlanner:
+    def __init__(self, ctl: ControlStore, attempt: int, slots: dict[str, int], policy: str,
+                 recovery_timeout: float, join_timeout: float, budget: int,
+                 record: Callable[..., None], say: Callable[[str], None]) -> None:
+        self.ctl = ctl
+        self.prefix = f"a/{attempt}/"
+        self.attempt = attempt
+        self.policy = policy
+        self.recovery_timeout = recovery_timeout
+        self.join_timeout = join_timeout
+        self.budget = budget  # faults we may still recover from
+        self.record = record
+        self.say = say
+        self.slot_of = dict(slots)
+        self.gen = 0
+        self.members = sorted(slots, key=slots.get)
+        self.state = "running"
+        self.recovery: _Recovery | None = None
+        self.planned_at = 0.0
+        self.dead: dict[str, dict[str, Any]] = {}
+        self.joiners: list[str] = []
+        self.recovered = 0  # faults recovered in place
+        self._deaths_seen = 0
+        self._joiners_seen = 0
+        self._switch_requested = False
+
+    # ------------------------------------------------------------------ store
+    def _get(self, key: str) -> Any:
+        return self.ctl.get_json(self.prefix + key)
+
+    def _count(self, key: str) -> int:
+        return self.ctl.add(self.prefix + key, 0)
+
+    @property
+    def busy(self) -> bool:
+        """A recovery or switch is in progress: the agent should tick fast."""
+        return self.state != "running" or self._switch_requested
+
+    def _read_news(self) -> None:
+        deaths = self._count("deaths")
+        for i in range(self._deaths_seen, deaths):
+            death = self._get(f"death/{i}")
+            if death is None:
+                return  # counted but not yet written; read it next tick
+            self.dead[death["wid"]] = death
+            self._deaths_seen = i + 1
+        joiners = self._count("joiners")
+        for i in range(self._joiners_seen, joiners):
+            joiner = self._get(f"joiner/{i}")
+            if joiner is None:
+                return
+            self.slot_of[joiner["wid"]] = joiner["slot"]
+            self.joiners.append(joiner["wid"])
+            self._joiners_seen = i + 1
+        self.joiners = [w for w in self.joiners if w not in self.dead]
+
+    def _request_switch(self, at_step: int) -> None:
+        self.ctl.set_json(self.prefix + "target", {"gen": self.gen + 1, "step": at_step})
+
+    # ------------------------------------------------------------------ tick
+    def tick(self, max_step: int) -> Verdict | None:
+        self._read_news()
+        now = time.monotonic()
+        if self.state in ("running", "forming"):
+            dead_members = [m for m in self.members if m in self.dead]
+            if dead_members or self._count(f"g/{self.gen}/nleft") > 0:
+                self._break(now)
+            elif self.state == "forming":
+                if self._count(f"g/{self.gen}/nup") >= len(self.members):
+                    self._formed(now)
+                elif now - self.planned_at > self.recovery_timeout:
+                    return self._fallback(f"generation {self.gen} did not form within "
+                                          f"{self.recovery_timeout:g}s")
+            elif self.joiners and self.policy == SHRINK and not self._switch_requested:
+                self._switch_requested = True  # a replacement is ready: grow back
+                self._request_switch(max_step + 2)
+        if self.state == "broken":
+            return self._settle(now)
+        if self.state == "running" and self._count(f"g/{self.gen}/ndone") >= len(self.members):
+            self.ctl.set_json(self.prefix + "finished", True)
+        return None
+
+    def _break(self, now: float) -> None:
+        self.state = "broken"
+        self._switch_requested = False
+        if self.recovery is None:
+            self.recovery = _Recovery(started=now, wall=time.time())
+        self._request_switch(0)  # every member leaves at its next step boundary
+
+    def _settle(self, now: float) -> Verdict | None:
+        left = {}
+        for m in self.members:
+            if m not in self.dead:
+                record = self._get(f"g/{self.gen}/left/{m}")
+                if record is None:
+                    if now - self.recovery.started > self.recovery_timeout:
+                        return self._fallback(f"worker {m} did not leave generation {self.gen} "
+                                              f"within {self.recovery_timeout:g}s")
+                    return None
+                left[m] = record
+        faults = [self.dead[m] for m in self.members if m in self.dead]
+        faults += [{"kind": "exception", "wid": m, "slot": self.slot_of[m], **r}
+                   for m, r in left.items() if r["reason"] == "exception"]
+        for fault in faults:
+            if fault not in self.recovery.faults:
+                self.recovery.faults.append(fault)
+                if self.budget <= 0:
+                    return Verdict("give_up", fault)
+                self.budget -= 1
+        if any(r["reason"] == "no_state" for r in left.values()):
+            return self._fallback("no live worker holds the committed state")
+        holders = [m for m, r in left.items() if r["holds_state"]]
+        if not holders:
+            return self._fallback("every worker that held the committed state is gone")
+        members = list(left)
+        missing = {self.slot_of[m] for m in self.members if m in self.dead}
+        ready = [j for j in self.joiners if j not in members]
+        if self.policy == WAIT and missing - {self.slot_of[j] for j in ready}:
+            if now - self.recovery.started < self.join_timeout:
+                return None  # wait for the replacements to take the failed slots
+        members += ready
+        self.joiners = [j for j in self.joiners if j not in members]
+        self._plan(sorted(members, key=lambda m: self.slot_of[m]), now)
+        return None
+
+    def _plan(self, members: list[str], now: float) -> None:
+        gen = self.gen + 1
+        plan = {"gen": gen, "members": members}
+        self.ctl.set_json(f"{self.prefix}g/{gen}/plan", plan)
+        self.ctl.set_json(self.prefix + "gen", gen)
+        self.record("gen_plan", gen=gen, world_size=len(members), members=members,
+                    duration=round(now - self.recovery.started, 6) if self.recovery else None)
+        self.gen, self.members = gen, members
+        self.state = "forming"
+        self.planned_at = now
+
+    def _formed(self, now: float) -> None:
+        self.state = "running"
+        rec = self.recovery
+        self.record("gen_up", gen=self.gen, world_size=len(self.members),
+                    duration=round(now - rec.started, 6) if rec else None,
+                    faults=[f.get("kind") for f in rec.faults] if rec else [])
+        if rec and rec.faults:
+            self.recovered += len(rec.faults)
+            self.say(f"recovered in place: generation {self.gen} of {len(self.members)} workers "
+                     f"up {now - rec.started:.3f}s after the fault")
+        self.recovery = None
+
+    def _fallback(self, why: str) -> Verdict:
+        fault = (self.recovery.faults[0] if self.recovery and self.recovery.faults
+                 else {"kind": "recovery_failed", "rank": None})
+        self.record("recovery_fallback", gen=self.gen, reason=why)
+        self.say(f"in-place recovery impossible ({why}): restarting every worker")
+        return Verdict("fallback", {**fault, "detail": f"{fault.get('detail', '')} ({why})".strip()})

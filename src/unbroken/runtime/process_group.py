@@ -1,0 +1,104 @@
+"""Process groups a worker can form in a generation and abort from the inside.
+
+Leaving a generation must unblock every peer still waiting on us in a collective. For gloo,
+neither `destroy_process_group()` nor `ProcessGroup.abort()` closes the group's sockets while
+anything still references the group (DDP does), so peers would wait for the full collective
+timeout. We therefore note the connected sockets a group opens while it is formed and, to
+abort, shut them down: each peer blocked on us fails at once with "connection closed". Only
+connected sockets are shut down; gloo's listening socket must stay untouched (its accept loop
+aborts the process otherwise). NCCL has a real abort, which we use.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+
+def _socket_inodes() -> dict[int, str]:
+    """fd -> 'socket:[inode]' for every socket this process holds."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+class AbortableGroups:
+    """The process groups of one generation: formed together, aborted together."""
+
+    def __init__(self) -> None:
+        self._sockets: dict[int, str] = {}
+        self.backend: str | None = None
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Attribute to this generation the sockets opened inside the block."""
+        before = _socket_inodes()
+        try:
+            yield
+        finally:
+            after = _socket_inodes()
+            self._sockets.update({fd: ino for fd, ino in after.items() if before.get(fd) != ino})
+
+    def form(self, store: Store, rank: int, world_size: int, backend: str,
+             join_timeout: float, timeout: float) -> dist.ProcessGroup | None:
+        """Make the default group from `store`, plus a gloo group for checkpoints.
+
+        Rendezvous is bounded by `join_timeout` (a member that died before joining must not
+        block us for long); collectives then get the user's `timeout`.
+        """
+        self.backend = backend
+        with self.recording():
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=join_timeout))
+            dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=timeout))
+            return dist.new_group(backend="gloo") if world_size > 1 else None
+
+    def abort(self) -> None:
+        """Make every peer blocked on this generation's groups fail now; then tear them down."""
+        if self.backend == "nccl" and dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except (RuntimeError, ValueError):
+                pass  # already aborted or destroyed: nothing is blocked on it any more
+        current = _socket_inodes()
+        for fd, inode in self._sockets.items():
+            if current.get(fd) != inode:
+                continue  # closed since, and the number perhaps reused: not ours any more
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue  # gloo closed it just now, after a peer's error
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected (any more): nobody can be blocked on it
+            finally:
+                sock.detach()  # the fd stays gloo's to close
+        self._sockets.clear()
+        self.destroy()
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError):
+                pass  # a broken group can fail to destroy cleanly; it is gone either way
+        self.backend = None
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"

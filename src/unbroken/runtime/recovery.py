@@ -1,0 +1,105 @@
+"""In-place recovery, inside a worker: leave a broken generation, join the next one.
+
+Leaving aborts the generation's groups (so peers blocked on us fail at once) and tells the
+leader what we hold. Joining waits for a plan naming us, meets the other members, forms the
+new groups under the generation's own store prefix, and brings every member to the newest
+committed state. If anything fails on the way (a member dies mid-switch, the state sender
+among them) we leave that generation too and wait for the next plan; the leader bounds the
+whole thing and falls back to a full restart, so it never hangs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.runtime.membership import Membership, Plan
+from unbroken.runtime.process_group import AbortableGroups
+from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
+
+_PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken pipe",
+                       "NCCL", "DistNetworkError", "DistBackendError", "DistStoreError")
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    """Did this exception come from the group (a peer died or left), not from the user's code?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, RuntimeError) and any(m in text for m in _PEER_ERROR_MARKERS)
+
+
+@dataclass
+class Switch:
+    """One completed switch into a generation, with the time each phase took."""
+
+    plan: Plan
+    sync: SyncResult
+    ckpt_group: dist.ProcessGroup | None
+    phases: dict[str, float]  # wait_plan, gather, form, sync: seconds
+    tries: int  # generations tried before this one held
+
+
+class Generations:
+    def __init__(self, membership: Membership, backend: str, timeout: float,
+                 join_timeout: float, record: Callable[..., None]) -> None:
+        self.membership = membership
+        self.groups = AbortableGroups()
+        self.backend = backend
+        self.timeout = timeout
+        self.join_timeout = join_timeout
+        self.record = record
+        self.gen = 0
+
+    def report_up(self, switch: Switch) -> None:
+        """Tell the leader we are ready to train in the switch's generation."""
+        self.membership.report_up(switch.plan)
+
+    def leave(self, step: int, holds_state: bool, reason: str, **detail: Any) -> None:
+        """Leave the current generation; peers blocked on it fail now."""
+        self.groups.abort()
+        self.membership.leave(self.gen, step, holds_state, reason, **detail)
+
+    def join(self, committed_step: int, holds_state: bool, get_state: Callable[[], Any],
+             set_state: Callable[[Any], None], joining: bool = False) -> Switch:
+        """Join the next generation that names us, with the newest committed state."""
+        tries = 0
+        while True:
+            tries += 1
+            t0 = time.monotonic()
+            plan = self.membership.next_plan(self.gen, joining=joining)
+            t1 = time.monotonic()
+            if not self.membership.gather(plan):
+                self.gen = plan.gen  # superseded before it formed: nothing to leave
+                continue
+            t2 = time.monotonic()
+            self.gen = plan.gen
+            try:
+                ckpt_group = self.groups.form(self.membership.store_for(plan), plan.rank,
+                                              plan.world_size, self.backend, self.join_timeout,
+                                              self.timeout)
+                t3 = time.monotonic()
+                result = sync_state(None, committed_step, holds_state, get_state, set_state)
+                t4 = time.monotonic()
+            except NoStateError:
+                self.leave(committed_step, holds_state, "no_state")
+                raise
+            except Exception as exc:  # a member died or left mid-switch: try the next plan
+                if not is_peer_error(exc):
+                    raise
+                self.record("switch_failed", gen=plan.gen, error=_first_line(exc))
+                self.leave(committed_step, holds_state, "peer", error=_first_line(exc))
+                joining = joining and not holds_state
+                continue
+            phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3}
+            return Switch(plan, result, ckpt_group, {k: round(v, 6) for k, v in phases.items()},
+                          tries)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
