@@ -1,5 +1,7 @@
-"""A SIGKILL, a SIGSTOP hang and an exception in one worker each restart the job, which
-then completes with its loss going down. Real processes, real signals, real gloo groups."""
+"""With `--on-fault restart`, a SIGKILL, a SIGSTOP hang and an exception in one worker each
+restart every worker from the last checkpoint, and the job completes with its loss going
+down. This is also the path in-place recovery falls back to. Real processes, real signals,
+real gloo groups."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from conftest import TINY, assert_gave_up, finish, launch, start, wait_for
 from unbroken.telemetry.summary import summarize
 
 STEPS = 40
+RESTART = ["--on-fault", "restart"]
 ARGS = ["--steps", str(STEPS), *TINY]
 
 
 def _run_with_fault(tmp_path, fault: str, workers: int = 2):
     run_dir = tmp_path / "run"
-    result = launch(run_dir, "--nproc-per-node", str(workers), "--max-restarts", "2",
+    result = launch(run_dir, "--nproc-per-node", str(workers), "--max-restarts", "2", *RESTART,
                     "--fault", fault, args=[*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
                                             "--checkpoint-every", "5"])
     assert result.code == 0, result.output
@@ -61,7 +64,7 @@ def test_exception_traceback_is_recorded(tmp_path):
 def test_external_sigkill_of_a_worker(tmp_path):
     """A kill from outside the worker, at whatever step it happens to be in."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *RESTART,
                  args=["--steps", "60", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
                        "--checkpoint-every", "5"])
     from conftest import events_of
@@ -82,7 +85,7 @@ def test_external_sigkill_of_a_worker(tmp_path):
 def test_restart_budget_is_respected(tmp_path):
     """Two faults with --max-restarts 1: the job stops with exit 1 and says why."""
     run_dir = tmp_path / "run"
-    result = launch(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    result = launch(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *RESTART,
                     "--fault", "exception:rank=0,step=3", "--fault", "exception:rank=1,step=6",
                     args=["--steps", "20", *TINY])
     assert_gave_up(result, 1, "InjectedFault", 2)
@@ -91,7 +94,7 @@ def test_restart_budget_is_respected(tmp_path):
 def test_hang_blames_the_stopped_worker_among_four(tmp_path):
     """With 4 workers all blocked behind one SIGSTOPped rank, the stopped one is blamed."""
     run_dir = tmp_path / "run"
-    result = launch(run_dir, "--nproc-per-node", "4", "--max-restarts", "1",
+    result = launch(run_dir, "--nproc-per-node", "4", "--max-restarts", "1", *RESTART,
                     "--fault", "hang:rank=2,step=14",
                     args=["--steps", "20", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
                           "--checkpoint-every", "5"])

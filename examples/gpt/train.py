@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--final-state", default=None, help="rank 0 saves model and optimizer here")
+    p.add_argument("--exact", action="store_true",
+                   help="reduce gradients in rank order: bit-identical results across recoveries")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -47,7 +50,12 @@ def main() -> None:
     run.track(model, optimizer)
 
     def build() -> torch.nn.Module:  # once per generation: the wrapper that needs the group
-        return DDP(model) if run.world_size > 1 else model
+        if run.world_size == 1:
+            return model
+        ddp = DDP(model)
+        if args.exact:
+            ddp.register_comm_hook(None, unbroken.exact_allreduce)
+        return ddp
 
     def train_step(step: int, net: torch.nn.Module) -> None:  # forward + backward; no opt.step()
         x, y = corpus.batch(step, run.rank, run.world_size, args.global_batch, args.seq, args.seed)
@@ -61,6 +69,8 @@ def main() -> None:
             print(f"step {step:4d}  loss {mean.item():.3f}", flush=True)
 
     run.train(train_step, steps=args.steps, build=build)
+    if args.final_state and run.rank == 0:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, args.final_state)
     run.close()
 
 

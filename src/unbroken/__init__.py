@@ -11,6 +11,7 @@ from unbroken.errors import CheckpointMismatch, ExitCode, UserError
 from unbroken.faults import FaultSpec, parse_faults
 
 if TYPE_CHECKING:
+    from unbroken.runtime.exact_reduce import exact_allreduce
     from unbroken.runtime.session import Run, init
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "FaultSpec",
     "Run",
     "UserError",
+    "exact_allreduce",
     "init",
     "parse_faults",
 ]
@@ -31,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from unbroken.runtime import session
 
         return getattr(session, name)
+    if name == "exact_allreduce":
+        from unbroken.runtime.exact_reduce import exact_allreduce
+
+        return exact_allreduce
     raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

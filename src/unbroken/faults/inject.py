@@ -28,17 +28,29 @@ class FaultInjector:
     ) -> None:
         """`claim(key)` returns True only the first time a key is claimed in the job."""
         self._by_step: dict[int, list[FaultSpec]] = {}
+        self._at_points: list[FaultSpec] = []
         for fault in faults:
-            if fault.rank == rank:
+            if fault.rank != rank:
+                continue
+            if fault.at == "step":
                 self._by_step.setdefault(fault.step, []).append(fault)
+            else:
+                self._at_points.append(fault)
         self._claim = claim
         self._record = record
 
     def at_step(self, step: int) -> None:
-        for fault in self._by_step.get(step, ()):
+        self._fire(self._by_step.get(step, ()), step)
+
+    def at_point(self, point: str, step: int) -> None:
+        """At a recovery point (`join`, `send`) while holding committed step `step`."""
+        self._fire([f for f in self._at_points if f.at == point and step >= f.step], step)
+
+    def _fire(self, faults: list[FaultSpec] | tuple, step: int) -> None:
+        for fault in faults:
             if not self._claim(fault.key):
                 continue
-            self._record("fault_injected", fault=str(fault), kind=fault.kind, step=step)
+            self._record("fault_injected", fault=str(fault), kind=fault.kind, step=step, at=fault.at)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":

@@ -1,4 +1,8 @@
-"""The fault language: `KIND:rank=R,step=S[,seconds=X]`, several joined by `;`.
+"""The fault language: `KIND:rank=R,step=S[,seconds=X][,at=POINT]`, several joined by `;`.
+
+`at` says where the fault fires: `step` (default) at the start of step S; `join` when the
+worker, holding step S or later, starts forming a new generation's groups (a fault during a
+recovery); `send` when it is about to send its state to a peer (the state sender dies).
 
 One grammar for the `--fault` flag, the `UNBROKEN_FAULTS` variable, tests and benchmarks,
 so a fault that broke a run can be replayed by pasting the same string.
@@ -18,18 +22,23 @@ FAULT_KINDS = {
 }
 
 
+FAULT_POINTS = ("step", "join", "send")
+
+
 @dataclass(frozen=True)
 class FaultSpec:
-    """One fault: what happens, to which rank, at the start of which step."""
+    """One fault: what happens, to which rank, at which step, and at which point."""
 
     kind: str
     rank: int
     step: int
     seconds: float = 1.0
+    at: str = "step"
 
     def __str__(self) -> str:
         extra = f",seconds={self.seconds:g}" if self.kind == "slow" else ""
-        return f"{self.kind}:rank={self.rank},step={self.step}{extra}"
+        where = f",at={self.at}" if self.at != "step" else ""
+        return f"{self.kind}:rank={self.rank},step={self.step}{extra}{where}"
 
     @property
     def key(self) -> str:
@@ -50,7 +59,7 @@ def _parse_one(text: str) -> FaultSpec:
         if not eq:
             raise UserError(f"fault field {part!r} in {text!r} is not NAME=VALUE")
         fields[name.strip()] = value.strip()
-    unknown = set(fields) - {"rank", "step", "seconds"}
+    unknown = set(fields) - {"rank", "step", "seconds", "at"}
     if unknown:
         raise UserError(f"unknown fault field(s) {sorted(unknown)} in {text!r}")
     if "rank" not in fields or "step" not in fields:
@@ -61,9 +70,12 @@ def _parse_one(text: str) -> FaultSpec:
             rank=int(fields["rank"]),
             step=int(fields["step"]),
             seconds=float(fields.get("seconds", 1.0)),
+            at=fields.get("at", "step"),
         )
     except ValueError as exc:
         raise UserError(f"fault {text!r} has a non-numeric value: {exc}") from None
+    if spec.at not in FAULT_POINTS:
+        raise UserError(f"fault {text!r}: at= must be one of {', '.join(FAULT_POINTS)}")
     if spec.rank < 0 or spec.step < 0 or spec.seconds < 0:
         raise UserError(f"fault {text!r}: rank, step and seconds must be >= 0")
     return spec

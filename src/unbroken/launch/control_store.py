@@ -77,7 +77,8 @@ class ControlStore:
 
     def __init__(self, store: Store, run_id: str) -> None:
         self.raw = store
-        self.kv = PrefixStore(f"unbroken/{run_id}/", store)
+        self.prefix = f"unbroken/{run_id}/"
+        self.kv = PrefixStore(self.prefix, store)
 
     def set_json(self, key: str, value: Any) -> None:
         self.kv.set(key, json.dumps(value))

@@ -148,6 +148,12 @@ class GenerationPlanner:
         for fault in faults:
             if fault not in self.recovery.faults:
                 self.recovery.faults.append(fault)
+                if fault["kind"] == "exception":  # deaths were recorded by their agents
+                    self.record("fault", kind="exception", rank=fault["slot"], wid=fault["wid"],
+                                step=fault["step"], detail=fault.get("error"),
+                                traceback=fault.get("traceback"), in_place=True)
+                    self.say(f"fault: rank {fault['slot']} exception: {fault.get('error')} "
+                             "(recovering in place)")
                 if self.budget <= 0:
                     return Verdict("give_up", fault)
                 self.budget -= 1

@@ -52,8 +52,10 @@ class RecoveryTimeout(RuntimeError):
 
 class Membership:
     def __init__(self, ctl: ControlStore, attempt: int, wid: str,
-                 on_wait: Callable[[], None], timeout: float, poll: float = 0.001) -> None:
+                 on_wait: Callable[[], None], timeout: float,
+                 connect: Callable[[float], Store], poll: float = 0.001) -> None:
         self.ctl = ctl
+        self._connect = connect  # a new client connection to the control store
         self.wid = wid
         self.prefix = f"a/{attempt}/"
         self._on_wait = on_wait  # keeps the heartbeat fresh while we wait
@@ -115,9 +117,12 @@ class Membership:
             time.sleep(self.poll)
         return True
 
-    def store_for(self, plan: Plan) -> Store:
-        """Where the generation's process groups rendezvous: a fresh prefix of its own."""
-        return PrefixStore(f"g/{plan.gen}/pg/", PrefixStore(self.prefix, self.ctl.kv))
+    def store_for(self, plan: Plan, timeout: float) -> Store:
+        """Where the generation's process groups rendezvous: a fresh prefix of its own, over
+        a connection of its own. A rendezvous that times out (a member died while joining)
+        can leave a store client out of step with the server, so no client outlives its
+        generation."""
+        return PrefixStore(f"{self.ctl.prefix}{self.prefix}g/{plan.gen}/pg/", self._connect(timeout))
 
     def report_up(self, plan: Plan) -> None:
         self.ctl.add(self._key(f"g/{plan.gen}/nup"), 1)

@@ -40,19 +40,22 @@ class Switch:
     plan: Plan
     sync: SyncResult
     ckpt_group: dist.ProcessGroup | None
-    phases: dict[str, float]  # wait_plan, gather, form, sync: seconds
+    view: Any  # what the user's build() returned in the new generation
+    phases: dict[str, float]  # wait_plan, gather, form, sync, build: seconds
     tries: int  # generations tried before this one held
 
 
 class Generations:
     def __init__(self, membership: Membership, backend: str, timeout: float,
-                 join_timeout: float, record: Callable[..., None]) -> None:
+                 join_timeout: float, record: Callable[..., None],
+                 fault_point: Callable[[str, int], None] = lambda point, step: None) -> None:
         self.membership = membership
         self.groups = AbortableGroups()
         self.backend = backend
         self.timeout = timeout
         self.join_timeout = join_timeout
         self.record = record
+        self.fault_point = fault_point  # injected faults at recovery points (tests, benchmarks)
         self.gen = 0
 
     def report_up(self, switch: Switch) -> None:
@@ -64,12 +67,15 @@ class Generations:
         self.groups.abort()
         self.membership.leave(self.gen, step, holds_state, reason, **detail)
 
-    def join(self, committed_step: int, holds_state: bool, get_state: Callable[[], Any],
-             set_state: Callable[[Any], None], joining: bool = False) -> Switch:
-        """Join the next generation that names us, with the newest committed state."""
+    def join(self, position: Callable[[], tuple[int, bool]], get_state: Callable[[], Any],
+             set_state: Callable[[Any], None], build: Callable[[], Any],
+             joining: bool = False) -> Switch:
+        """Join the next generation that names us, with the newest committed state, and
+        rebuild what depends on the group (`build`: DDP's constructor is collective too)."""
         tries = 0
         while True:
             tries += 1
+            committed_step, holds_state = position()  # (step, holds it): may change on receipt
             t0 = time.monotonic()
             plan = self.membership.next_plan(self.gen, joining=joining)
             t1 = time.monotonic()
@@ -79,12 +85,17 @@ class Generations:
             t2 = time.monotonic()
             self.gen = plan.gen
             try:
-                ckpt_group = self.groups.form(self.membership.store_for(plan), plan.rank,
+                self.fault_point("join", committed_step)
+                store = self.membership.store_for(plan, self.join_timeout)
+                ckpt_group = self.groups.form(store, plan.rank,
                                               plan.world_size, self.backend, self.join_timeout,
                                               self.timeout)
                 t3 = time.monotonic()
-                result = sync_state(None, committed_step, holds_state, get_state, set_state)
+                result = sync_state(None, committed_step, holds_state, get_state, set_state,
+                                    before_send=lambda step: self.fault_point("send", step))
                 t4 = time.monotonic()
+                view = build()
+                t5 = time.monotonic()
             except NoStateError:
                 self.leave(committed_step, holds_state, "no_state")
                 raise
@@ -92,12 +103,14 @@ class Generations:
                 if not is_peer_error(exc):
                     raise
                 self.record("switch_failed", gen=plan.gen, error=_first_line(exc))
+                committed_step, holds_state = position()
                 self.leave(committed_step, holds_state, "peer", error=_first_line(exc))
                 joining = joining and not holds_state
                 continue
-            phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3}
-            return Switch(plan, result, ckpt_group, {k: round(v, 6) for k, v in phases.items()},
-                          tries)
+            phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,
+                      "build": t5 - t4}
+            return Switch(plan, result, ckpt_group, view,
+                          {k: round(v, 6) for k, v in phases.items()}, tries)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -59,6 +59,11 @@ def _process_start_time() -> float | None:
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
+# Forming a generation's groups takes milliseconds once every member has arrived; a member
+# that dies in that window blocks the others until this bound, then a new plan follows.
+_JOIN_TIMEOUT = 3.0
+
+
 class Run:
     """One worker's view of the job; create it with `unbroken.init()`."""
 
@@ -147,6 +152,12 @@ class Run:
             self._control = ControlStore(store, env.get("UNBROKEN_RUN_ID", "default"))
         return self._control
 
+    def _connect_control(self, timeout: float) -> Any:
+        from unbroken.launch.control_store import connect_store
+
+        env = os.environ
+        return connect_store(env["UNBROKEN_CONTROL_ADDR"], int(env["UNBROKEN_CONTROL_PORT"]), timeout)
+
     def _claim_fault(self, key: str) -> bool:
         """A fault fires once per job: claimed in the control store, or per process without one."""
         if os.environ.get("UNBROKEN_CONTROL_PORT"):
@@ -184,8 +195,10 @@ class Run:
                        optim_state_dict=state.get("optim", {}))
         for name, obj in self._extra.items():
             obj.load_state_dict(state[f"extra_{name}"])
-        torch.set_rng_state(state["unbroken"]["rng_cpu"])
+        if "rng_cpu" in state["unbroken"]:  # a checkpoint's; state from a peer has none
+            torch.set_rng_state(state["unbroken"]["rng_cpu"])
         self.step = int(state["unbroken"]["step"])
+        self._holds_state = True
 
     def save_checkpoint(self) -> None:
         """Checkpoint the committed state now (collective: every rank must call it)."""
@@ -261,8 +274,10 @@ class Run:
         if self.in_place:
             self._generations = Generations(
                 Membership(self._control_store(), self.attempt, self.wid, self._recovery_beat,
-                           timeout=float(os.environ.get("UNBROKEN_RECOVERY_TIMEOUT", 60))),
-                self.backend, self.timeout, join_timeout=10.0, record=self.events.emit)
+                           timeout=float(os.environ.get("UNBROKEN_RECOVERY_TIMEOUT", 60)),
+                           connect=self._connect_control),
+                self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT, record=self.events.emit,
+                fault_point=self._faults.at_point)
             self._generations.groups = self._groups
         if self.joining:
             self._join(reason="replacement")
@@ -305,14 +320,15 @@ class Run:
                         raise
                     self._leave_and_join("peer", error=str(exc).splitlines()[0][:300])
         self._stamp(self.step, PHASE_DONE)
-        self.events.emit("training_done", step=self.step, gen=self.gen)
+        self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
             self._control_store().add(f"a/{self.attempt}/g/{self.gen}/ndone", 1)
 
     def _build_view(self) -> Any:
-        if self._build is None or not dist.is_initialized():
+        if not dist.is_initialized():
             return self._model
-        return self._build()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # build() may read them
+        return self._model if self._build is None else self._build()
 
     def _commit(self) -> None:
         """The optimizer update: after it, this rank holds the state of the step."""
@@ -364,8 +380,8 @@ class Run:
             self._control_store()  # connect before we announce ourselves
             gens.membership.register_joiner(self.slot)
         try:
-            switch = gens.join(self.step, self._holds_state, self._peer_state, self._restore_peer,
-                               joining=self.joining)
+            switch = gens.join(lambda: (self.step, self._holds_state), self._peer_state,
+                               self._restore, self._build_view, joining=self.joining)
         except JobFinished:
             self.events.emit("joiner_unused", slot=self.slot)
             self.close()
@@ -376,9 +392,7 @@ class Run:
         self._ckpt_group = switch.ckpt_group
         if self._checkpointer is not None:
             self._checkpointer.group = switch.ckpt_group
-        t1 = time.monotonic()
-        self._view = self._build_view()
-        build = time.monotonic() - t1
+        self._view = switch.view
         gens.report_up(switch)
         self.events.context["rank"] = self.rank
         self._stamp(self.step, PHASE_TRAINING)
@@ -387,20 +401,13 @@ class Run:
         self.events.emit("gen_switch", gen=self.gen, reason=reason, step=self.step,
                          world_size=self.world_size, state_from=switch.sync.source,
                          received_bytes=switch.sync.received_bytes, tries=switch.tries,
-                         build=round(build, 6), duration=round(time.monotonic() - t0, 6),
+                         duration=round(time.monotonic() - t0, 6),
                          **switch.phases)
 
     def _peer_state(self) -> dict[str, Any]:
         state = self.state_dict()
         del state["unbroken"]["rng_cpu"]  # per-rank, and re-seeded from the step anyway
         return state
-
-    def _restore_peer(self, state: dict[str, Any]) -> None:
-        set_state_dict(self._model, self._optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
-        for name, obj in self._extra.items():
-            obj.load_state_dict(state[f"extra_{name}"])
-        self.step = int(state["unbroken"]["step"])
 
     def close(self) -> None:
         """Tear down what `init` created; safe to call twice."""

@@ -99,6 +99,7 @@ def sync_state(
     get_state: Callable[[], Any],
     set_state: Callable[[Any], None],
     device: torch.device | None = None,
+    before_send: Callable[[int], None] | None = None,
 ) -> SyncResult:
     """Collective over `group`: afterwards every rank holds the newest committed state."""
     device = device or torch.device("cpu")
@@ -117,6 +118,8 @@ def sync_state(
     for i, rank in enumerate(needy):
         sender = holders[i % len(holders)]
         if me == sender:
+            if before_send is not None:
+                before_send(best)
             header, tensors = pack(get_state())
             blob = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             payload = _as_bytes(tensors)
