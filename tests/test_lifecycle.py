@@ -134,7 +134,8 @@ def test_runs_without_a_launcher(tmp_path):
 
 def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
     run_dir = tmp_path / "run"
-    first = launch(run_dir, "--nproc-per-node", "2", "--fault", "exception:rank=1,step=3",
+    first = launch(run_dir, "--nproc-per-node", "2", "--on-fault", "restart",
+                   "--fault", "exception:rank=1,step=3",
                    args=["--steps", "6", *TINY])
     assert first.code == 1
     assert (run_dir / "node_0" / "attempt_0" / "rank_1.error.json").exists()
@@ -145,7 +146,7 @@ def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
 
 def test_warm_standbys_become_the_restarted_workers(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--on-fault", "restart",
                  args=["--steps", "100000", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
                        "--checkpoint-every", "20"])
     ready = wait_for(lambda: len(events_of(run_dir, "standby_ready")) >= 2 and

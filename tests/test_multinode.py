@@ -18,7 +18,9 @@ def _node(tmp_path, port, node_rank, *extra, steps=40, run_dir=None):
                        "--checkpoint-every", "5"])
 
 
-def test_two_nodes_complete_and_survive_a_worker_kill_on_node_1(tmp_path):
+def test_two_nodes_recover_in_place_from_a_worker_kill_on_node_1(tmp_path):
+    """Node 1's agent publishes the death, node 0's leader plans the next generation, and
+    both nodes' survivors switch to it without a restart."""
     port = free_port()
     fault = ["--fault", "crash:rank=3,step=11"]
     leader = _node(tmp_path, port, 0, *fault)
@@ -28,11 +30,15 @@ def test_two_nodes_complete_and_survive_a_worker_kill_on_node_1(tmp_path):
     assert r0.code == 0, r0.output
     assert r1.code == 0, r1.output
     faults = r0.events("fault")
-    assert [(f["kind"], f["rank"], f["node"]) for f in faults] == [("crash", 3, 1)]
+    assert [(f["kind"], f["rank"], f["node"], f["in_place"]) for f in faults] == [("crash", 3, 1, True)]
     started = r0.events("workers_started")
-    # Both nodes ran both attempts; ranks 0-1 on node 0 and 2-3 on node 1.
-    assert sorted((e["node"], e["attempt"]) for e in started) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # One attempt on each node (no restart); ranks 0-1 on node 0 and 2-3 on node 1.
+    assert sorted((e["node"], e["attempt"]) for e in started) == [(0, 0), (1, 0)]
     assert {tuple(sorted(e["pids"])) for e in started if e["node"] == 1} == {("2", "3")}
+    assert [e["world_size"] for e in r0.events("gen_plan")][0] == 3
+    survivors = {int(r): pid for e in started for r, pid in e["pids"].items() if r != "3"}
+    finished = {e["slot"]: e["pid"] for e in r0.events("training_done")}
+    assert all(finished[slot] == pid for slot, pid in survivors.items()), (survivors, finished)
     s = summarize(run_dir)
     assert s["steps"] == 40 and s["final_loss"] < s["first_loss"] - 0.5
 

@@ -95,11 +95,21 @@ class Checkpointer:
         self.keep = keep
         self.attempt = attempt
         self.record = record or (lambda *a, **k: None)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tag = f"a{attempt}"  # names this writer's temporary directories
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now: in-place recovery renumbers ranks between generations."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def use_group(self, group: dist.ProcessGroup | None, generation: int) -> None:
+        """Checkpoint over a new generation's group; its saves get temporary dirs of their own."""
+        self.group = group
+        self.tag = f"a{self.attempt}g{generation}"
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -109,7 +119,7 @@ class Checkpointer:
         """Write `state` as the checkpoint of `step`; returns once it is committed everywhere."""
         t0 = time.monotonic()
         name = f"step_{step:09d}"
-        tmp = self.directory / f".tmp-{name}-a{self.attempt}"
+        tmp = self.directory / f".tmp-{name}-{self.tag}"
         final = self.directory / name
         tmp.mkdir(parents=True, exist_ok=True)
         dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
@@ -120,6 +130,8 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_path(self.directory)
+            for torn in self.directory.glob(f".tmp-{name}-*"):  # a save a fault interrupted
+                shutil.rmtree(torn, ignore_errors=True)
             self._retain()
         self._barrier()
         nbytes = sum(f.stat().st_size for f in final.iterdir()) if self.rank == 0 else None

@@ -87,6 +87,7 @@ class Agent:
         self._recovered = 0  # faults recovered in place (they spend the restart budget too)
         self._replacements = 0
         self._give_up = False
+        self._hang_quiet_until = 0.0
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -690,6 +691,8 @@ class Agent:
 
     def _find_hang(self) -> dict[str, Any] | None:
         now = time.monotonic()
+        if now < self._hang_quiet_until:
+            return None  # peers of a worker just killed for hanging are still unblocking
         beating, overdue = [], []
         for w in self.workers:
             if w.proc.returncode is not None:
@@ -711,6 +714,9 @@ class Agent:
         timeout = w.hang.overdue(now) or w.hang.step_timeout()
         beat = w.hang.last_beat
         os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
+        # Its peers were blocked on it and are as silent; once it is dead their collectives
+        # fail at once. Give them that moment before judging them (recovering in place).
+        self._hang_quiet_until = now + _HANG_QUIET
         w.fault = {"kind": "hang", "rank": w.rank, "node": self.cfg.node_rank, "pid": w.pid,
                 "step": beat.step, "silent_for": round(now - beat.monotonic, 3),
                 "hang_started": round(time.time() - (now - beat.monotonic), 6),
@@ -728,6 +734,7 @@ class Agent:
 
 
 _ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
+_HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
 _PEER_ERROR = 2
 _PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "DistNetworkError", "NCCL")
 

@@ -64,6 +64,23 @@ def _process_start_time() -> float | None:
 _JOIN_TIMEOUT = 3.0
 
 
+def _torchrun_rendezvous(rank: int, world_size: int, timeout: float) -> dict[str, Any]:
+    """Under torchrun, rendezvous under a prefix of our own per restart.
+
+    torchrun (torch 2.13) hands every restart the same agent store with no per-restart prefix
+    (`TORCHELASTIC_USE_AGENT_STORE`), so a restarted worker can read the dead workers' gloo
+    addresses and fail or hang in `init_process_group`. Under `unbroken run` each attempt
+    gets a fresh store, and nothing needs doing.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "UNBROKEN_RUN_ID" in env:
+        return {}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False,
+                          timedelta(seconds=timeout))
+    prefix = f"unbroken/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world_size}
+
+
 class Run:
     """One worker's view of the job; create it with `unbroken.init()`."""
 
@@ -111,7 +128,8 @@ class Run:
             torch.cuda.set_device(self.local_rank)
         with self._groups.recording():
             if self.world_size > 1 and not dist.is_initialized() and not self.joining:
-                dist.init_process_group(backend=self.backend, timeout=timedelta(seconds=timeout))
+                dist.init_process_group(backend=self.backend, timeout=timedelta(seconds=timeout),
+                                        **_torchrun_rendezvous(self.rank, self.world_size, timeout))
                 self._groups.backend = self.backend
                 self._owns_group = True
             # Checkpoint collectives get a group of their own, never the training one.
@@ -391,7 +409,7 @@ class Run:
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
         self._ckpt_group = switch.ckpt_group
         if self._checkpointer is not None:
-            self._checkpointer.group = switch.ckpt_group
+            self._checkpointer.use_group(switch.ckpt_group, self.gen)
         self._view = switch.view
         gens.report_up(switch)
         self.events.context["rank"] = self.rank

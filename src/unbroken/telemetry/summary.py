@@ -1,7 +1,8 @@
 """What a run's event log says: steps, faults, the time each fault cost, the loss.
 
-For each fault, `downtime` runs from the moment the fault happened (a hang: its last
-heartbeat; otherwise: its detection) to the first step completed after recovery, and
+For each fault, `downtime` runs from the moment the fault happened (an injected fault: its
+injection; a hang: its last heartbeat; otherwise: its detection) to the first step completed
+after recovery (in place: by the next generation; by restart: by the next attempt), and
 `redone` counts the steps that were computed before the fault and had to run again.
 """
 
@@ -41,22 +42,31 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     faults = []
     for f in (e for e in events if e["event"] == "fault"):
         attempt = f.get("attempt", 0)
-        injected = next((e["t"] for e in events if e["event"] == "fault_injected"
-                         and e.get("attempt") == attempt and e.get("rank") == f.get("rank")), None)
-        began = injected or f.get("hang_started") or f["t"]
-        resumed = next((e for e in steps if e["attempt"] > attempt and e["t"] > f["t"]), None)
-        if resumed is None:  # no step was left to run: the restart resumed into the end
-            resumed = next((e for e in events if e["event"] == "resume"
-                            and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
-        reached = max((e["step"] for e in steps if e["attempt"] == attempt), default=-1) + 1
-        restart_from = next((e["step"] for e in events if e["event"] == "resume"
-                             and e.get("attempt") == attempt + 1), None)
+        slot = f.get("slot", f.get("rank"))
+        injected = [e["t"] for e in events if e["event"] == "fault_injected" and e["t"] <= f["t"]
+                    and e.get("attempt") == attempt and e.get("slot", e.get("rank")) == slot]
+        began = injected[-1] if injected else f.get("hang_started") or f["t"]
+        before = [e for e in steps if e["attempt"] == attempt and e["t"] <= began]
+        reached = max((e["step"] for e in before), default=-1) + 1
+        if f.get("in_place"):
+            # Recovered in place: the first step of a later generation of the same attempt.
+            gen = max((e.get("gen", 0) for e in before), default=0)
+            resumed = next((e for e in steps if e["attempt"] == attempt and e.get("gen", 0) > gen
+                            and e["t"] > f["t"]), None)
+            resumed_from = resumed["step"] if resumed else None
+        else:
+            resumed = next((e for e in steps if e["attempt"] > attempt and e["t"] > f["t"]), None)
+            if resumed is None:  # no step was left to run: the restart resumed into the end
+                resumed = next((e for e in events if e["event"] == "resume"
+                                and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
+            resumed_from = next((e["step"] for e in events if e["event"] == "resume"
+                                 and e.get("attempt") == attempt + 1), None)
         faults.append({
             "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"), "attempt": attempt,
-            "step": f.get("step"), "detail": f.get("detail"),
+            "step": f.get("step"), "detail": f.get("detail"), "in_place": bool(f.get("in_place")),
             "detection": round(f["t"] - began, 3),
             "downtime": round(resumed["t"] - began, 3) if resumed else None,
-            "redone": max(0, reached - restart_from) if restart_from is not None else None,
+            "redone": max(0, reached - resumed_from) if resumed_from is not None else None,
         })
     committed = max(by_step, default=-1) + 1
     return {
@@ -88,9 +98,10 @@ def format_summary(s: dict[str, Any]) -> str:
     for i, f in enumerate(s["faults"], 1):
         who = f"rank {f['rank']}" if f["rank"] is not None else f"node {f['node']}"
         down = f"{f['downtime']:.2f}s" if f["downtime"] is not None else "not recovered"
+        how = "in place" if f.get("in_place") else "by restart"
         redone = f", {f['redone']} step(s) redone" if f["redone"] is not None else ""
         lines.append(f"   {i}. {f['kind']:<9} {who} at step {f['step']}: detected in "
-                     f"{f['detection']:.2f}s, {down} to the next step{redone}")
+                     f"{f['detection']:.2f}s, {down} to the next step ({how}){redone}")
     if s["exit_code"] is not None:
         lines.append(f"  exit code       {s['exit_code']}")
     return "\n".join(lines)
