@@ -1,7 +1,7 @@
 """The example's training step as a plain DDP loop, without unbroken: the steady-state baseline.
 
 Same model, data, loss and optimizer as examples/gpt/train.py; run under torchrun. Rank 0
-appends one line per step (`{"step": s, "t": wall time at the step's end}`) to --log.
+appends one line per step (`{"step": s, "t": wall time at the step's end}`) to --timing-file.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--log", required=True)
+    p.add_argument("--timing-file", required=True)
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -46,7 +46,7 @@ def main() -> None:
                           n_layer=args.layers, n_embd=args.dim))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    log = open(args.log, "a") if rank == 0 else None  # noqa: SIM115
+    log = open(args.timing_file, "a") if rank == 0 else None  # noqa: SIM115
     for step in range(args.steps):
         x, y = corpus.batch(step, rank, world, args.global_batch, args.seq, args.seed)
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten(), reduction="sum")

@@ -600,7 +600,7 @@ class Agent:
                         return Outcome("fault", self._publish_fault(attempt, verdict.fault))
                     self._recovered = planner.recovered
                 if resilient:
-                    target = self._mirror_target(attempt, target)
+                    target = self._mirror_target(attempt, target, planner)
                 if multi:
                     self._finished()
                     remote = self._get(f"a/{attempt}/fault")
@@ -635,9 +635,9 @@ class Agent:
         steps = [b.step for w in self.workers if (b := w.heartbeat.read()) is not None]
         return max(steps, default=0)
 
-    def _mirror_target(self, attempt: int, seen: Any) -> Any:
+    def _mirror_target(self, attempt: int, seen: Any, planner: GenerationPlanner | None) -> Any:
         """Hand the leader's switch request to this node's workers through their heartbeat page."""
-        target = self._get(f"a/{attempt}/target")
+        target = planner.target if planner is not None else self._get(f"a/{attempt}/target")
         if target is not None and target != seen:
             for w in self.workers:
                 w.heartbeat.set_target(target["gen"], target["step"])
@@ -656,6 +656,7 @@ class Agent:
         fault = {**fault, "wid": w.wid, "slot": w.rank, "attempt": attempt, "t": time.time()}
         index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
         self._set(f"a/{attempt}/death/{index}", fault)
+        self._store(self.ctl.add, f"a/{attempt}/news", 1)
         self.events.emit("fault", **{k: v for k, v in fault.items() if k != "t"}, in_place=True)
         self.say(f"fault: rank {w.rank} {fault['kind']}: {fault['detail']} (recovering in place)")
         self.workers.remove(w)

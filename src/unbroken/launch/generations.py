@@ -67,6 +67,8 @@ class GenerationPlanner:
         self._deaths_seen = 0
         self._joiners_seen = 0
         self._switch_requested = False
+        self.target: dict[str, int] | None = None  # the switch request workers must see
+        self._news = -1
 
     # ------------------------------------------------------------------ store
     def _get(self, key: str) -> Any:
@@ -85,13 +87,15 @@ class GenerationPlanner:
         for i in range(self._deaths_seen, deaths):
             death = self._get(f"death/{i}")
             if death is None:
-                return  # counted but not yet written; read it next tick
+                self._news = -1  # counted but not yet written; read it next tick
+                return
             self.dead[death["wid"]] = death
             self._deaths_seen = i + 1
         joiners = self._count("joiners")
         for i in range(self._joiners_seen, joiners):
             joiner = self._get(f"joiner/{i}")
             if joiner is None:
+                self._news = -1
                 return
             self.slot_of[joiner["wid"]] = joiner["slot"]
             self.joiners.append(joiner["wid"])
@@ -99,10 +103,15 @@ class GenerationPlanner:
         self.joiners = [w for w in self.joiners if w not in self.dead]
 
     def _request_switch(self, at_step: int) -> None:
-        self.ctl.set_json(self.prefix + "target", {"gen": self.gen + 1, "step": at_step})
+        self.target = {"gen": self.gen + 1, "step": at_step}
+        self.ctl.set_json(self.prefix + "target", self.target)
 
     # ------------------------------------------------------------------ tick
     def tick(self, max_step: int) -> Verdict | None:
+        news = self._count("news")
+        if news == self._news and not self.busy:
+            return None  # nothing happened: one store read per tick in steady state
+        self._news = news
         self._read_news()
         now = time.monotonic()
         if self.state in ("running", "forming"):

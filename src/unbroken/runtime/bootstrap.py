@@ -18,6 +18,7 @@ import runpy
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,17 +52,28 @@ def _write_error(exc: BaseException) -> None:
     os.replace(tmp, path)
 
 
+def _lower_priority() -> Callable[[], None]:
+    """Warm up only on CPU time training leaves idle (SCHED_IDLE), so a standby's imports
+    never slow the live job; returns how to get normal priority back. Only where we may
+    restore it afterwards: raising priority again needs root or CAP_SYS_NICE."""
+    if os.geteuid() != 0:
+        return lambda: None
+    try:
+        policy = os.sched_getscheduler(0)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return lambda: os.sched_setscheduler(0, policy, os.sched_param(0))
+    except (AttributeError, OSError):
+        priority = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, priority + 10))
+        return lambda: os.setpriority(os.PRIO_PROCESS, 0, priority)
+
+
 def _await_assignment() -> list[str] | None:
     """Warm up, then block until the agent assigns a rank; None if it never does."""
     import time
 
     t0 = time.monotonic()
-    # Warm up at low priority so training keeps the CPU; only where we may restore it
-    # afterwards (lowering a nice value needs root or CAP_SYS_NICE).
-    priority = os.getpriority(os.PRIO_PROCESS, 0)
-    niced = os.geteuid() == 0
-    if niced:
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, priority + 10))
+    restore = _lower_priority()
     import torch  # noqa: F401  - the point of a standby: pay for these imports in advance
     import torch._dynamo  # noqa: F401  - imported by the first optimizer built: ~1 s
     import torch.distributed  # noqa: F401
@@ -79,8 +91,7 @@ def _await_assignment() -> list[str] | None:
     if not line:
         return None  # the agent closed the pool
     assignment = json.loads(line)
-    if niced:
-        os.setpriority(os.PRIO_PROCESS, 0, priority)
+    restore()
     os.environ.clear()
     os.environ.update(assignment["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -11,7 +11,10 @@ prefix (`unbroken/<run_id>/a/<attempt>/`):
     g/<G>/nready          members that reached G's rendezvous (a barrier before forming groups)
     g/<G>/nup             members that finished the switch (groups, state, model rebuilt)
     g/<G>/pg/...          the store prefix G's process groups rendezvous under
+    g/<G>/ndone           members that finished training in G
     joiners, joiner/<i>   replacement workers waiting to be placed
+    news                  bumped with every write the leader must act on, so that an idle
+                          leader polls one key
     finished              the job is done: waiting joiners go home
 """
 
@@ -74,10 +77,12 @@ class Membership:
                   "t": time.time(), **detail}
         self.ctl.set_json(self._key(f"g/{gen}/left/{self.wid}"), record)
         self.ctl.add(self._key(f"g/{gen}/nleft"), 1)
+        self.ctl.add(self._key("news"), 1)
 
     def register_joiner(self, slot: int) -> None:
         index = self.ctl.add(self._key("joiners"), 1) - 1
         self.ctl.set_json(self._key(f"joiner/{index}"), {"wid": self.wid, "slot": slot})
+        self.ctl.add(self._key("news"), 1)
 
     def next_plan(self, after: int, joining: bool = False) -> Plan:
         """Block until a generation newer than `after` names this worker.
@@ -126,3 +131,8 @@ class Membership:
 
     def report_up(self, plan: Plan) -> None:
         self.ctl.add(self._key(f"g/{plan.gen}/nup"), 1)
+        self.ctl.add(self._key("news"), 1)
+
+    def report_done(self, gen: int) -> None:
+        self.ctl.add(self._key(f"g/{gen}/ndone"), 1)
+        self.ctl.add(self._key("news"), 1)

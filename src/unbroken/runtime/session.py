@@ -317,7 +317,7 @@ class Run:
             try:
                 self._faults.at_step(step)
                 if self.seed is not None:
-                    torch.manual_seed((self.seed * 1_000_003 + step) * 10_007 + self.slot)
+                    self._seed_step(step)
                 step_fn(step, self._view)
             except Exception as exc:
                 if not self.in_place:
@@ -340,7 +340,14 @@ class Run:
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
-            self._control_store().add(f"a/{self.attempt}/g/{self.gen}/ndone", 1)
+            self._generations.membership.report_done(self.gen)
+
+    def _seed_step(self, step: int) -> None:
+        """Seed the RNGs from (seed, step, slot). Not torch.manual_seed: it costs ~80 us."""
+        seed = (self.seed * 1_000_003 + step) * 10_007 + self.slot
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed(seed)
 
     def _build_view(self) -> Any:
         if not dist.is_initialized():
