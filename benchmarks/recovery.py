@@ -62,6 +62,29 @@ def _events(run_dir: Path) -> list[dict]:
     return read_events(path) if path.exists() else []
 
 
+class _Tail:
+    """The events appended since the last call: polling must not steal the CPU it measures."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "events.jsonl"
+        self.offset = 0
+        self.partial = b""
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        new = [json.loads(line) for line in lines if line.strip()]
+        self.events += new
+        return new
+
+
 def _torchrun(workers: int, script: Path, run_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
             "--max-restarts", "3", "--rdzv-backend", "c10d",
@@ -112,13 +135,15 @@ def _epoch(e: dict) -> tuple[int, int]:
 def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
     run_dir = root / f"{arm}-{index}"
     proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
+    tail = _Tail(run_dir)
     try:
         deadline = time.monotonic() + 180
         victim = None
         while time.monotonic() < deadline and victim is None:
-            evs = _events(run_dir)
-            if any(e["event"] == "step" and e["step"] >= KILL_AT for e in evs):
-                victim = [e["pid"] for e in evs if e["event"] == "worker_start" and e["rank"] == 1][-1]
+            new = tail.poll()
+            if any(e["event"] == "step" and e["step"] >= KILL_AT for e in new):
+                victim = [e["pid"] for e in tail.events
+                          if e["event"] == "worker_start" and e["rank"] == 1][-1]
             elif proc.poll() is not None:
                 break
             time.sleep(0.02)
@@ -126,13 +151,12 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
             return {"arm": arm, "error": "never reached the kill step"}
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
+        before = max((_epoch(e) for e in tail.events if e["event"] == "step"), default=(0, 0))
         resumed = None
         deadline = time.monotonic() + hang_after
         while time.monotonic() < deadline and resumed is None:
-            evs = _events(run_dir)
-            steps = [e for e in evs if e["event"] == "step"]
-            before = max((_epoch(e) for e in steps if e["t"] <= killed_at), default=(0, 0))
-            resumed = next((e for e in steps if e["t"] > killed_at and _epoch(e) > before), None)
+            resumed = next((e for e in tail.poll() if e["event"] == "step"
+                            and e["t"] > killed_at and _epoch(e) > before), None)
             if resumed is None and proc.poll() is not None:
                 return {"arm": arm, "error": f"exited {proc.returncode} without resuming"}
             time.sleep(0.005)

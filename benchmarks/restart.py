@@ -1,7 +1,9 @@
 """Kill-to-first-resumed-step: `torchrun` against `unbroken run`, side by side in one run.
 
-`unbroken-cold` is `unbroken run --no-warm-restarts`: a full cold restart (every worker
-re-imports torch), which is what any restart-everything launcher pays at best.
+Both unbroken launchers run with `--on-fault restart` (every worker restarted from the last
+checkpoint); in-place recovery is `benchmarks/recovery.py`. `unbroken-cold` adds
+`--no-warm-restarts`: a full cold restart (every worker re-imports torch), which is what any
+restart-everything launcher pays at best.
 
 Three launchers run the same example (examples/gpt/train.py, 4 workers, DDP over gloo,
 checkpoint every 10 steps) with --max-restarts. Once training passes step KILL_AT, the
@@ -63,8 +65,10 @@ def _command(launcher: str, run_dir: Path, workers: int) -> list[str]:
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
                 "--monitor-interval", "0.1", str(EXAMPLE), *args]
     cold = ["--no-warm-restarts"] if launcher == "unbroken-cold" else []
+    # Full restarts only: in-place recovery is measured by benchmarks/recovery.py.
     return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
-            "--max-restarts", "3", "--run-dir", str(run_dir), *cold, str(EXAMPLE), *args]
+            "--max-restarts", "3", "--on-fault", "restart", "--run-dir", str(run_dir), *cold,
+            str(EXAMPLE), *args]
 
 
 def _kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:

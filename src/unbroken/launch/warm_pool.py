@@ -13,11 +13,22 @@ example OMP_NUM_THREADS) before importing torch gets them only on the first atte
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.worker_process import BOOTSTRAP
+
+
+def _normal_priority(pid: int) -> None:
+    """A standby still importing under SCHED_IDLE would starve behind training once it is
+    needed: give it normal priority now (it restores its own once its imports are done)."""
+    try:
+        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # not ours to change (not root) or already gone: it runs at its own pace
 
 
 class WarmPool:
@@ -67,6 +78,7 @@ class WarmPool:
             except (BrokenPipeError, OSError):
                 self._drop(proc)
                 continue
+            _normal_priority(proc.pid)
             return proc
         return None
 
