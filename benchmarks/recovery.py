@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,17 +43,15 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 PLAIN = REPO / "benchmarks" / "plain_ddp.py"
 sys.path.insert(0, str(REPO / "src"))
 
+from harness import EventTail, free_port, kill_everything  # noqa: E402
+
 from unbroken.telemetry.events import read_events  # noqa: E402
 
-KILL_AT = 120  # steady state, a few seconds into training
+# Steady state, a few seconds into training, and mid-way between two checkpoints (every 10
+# steps), where a fault lands on average.
+KILL_AT = 125
 STEPS = 160
 ARMS = ["torchrun", "unbroken-restart", "unbroken"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -62,33 +59,10 @@ def _events(run_dir: Path) -> list[dict]:
     return read_events(path) if path.exists() else []
 
 
-class _Tail:
-    """The events appended since the last call: polling must not steal the CPU it measures."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "events.jsonl"
-        self.offset = 0
-        self.partial = b""
-        self.events: list[dict] = []
-
-    def poll(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        new = [json.loads(line) for line in lines if line.strip()]
-        self.events += new
-        return new
-
-
 def _torchrun(workers: int, script: Path, run_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
             "--max-restarts", "3", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", run_dir.name,
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_dir.name,
             "--monitor-interval", "0.1", str(script), *args]
 
 
@@ -101,22 +75,6 @@ def _command(arm: str, run_dir: Path, workers: int, steps: int, checkpoints: boo
     policy = ["--on-fault", "restart"] if arm == "unbroken-restart" else []
     return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
             "--max-restarts", "3", "--run-dir", str(run_dir), *policy, str(EXAMPLE), *args]
-
-
-def _kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    marker = f"UNBROKEN_RUN_DIR={run_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes():
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                pass
-    proc.wait()
 
 
 def _launch(cmd: list[str], run_dir: Path) -> subprocess.Popen:
@@ -135,7 +93,7 @@ def _epoch(e: dict) -> tuple[int, int]:
 def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
     run_dir = root / f"{arm}-{index}"
     proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
-    tail = _Tail(run_dir)
+    tail = EventTail(run_dir)
     try:
         deadline = time.monotonic() + 180
         victim = None
@@ -173,7 +131,7 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
                 "finished": code == 0 and max(e["step"] for e in steps) + 1 == STEPS}
     finally:
         if proc.poll() is None:
-            _kill_everything(proc, run_dir)
+            kill_everything(proc, run_dir)
 
 
 def steady_step_time(kind: str, root: Path, index: int, workers: int, steps: int,
@@ -190,7 +148,7 @@ def steady_step_time(kind: str, root: Path, index: int, workers: int, steps: int
     try:
         proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
-        _kill_everything(proc, run_dir)
+        kill_everything(proc, run_dir)
         return None
     if kind == "plain":
         if not log.exists():

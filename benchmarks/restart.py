@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,17 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(REPO / "src"))
 
+from harness import free_port, kill_everything  # noqa: E402
+
 from unbroken.telemetry.events import read_events  # noqa: E402
 
 # Killed in steady state (a few seconds into training), as real faults mostly are.
 KILL_AT = 120
 STEPS = 140
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -59,7 +54,7 @@ def _command(launcher: str, run_dir: Path, workers: int) -> list[str]:
     args = ["--steps", str(STEPS), "--checkpoint-dir", str(run_dir / "ckpt"),
             "--checkpoint-every", "10", "--print-every", "1000"]
     if launcher == "torchrun":
-        port = _free_port()
+        port = free_port()
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
                 "--max-restarts", "3", "--rdzv-backend", TORCHRUN_RDZV,
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
@@ -69,22 +64,6 @@ def _command(launcher: str, run_dir: Path, workers: int) -> list[str]:
     return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
             "--max-restarts", "3", "--on-fault", "restart", "--run-dir", str(run_dir), *cold,
             str(EXAMPLE), *args]
-
-
-def _kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    marker = f"UNBROKEN_RUN_DIR={run_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes():
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                pass
-    proc.wait()
 
 
 def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
@@ -105,7 +84,7 @@ def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: flo
                 break
             time.sleep(0.02)
         if victim is None:
-            _kill_everything(proc, run_dir)
+            kill_everything(proc, run_dir)
             return {"launcher": launcher, "error": "never reached the kill step"}
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
@@ -120,14 +99,14 @@ def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: flo
             time.sleep(0.01)
         if resumed is None:
             code = proc.poll()
-            _kill_everything(proc, run_dir)
+            kill_everything(proc, run_dir)
             if code is not None:  # gave up: every restart failed
                 return {"launcher": launcher, "hang": False, "exit": code, "restart_failed": True}
             return {"launcher": launcher, "hang": True}
         try:
             code = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            _kill_everything(proc, run_dir)
+            kill_everything(proc, run_dir)
             return {"launcher": launcher, "hang": True, "recovery": resumed["t"] - killed_at}
         evs = _events(run_dir)
         startup = [e["startup"] for e in evs if e["event"] == "worker_start" and e["attempt"] >= 1
@@ -138,7 +117,7 @@ def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: flo
                 "finished": max((e["step"] for e in evs if e["event"] == "step"), default=-1) + 1 == STEPS}
     finally:
         if proc.poll() is None:
-            _kill_everything(proc, run_dir)
+            kill_everything(proc, run_dir)
 
 
 def _stats(results: list[dict]) -> dict:

@@ -1,8 +1,10 @@
-"""What the worker runtime costs a step: a plain loop against `run.steps()`, in one process.
+"""What the worker runtime costs a step: a plain loop against `run.steps()` and `run.train()`,
+in one process.
 
 The runtime's per-step work is a heartbeat stamp (two stores into a shared page), the fault
-check, and one event line appended to the log. Both loops train the example GPT on the
-same batches; rounds alternate so that machine noise hits both.
+check, and one event line appended to the log; `run.train` also seeds the RNG from the step
+and steps the optimizer itself. All loops train the example GPT on the same batches;
+rounds alternate so that machine noise hits all of them.
 
     .venv/bin/python benchmarks/step_overhead.py
 
@@ -55,7 +57,8 @@ def plain(corpus: CharCorpus, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def with_runtime(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
+def _run(corpus: CharCorpus, run_dir: Path):
+    """A worker runtime as `unbroken run` would give it: events and a heartbeat page."""
     import unbroken
 
     os.environ["UNBROKEN_RUN_DIR"] = str(run_dir)
@@ -63,10 +66,31 @@ def with_runtime(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
     run = unbroken.init()
     model, optimizer = _setup(corpus)
     run.track(model, optimizer)
+    return run, model, optimizer
+
+
+def with_runtime(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
+    run, model, optimizer = _run(corpus, run_dir)
     t0 = time.perf_counter()
     for step in run.steps(steps):
         loss = _train_step(model, optimizer, corpus, step)
         run.log(loss=loss)
+    elapsed = (time.perf_counter() - t0) / steps
+    run.close()
+    return elapsed
+
+
+def with_train(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
+    run, _, _ = _run(corpus, run_dir)
+
+    def step_fn(step: int, net: torch.nn.Module) -> None:
+        x, y = corpus.batch(step, 0, 1, 4, 32)
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        run.log(loss=loss)
+
+    t0 = time.perf_counter()
+    run.train(step_fn, steps)
     elapsed = (time.perf_counter() - t0) / steps
     run.close()
     return elapsed
@@ -88,23 +112,30 @@ def main() -> None:
     torch.set_num_threads(1)
     corpus = CharCorpus.load()
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-overhead-"))
-    plain_times, runtime_times = [], []
-    plain(corpus, 20)  # warm caches and lazy imports for both
+    times: dict[str, list[float]] = {"plain": [], "steps": [], "train": []}
+    loops = {"plain": lambda r: plain(corpus, args.steps),
+             "steps": lambda r: with_runtime(corpus, args.steps, tmp / f"s{r}"),
+             "train": lambda r: with_train(corpus, args.steps, tmp / f"t{r}")}
+    plain(corpus, 20)  # warm caches and lazy imports for all
     for r in range(args.rounds):
-        pairs = [("plain", plain), ("runtime", with_runtime)]
-        for name, fn in pairs if r % 2 == 0 else pairs[::-1]:
-            t = fn(corpus, args.steps) if name == "plain" else fn(corpus, args.steps, tmp / f"r{r}")
-            (plain_times if name == "plain" else runtime_times).append(t)
-            print(f"round {r + 1} {name:8s} {1000 * t:.3f} ms/step", flush=True)
+        order = list(loops) if r % 2 == 0 else list(loops)[::-1]
+        for name in order:
+            t = loops[name](r)
+            times[name].append(t)
+            print(f"round {r + 1} {name:6s} {1000 * t:.3f} ms/step", flush=True)
     stamp = stamp_cost(tmp / "stamp.hb")
-    p_med, r_med = statistics.median(plain_times), statistics.median(runtime_times)
-    overhead = (r_med - p_med) / p_med
-    print(f"\nplain loop {1000 * p_med:.3f} ms/step, with the runtime {1000 * r_med:.3f} ms/step: "
-          f"overhead {100 * overhead:+.2f}% ({1e6 * (r_med - p_med):.1f} us/step)")
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    result = {"benchmark": "step_overhead", "plain_ms": round(1000 * med["plain"], 4)}
+    print()
+    for name in ("steps", "train"):
+        overhead = (med[name] - med["plain"]) / med["plain"]
+        print(f"run.{name}(): {1000 * med[name]:.3f} ms/step against plain {1000 * med['plain']:.3f}: "
+              f"overhead {100 * overhead:+.2f}% ({1e6 * (med[name] - med['plain']):.1f} us/step)")
+        result.update({f"{name}_ms": round(1000 * med[name], 4),
+                       f"{name}_overhead_pct": round(100 * overhead, 2),
+                       f"{name}_overhead_us": round(1e6 * (med[name] - med["plain"]), 1)})
     print(f"heartbeat stamp alone: {1e9 * stamp:.0f} ns")
-    print(json.dumps({"benchmark": "step_overhead", "plain_ms": round(1000 * p_med, 4),
-                      "runtime_ms": round(1000 * r_med, 4), "overhead_pct": round(100 * overhead, 2),
-                      "overhead_us": round(1e6 * (r_med - p_med), 1), "stamp_ns": round(1e9 * stamp)}))
+    print(json.dumps({**result, "stamp_ns": round(1e9 * stamp)}))
 
 
 if __name__ == "__main__":

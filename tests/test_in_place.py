@@ -186,3 +186,16 @@ def test_fallback_to_full_restart_when_no_holder_is_left(tmp_path):
     resumed = [e for e in result.events("resume") if e["attempt"] == 1]
     assert resumed and all(e["step"] == 10 for e in resumed), resumed
     assert summarize(result.run_dir)["steps"] == STEPS
+
+
+def test_in_place_recoveries_spend_the_restart_budget(tmp_path):
+    """A fault recovered in place spends one of --max-restarts: the second exception with a
+    budget of one stops the job with exit 1 and the worker's traceback."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "1",
+                    "--fault", "exception:rank=0,step=3", "--fault", "exception:rank=1,step=6",
+                    args=["--steps", "20", *TINY])
+    assert result.code == 1, result.output
+    assert "giving up after 1 restart(s)" in result.output
+    assert "InjectedFault" in result.output
+    assert [f["kind"] for f in result.events("fault") if f.get("in_place")] == ["exception"] * 2
+    assert len(result.events("gen_up")) == 1  # the first was recovered in place

@@ -38,7 +38,7 @@ from unbroken.launch.worker_process import (
     stop_workers,
     worker_command,
 )
-from unbroken.runtime.heartbeat import HeartbeatReader
+from unbroken.runtime.heartbeat import PHASE_RECOVERY, HeartbeatReader
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 _STORE_ERRORS = (RuntimeError, OSError)  # what a TCPStore call raises when the server is gone
@@ -88,6 +88,7 @@ class Agent:
         self._replacements = 0
         self._give_up = False
         self._hang_quiet_until = 0.0
+        self._pending: list[tuple[WorkerProcess, float]] = []  # dead workers to replace
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -601,6 +602,7 @@ class Agent:
                     self._recovered = planner.recovered
                 if resilient:
                     target = self._mirror_target(attempt, target, planner)
+                    self._start_replacements(attempt, plan, selector)
                 if multi:
                     self._finished()
                     remote = self._get(f"a/{attempt}/fault")
@@ -665,14 +667,35 @@ class Agent:
         if self._replacements >= self.cfg.max_restarts:
             return  # the planner will give up or shrink; a crash loop must not spawn forever
         self._replacements += 1
-        incarnation = int(w.wid.split(".")[1]) + 1
-        t0 = time.monotonic()
-        new = self._spawn_worker(attempt, plan, w.rank, w.local_rank, f"{w.rank}.{incarnation}",
-                                 joining=True)
-        if new.pidfd is not None:
-            selector.register(new.pidfd, selectors.EVENT_READ, new)
-        self.events.emit("replacement_started", slot=w.rank, wid=new.wid, pid=new.pid,
-                         duration=round(time.monotonic() - t0, 6))
+        self._pending.append((w, time.monotonic()))
+
+    def _start_replacements(self, attempt: int, plan: dict[str, Any],
+                            selector: selectors.BaseSelector) -> None:
+        """Start the replacements of dead workers once this node's survivors have switched.
+
+        Under "shrink" nobody waits for a replacement, and on a busy machine its start-up
+        (a script's imports, model build) would slow the survivors' recovery; so it starts
+        when they are training again, or after `_REPLACEMENT_DELAY` at the latest. Under
+        "wait" the survivors wait for it: it starts at once.
+        """
+        if not self._pending:
+            return
+        now = time.monotonic()
+        beats = [w.heartbeat.read() for w in self.workers]
+        switched = all(b is not None and b.phase != PHASE_RECOVERY for b in beats)
+        for dead, since in list(self._pending):
+            if not (self.cfg.on_fault == "wait" or switched or now - since > _REPLACEMENT_DELAY):
+                continue
+            self._pending.remove((dead, since))
+            incarnation = int(dead.wid.split(".")[1]) + 1
+            t0 = time.monotonic()
+            new = self._spawn_worker(attempt, plan, dead.rank, dead.local_rank,
+                                     f"{dead.rank}.{incarnation}", joining=True)
+            if new.pidfd is not None:
+                selector.register(new.pidfd, selectors.EVENT_READ, new)
+            self.events.emit("replacement_started", slot=dead.rank, wid=new.wid, pid=new.pid,
+                             duration=round(time.monotonic() - t0, 6),
+                             after=round(now - since, 6))
 
     def _exit_fault(self, failed: list[WorkerProcess]) -> dict[str, Any]:
         """Describe the most likely culprit among workers that exited non-zero together."""
@@ -736,6 +759,7 @@ class Agent:
 
 _ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
 _HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
+_REPLACEMENT_DELAY = 2.0  # "shrink": start a replacement by then even if survivors still switch
 _PEER_ERROR = 2
 _PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "DistNetworkError", "NCCL")
 

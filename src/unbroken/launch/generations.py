@@ -152,16 +152,16 @@ class GenerationPlanner:
                     return None
                 left[m] = record
         faults = [self.dead[m] for m in self.members if m in self.dead]
-        faults += [{"kind": "exception", "wid": m, "slot": self.slot_of[m], **r}
+        faults += [{"kind": "exception", "rank": self.slot_of[m], "wid": m,
+                    "slot": self.slot_of[m], "step": r["step"], "detail": r.get("error"),
+                    "traceback": r.get("traceback")}
                    for m, r in left.items() if r["reason"] == "exception"]
         for fault in faults:
             if fault not in self.recovery.faults:
                 self.recovery.faults.append(fault)
                 if fault["kind"] == "exception":  # deaths were recorded by their agents
-                    self.record("fault", kind="exception", rank=fault["slot"], wid=fault["wid"],
-                                step=fault["step"], detail=fault.get("error"),
-                                traceback=fault.get("traceback"), in_place=True)
-                    self.say(f"fault: rank {fault['slot']} exception: {fault.get('error')} "
+                    self.record("fault", **fault, in_place=True)
+                    self.say(f"fault: rank {fault['rank']} exception: {fault['detail']} "
                              "(recovering in place)")
                 if self.budget <= 0:
                     return Verdict("give_up", fault)

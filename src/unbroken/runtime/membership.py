@@ -84,14 +84,25 @@ class Membership:
         self.ctl.set_json(self._key(f"joiner/{index}"), {"wid": self.wid, "slot": slot})
         self.ctl.add(self._key("news"), 1)
 
+    def _poll(self, ready: Callable[[], Any], what: str) -> Any:
+        """Poll until `ready()` returns something other than None, keeping the heartbeat fresh."""
+        deadline = time.monotonic() + self.timeout
+        while (result := ready()) is None:
+            if time.monotonic() > deadline:
+                raise RecoveryTimeout(f"{what} within {self.timeout:g}s")
+            self._on_wait()
+            time.sleep(self.poll)
+        return result
+
     def next_plan(self, after: int, joining: bool = False) -> Plan:
         """Block until a generation newer than `after` names this worker.
 
         A member left out of a plan is excluded; a joiner keeps waiting for one that names it.
         """
-        deadline = time.monotonic() + self.timeout
         seen = after
-        while True:
+
+        def named() -> Plan | None:
+            nonlocal seen
             latest = self.latest()
             if latest > seen:
                 plan = self.ctl.get_json(self._key(f"g/{latest}/plan"))
@@ -102,25 +113,20 @@ class Membership:
                     raise Excluded(f"generation {latest} was planned without worker {self.wid}")
             if self.ctl.get_json(self._key("finished")):
                 raise JobFinished
-            if time.monotonic() > deadline:
-                raise RecoveryTimeout(f"no generation after {after} named worker {self.wid} "
-                                      f"within {self.timeout:g}s")
-            self._on_wait()
-            time.sleep(self.poll)
+            return None
+
+        return self._poll(named, f"no generation after {after} named worker {self.wid}")
 
     def gather(self, plan: Plan) -> bool:
         """Barrier before forming groups; False if a newer generation superseded `plan`."""
         self.ctl.add(self._key(f"g/{plan.gen}/nready"), 1)
-        deadline = time.monotonic() + self.timeout
-        while self.ctl.add(self._key(f"g/{plan.gen}/nready"), 0) < plan.world_size:
-            if self.latest() > plan.gen:
-                return False
-            if time.monotonic() > deadline:
-                raise RecoveryTimeout(f"members of generation {plan.gen} did not all arrive "
-                                      f"within {self.timeout:g}s")
-            self._on_wait()
-            time.sleep(self.poll)
-        return True
+
+        def arrived() -> bool | None:
+            if self.ctl.add(self._key(f"g/{plan.gen}/nready"), 0) >= plan.world_size:
+                return True
+            return False if self.latest() > plan.gen else None
+
+        return self._poll(arrived, f"members of generation {plan.gen} did not all arrive")
 
     def store_for(self, plan: Plan, timeout: float) -> Store:
         """Where the generation's process groups rendezvous: a fresh prefix of its own, over

@@ -418,6 +418,7 @@ class Run:
         if self._checkpointer is not None:
             self._checkpointer.use_group(switch.ckpt_group, self.gen)
         self._view = switch.view
+        self._owns_group = True  # formed by the runtime: close() tears it down
         gens.report_up(switch)
         self.events.context["rank"] = self.rank
         self._stamp(self.step, PHASE_TRAINING)

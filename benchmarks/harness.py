@@ -1,0 +1,56 @@
+"""What the launcher benchmarks share: ports, event logs, and leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL a launcher's process group and every process started for `run_dir`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    marker = f"UNBROKEN_RUN_DIR={run_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+    proc.wait()
+
+
+class EventTail:
+    """The events appended since the last call: polling must not steal the CPU it measures."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "events.jsonl"
+        self.offset = 0
+        self.partial = b""
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        new = [json.loads(line) for line in lines if line.strip()]
+        self.events += new
+        return new
