@@ -124,8 +124,10 @@ class GenerationPlanner:
                 elif now - self.planned_at > self.recovery_timeout:
                     return self._fallback(f"generation {self.gen} did not form within "
                                           f"{self.recovery_timeout:g}s")
-            elif self.joiners and self.policy == SHRINK and not self._switch_requested:
-                self._switch_requested = True  # a replacement is ready: grow back
+            elif self.joiners and not self._switch_requested:
+                # A replacement is ready (under "wait", one that came after the wait timed
+                # out and the job shrank): grow back at a step boundary.
+                self._switch_requested = True
                 self._request_switch(max_step + 2)
         if self.state == "broken":
             return self._settle(now)

@@ -46,11 +46,11 @@ class Switch:
 
 
 class Generations:
-    def __init__(self, membership: Membership, backend: str, timeout: float,
-                 join_timeout: float, record: Callable[..., None],
+    def __init__(self, membership: Membership, groups: AbortableGroups, backend: str,
+                 timeout: float, join_timeout: float, record: Callable[..., None],
                  fault_point: Callable[[str, int], None] = lambda point, step: None) -> None:
         self.membership = membership
-        self.groups = AbortableGroups()
+        self.groups = groups  # generation 0's, formed by init(); then each switch's
         self.backend = backend
         self.timeout = timeout
         self.join_timeout = join_timeout

@@ -158,6 +158,12 @@ class Run:
         self._extra: dict[str, Any] = {}
         self._metrics: dict[str, float] = {}
         self.step = 0  # the next step to run; equals the number of committed steps
+        # The resilient loop's state (run.train): the user's build(), what it returned for
+        # the current generation, the recovery protocol, and whether we hold committed state.
+        self._build: Callable[[], Any] | None = None
+        self._view: Any = None
+        self._generations: Generations | None = None
+        self._holds_state = True
 
     # ------------------------------------------------------------------ faults
     def _control_store(self) -> Any:
@@ -294,9 +300,8 @@ class Run:
                 Membership(self._control_store(), self.attempt, self.wid, self._recovery_beat,
                            timeout=float(os.environ.get("UNBROKEN_RECOVERY_TIMEOUT", 60)),
                            connect=self._connect_control),
-                self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT, record=self.events.emit,
-                fault_point=self._faults.at_point)
-            self._generations.groups = self._groups
+                self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
+                record=self.events.emit, fault_point=self._faults.at_point)
         if self.joining:
             self._join(reason="replacement")
         else:
