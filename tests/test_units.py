@@ -1,4 +1,5 @@
-"""Pure logic: the fault language, hang-timeout calibration, the heartbeat page."""
+"""Pure logic: the fault language, hang-timeout calibration, the heartbeat page, and how
+state is packed to travel between peers."""
 
 from __future__ import annotations
 
@@ -74,3 +75,36 @@ def test_heartbeat_page_is_shared_between_writer_and_reader(tmp_path):
     writer.stamp(41)
     beat = reader.read()
     assert beat.step == 41 and beat.phase == PHASE_TRAINING
+
+
+def test_state_travels_whole_through_pack_and_unpack():
+    """Tensors of mixed dtypes and odd sizes, packed back to back into one buffer, come back
+    equal (a view to another dtype needs an aligned offset: unpack must not rely on one)."""
+    import torch
+
+    from unbroken.runtime.state_sync import _as_bytes, pack, unpack
+
+    state = {
+        "model": {"w": torch.randn(3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
+                  "n": torch.tensor(7, dtype=torch.int64)},
+        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": ["w"]}],
+                  "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(3)}}},
+        "name": "x", "none": None,
+    }
+    header, tensors = pack(state)
+    back = unpack(header, _as_bytes(tensors))
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["name"] == "x" and back["none"] is None
+    for path in (("model", "w"), ("model", "b"), ("model", "n")):
+        a, b = state[path[0]][path[1]], back[path[0]][path[1]]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(back["optim"]["state"]["w"]["exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+
+def test_pack_refuses_what_cannot_travel():
+    import torch
+
+    from unbroken.runtime.state_sync import pack
+
+    with pytest.raises(TypeError, match="state.model.fn"):
+        pack({"model": {"fn": object()}, "t": torch.zeros(1)})

@@ -87,7 +87,10 @@ class Checkpointer:
         keep: int = 3,
         attempt: int = 0,
         record: Callable[..., Any] | None = None,
+        clean_stale: bool = True,
     ) -> None:
+        """`clean_stale`: remove torn saves of earlier attempts (rank 0 only). A replacement
+        joining a running job must not: the survivors may be saving right now."""
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.directory = Path(directory)
@@ -96,8 +99,8 @@ class Checkpointer:
         self.attempt = attempt
         self.record = record or (lambda *a, **k: None)
         self.tag = f"a{attempt}"  # names this writer's temporary directories
-        if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0 and clean_stale:
             for stale in self.directory.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
 

@@ -34,6 +34,7 @@ from unbroken.launch.worker_process import (
     open_pidfd,
     read_error,
     script_argv,
+    signal_group,
     spawn,
     stop_workers,
     worker_command,
@@ -530,7 +531,8 @@ class Agent:
             "UNBROKEN_CONTROL_ADDR": cfg.master_addr, "UNBROKEN_CONTROL_PORT": str(self.control_port),
             "UNBROKEN_FAULTS": cfg.faults,
             "UNBROKEN_IN_PLACE": "0" if cfg.on_fault == "restart" else "1",
-            "UNBROKEN_RECOVERY_TIMEOUT": str(cfg.recovery_timeout * 2),
+            # A worker's own bound on waiting for a plan: past every bound of the leader's.
+            "UNBROKEN_RECOVERY_TIMEOUT": str(2 * cfg.recovery_timeout + cfg.join_timeout),
         })
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if local_world > 1:
@@ -545,6 +547,7 @@ class Agent:
         `GenerationPlanner`, a replacement is started, and the survivors recover in place.
         """
         t0 = time.monotonic()
+        self._pending.clear()  # replacements for an ended attempt's workers are not needed
         self._spawn(attempt, plan)
         self.events.emit("workers_started", attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          pids={w.rank: w.pid for w in self.workers})
@@ -648,8 +651,9 @@ class Agent:
     def _worker_died(self, attempt: int, plan: dict[str, Any], w: WorkerProcess,
                      selector: selectors.BaseSelector) -> None:
         """Publish a dead worker for the planner and start its replacement; peers go on."""
-        if w.proc.poll() is None:
-            os.kill(w.pid, signal.SIGKILL)  # it raised and is on its way out: don't wait for it
+        # Its whole process group, its children included; it raised and is on its way out,
+        # or it is already dead: either way, don't wait for it.
+        signal_group(w.proc, signal.SIGKILL)
         try:
             w.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:

@@ -72,7 +72,8 @@ def open_pidfd(pid: int) -> int | None:
         return None
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal a worker's process group (it and its children); the worker alone if that fails."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -86,8 +87,8 @@ def stop_workers(workers: list[WorkerProcess], grace: float) -> None:
     """SIGTERM, then SIGKILL whatever is left after `grace` seconds; reaps every process."""
     alive = [w for w in workers if w.proc.poll() is None]
     for w in alive:
-        _signal_group(w.proc, signal.SIGTERM)
-        _signal_group(w.proc, signal.SIGCONT)  # a stopped process only dies once continued
+        signal_group(w.proc, signal.SIGTERM)
+        signal_group(w.proc, signal.SIGCONT)  # a stopped process only dies once continued
     deadline = time.monotonic() + grace
     for w in alive:
         try:
@@ -96,7 +97,7 @@ def stop_workers(workers: list[WorkerProcess], grace: float) -> None:
             pass
     for w in workers:
         # The whole group, also when the leader exited: its children may still run.
-        _signal_group(w.proc, signal.SIGKILL)
+        signal_group(w.proc, signal.SIGKILL)
     for w in workers:
         try:
             w.proc.wait(timeout=max(grace, 5.0))

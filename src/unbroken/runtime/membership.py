@@ -124,7 +124,9 @@ class Membership:
         def arrived() -> bool | None:
             if self.ctl.add(self._key(f"g/{plan.gen}/nready"), 0) >= plan.world_size:
                 return True
-            return False if self.latest() > plan.gen else None
+            target = self.ctl.get_json(self._key("target")) or {}
+            superseded = self.latest() > plan.gen or target.get("gen", 0) > plan.gen
+            return False if superseded else None
 
         return self._poll(arrived, f"members of generation {plan.gen} did not all arrive")
 

@@ -64,7 +64,11 @@ class AbortableGroups:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=join_timeout))
             dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=timeout))
-            return dist.new_group(backend="gloo") if world_size > 1 else None
+            if world_size == 1:
+                return None
+            ckpt = dist.new_group(backend="gloo", timeout=timedelta(seconds=join_timeout))
+            ckpt.set_timeout(timedelta(seconds=timeout))
+            return ckpt
 
     def abort(self) -> None:
         """Make every peer blocked on this generation's groups fail now; then tear them down."""

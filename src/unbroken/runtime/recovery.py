@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from unbroken.runtime.membership import Membership, Plan
@@ -80,7 +81,10 @@ class Generations:
             plan = self.membership.next_plan(self.gen, joining=joining)
             t1 = time.monotonic()
             if not self.membership.gather(plan):
-                self.gen = plan.gen  # superseded before it formed: nothing to leave
+                # Superseded before it formed (a member died on the way): say so, so that
+                # the leader can plan the next one.
+                self.gen = plan.gen
+                self.leave(committed_step, holds_state, "superseded")
                 continue
             t2 = time.monotonic()
             self.gen = plan.gen
@@ -91,14 +95,19 @@ class Generations:
                                               plan.world_size, self.backend, self.join_timeout,
                                               self.timeout)
                 t3 = time.monotonic()
+                device = (torch.device("cuda", torch.cuda.current_device())
+                          if self.backend == "nccl" else None)
                 result = sync_state(None, committed_step, holds_state, get_state, set_state,
+                                    device=device,
                                     before_send=lambda step: self.fault_point("send", step))
                 t4 = time.monotonic()
                 view = build()
                 t5 = time.monotonic()
-            except NoStateError:
+            except (NoStateError, TypeError) as exc:
+                # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
+                self.record("switch_failed", gen=plan.gen, error=_first_line(exc))
                 self.leave(committed_step, holds_state, "no_state")
-                raise
+                raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise

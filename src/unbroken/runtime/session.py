@@ -124,6 +124,11 @@ class Run:
 
         t0 = time.monotonic()
         self._owns_group = False
+        if self.in_place and dist.is_initialized():
+            # The script formed the group itself: we cannot abort it from the inside, so a
+            # leaving worker could not unblock its peers. Faults restart every worker.
+            self.in_place = False
+            self.events.emit("in_place_unavailable", reason="process group initialised by the script")
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
         with self._groups.recording():
@@ -144,7 +149,8 @@ class Run:
 
         self._checkpointer = (
             Checkpointer(checkpoint_dir, group=self._ckpt_group, keep=keep_checkpoints,
-                         attempt=self.attempt, record=self.events.emit)
+                         attempt=self.attempt, record=self.events.emit,
+                         clean_stale=not self.joining)
             if checkpoint_dir else None
         )
         self.checkpoint_every = checkpoint_every if checkpoint_dir else None

@@ -73,7 +73,9 @@ def unpack(header: dict[str, Any], buffer: torch.Tensor) -> Any:
                 nbytes = count * torch.empty((), dtype=dtype).element_size()
                 chunk = buffer[offset : offset + nbytes]
                 offset += nbytes
-                return chunk.view(dtype).reshape(obj["shape"]).clone()
+                # Cloned first: a view to another dtype needs an aligned offset, and tensors
+                # are packed back to back.
+                return chunk.clone().view(dtype).reshape(obj["shape"])
             if "__d" in obj:
                 return {k: walk(v) for k, v in obj["__d"]}
             if "__l" in obj:
