@@ -16,6 +16,19 @@ class ExitCode(IntEnum):
     INTERRUPTED_SIGTERM = 143
 
 
+# What a worker's error says when a peer died or left, not its own code: gloo's connection
+# errors, NCCL's, torch's distributed errors. The agent blames such errors on the peer; the
+# worker runtime recovers from them in place.
+PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken pipe", "NCCL",
+                      "DistNetworkError", "DistBackendError", "DistStoreError")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, for events and one-line reports."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
 class UserError(Exception):
     """A mistake the user can fix; printed as one line, never as a traceback."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.errors import PEER_ERROR_MARKERS, ControlPlaneError, ExitCode
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.control_store import ControlStore, connect_store, serve_store
 from unbroken.launch.generations import GenerationPlanner
@@ -596,7 +596,7 @@ class Agent:
                 if hung is not None and not resilient:
                     return Outcome("fault", self._publish_fault(attempt, hung))
                 if planner is not None and resilient:
-                    verdict = planner.tick(self._max_step())
+                    verdict = planner.tick(self._max_step)
                     if verdict is not None:
                         self._recovered = planner.recovered
                         if verdict.action == "give_up":
@@ -765,7 +765,6 @@ _ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer error
 _HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
 _REPLACEMENT_DELAY = 2.0  # "shrink": start a replacement by then even if survivors still switch
 _PEER_ERROR = 2
-_PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "DistNetworkError", "NCCL")
 
 
 def _blame(w: WorkerProcess) -> int:
@@ -776,7 +775,7 @@ def _blame(w: WorkerProcess) -> int:
     if error is None:
         return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
     tb = error.get("traceback", "")
-    return _PEER_ERROR if any(m in tb for m in _PEER_ERROR_MARKERS) else 1
+    return _PEER_ERROR if any(m in tb for m in PEER_ERROR_MARKERS) else 1
 
 
 def _is_stopped(pid: int) -> bool:

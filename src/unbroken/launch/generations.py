@@ -107,7 +107,8 @@ class GenerationPlanner:
         self.ctl.set_json(self.prefix + "target", self.target)
 
     # ------------------------------------------------------------------ tick
-    def tick(self, max_step: int) -> Verdict | None:
+    def tick(self, max_step: Callable[[], int]) -> Verdict | None:
+        """One look at the news; `max_step()` is the furthest step a member has reached."""
         news = self._count("news")
         if news == self._news and not self.busy:
             return None  # nothing happened: one store read per tick in steady state
@@ -128,7 +129,7 @@ class GenerationPlanner:
                 # A replacement is ready (under "wait", one that came after the wait timed
                 # out and the job shrank): grow back at a step boundary.
                 self._switch_requested = True
-                self._request_switch(max_step + 2)
+                self._request_switch(max_step() + 2)
         if self.state == "broken":
             return self._settle(now)
         if self.state == "running" and self._count(f"g/{self.gen}/ndone") >= len(self.members):

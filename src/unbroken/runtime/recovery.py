@@ -18,12 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.errors import PEER_ERROR_MARKERS, first_line
 from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
-
-_PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken pipe",
-                       "NCCL", "DistNetworkError", "DistBackendError", "DistStoreError")
 
 
 def is_peer_error(exc: BaseException) -> bool:
@@ -31,7 +29,7 @@ def is_peer_error(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     text = f"{type(exc).__name__}: {exc}"
-    return isinstance(exc, RuntimeError) and any(m in text for m in _PEER_ERROR_MARKERS)
+    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
 
 
 @dataclass
@@ -105,15 +103,15 @@ class Generations:
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
-                self.record("switch_failed", gen=plan.gen, error=_first_line(exc))
+                self.record("switch_failed", gen=plan.gen, error=first_line(exc))
                 self.leave(committed_step, holds_state, "no_state")
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise
-                self.record("switch_failed", gen=plan.gen, error=_first_line(exc))
+                self.record("switch_failed", gen=plan.gen, error=first_line(exc))
                 committed_step, holds_state = position()
-                self.leave(committed_step, holds_state, "peer", error=_first_line(exc))
+                self.leave(committed_step, holds_state, "peer", error=first_line(exc))
                 joining = joining and not holds_state
                 continue
             phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,
@@ -121,7 +119,3 @@ class Generations:
             return Switch(plan, result, ckpt_group, view,
                           {k: round(v, 6) for k, v in phases.items()}, tries)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

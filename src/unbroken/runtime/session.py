@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unbroken.checkpoint.checkpointer import Checkpointer
-from unbroken.errors import UserError
+from unbroken.errors import UserError, first_line
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
 from unbroken.runtime.heartbeat import (
@@ -347,7 +348,7 @@ class Run:
                 except Exception as exc:
                     if not (self.in_place and is_peer_error(exc)):
                         raise
-                    self._leave_and_join("peer", error=str(exc).splitlines()[0][:300])
+                    self._leave_and_join("peer", error=first_line(exc))
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
@@ -389,14 +390,12 @@ class Run:
             optimizer.zero_grad(set_to_none=True)
         self._model.zero_grad(set_to_none=True)
         if is_peer_error(exc):
-            self._leave_and_join("peer", error=str(exc).strip().splitlines()[0][:300] if str(exc) else "")
+            self._leave_and_join("peer", error=first_line(exc))
             return
-        import traceback
-
-        tb = "".join(traceback.format_exception(exc))
-        self.events.emit("step_failed", step=step, gen=self.gen,
-                         error=f"{type(exc).__name__}: {exc}", traceback=tb[-4000:])
-        self._leave_and_join("exception", error=f"{type(exc).__name__}: {exc}", traceback=tb[-4000:])
+        error = f"{type(exc).__name__}: {exc}"
+        tb = "".join(traceback.format_exception(exc))[-4000:]
+        self.events.emit("step_failed", step=step, gen=self.gen, error=error, traceback=tb)
+        self._leave_and_join("exception", error=error, traceback=tb)
 
     def _leave_and_join(self, reason: str, **detail: Any) -> None:
         t0 = time.monotonic()
