@@ -37,6 +37,15 @@ class Launched:
         return [e for e in evs if name is None or e["event"] == name]
 
 
+def last_committed(result: Launched, attempt: int = 0) -> int:
+    """The newest checkpoint an attempt committed (0: none), where the next attempt must
+    resume. Async saves are deferred while the last is still being written, so not every
+    multiple of --checkpoint-every is saved, and a fault may come before the first commit."""
+    steps = [e["step"] for e in result.events("checkpoint_saved")
+             if e["attempt"] == attempt and e["rank"] == 0]
+    return max(steps, default=0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

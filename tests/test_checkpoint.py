@@ -104,9 +104,9 @@ def test_hostile_metadata_is_refused_not_executed(tmp_path):
     path = tmp_path / "ckpt" / "step_000000010"
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     # Re-seal the manifest, as an attacker with write access could.
-    from unbroken.checkpoint.manifest import write_manifest
+    from unbroken.checkpoint.manifest import describe_files, write_manifest
 
-    write_manifest(path, 10)
+    write_manifest(path, 10, describe_files(path))
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -122,12 +122,43 @@ def test_restart_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(tmp_pa
     args = [*TINY, "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "5"]
     first = launch(tmp_path / "run1", "--nproc-per-node", "2", args=["--steps", "15", *args])
     assert first.code == 0, first.output
-    newest = ckpt_dir / "step_000000015"
-    victim = next(newest.glob("__1_*.distcp"))
+    kept = [s for s, _ in committed_checkpoints(ckpt_dir)]
+    assert kept[0] == 15 and len(kept) >= 2, kept  # the final state is always committed
+    victim = next((ckpt_dir / "step_000000015").glob("__1_*.distcp"))
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated, as by a full disk
     second = launch(tmp_path / "run2", "--nproc-per-node", "2", args=["--steps", "20", *args])
     assert second.code == 0, second.output
     invalid = second.events("checkpoint_invalid")
     assert invalid and invalid[0]["step"] == 15
-    assert {e["step"] for e in second.events("resume")} == {10}
-    assert sorted({e["step"] for e in second.events("step")}) == list(range(10, 20))
+    assert {e["step"] for e in second.events("resume")} == {kept[1]}
+    assert sorted({e["step"] for e in second.events("step")}) == list(range(kept[1], 20))
+
+
+def test_hostile_value_in_a_data_file_is_refused_not_executed(tmp_path):
+    """DCP stores non-tensor values (a learning rate) as pickles, and its own planner loads
+    them with weights_only=False; ours loads plain data only."""
+    import torch.distributed.checkpoint as dcp
+
+    from unbroken.checkpoint.manifest import describe_files, write_manifest
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    state = _state(10)
+    state["unbroken"]["note"] = _Evil()  # pickling it runs nothing; unpickling would
+    path = tmp_path / "ckpt" / "step_000000010"
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    write_manifest(path, 10, describe_files(path))  # sealed, as by someone with write access
+    target = _state(0)
+    target["unbroken"]["note"] = 0.0
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(CheckpointMismatch, match="unbroken.note is not plain data"):
+            ckpt.load_latest(target)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "pwned").exists()
+    plain = _state(0)
+    plain["unbroken"]["note"] = 0.0
+    state["unbroken"]["note"] = 0.5  # plain data loads fine
+    ckpt.save(state, 11)
+    assert ckpt.load_latest(plain) == 11 and plain["unbroken"]["note"] == 0.5

@@ -1,82 +1,76 @@
-"""Synchronous, atomic DCP checkpoints: save into a temporary directory, commit by rename.
+"""Async, atomic, verified DCP checkpoints: snapshot at a step boundary, persist behind it.
 
-Layout under the checkpoint directory:
-    step_000000040/         a committed checkpoint: DCP files plus manifest.json
-    .tmp-step_000000050-a1/ a save in progress (or torn by a crash); never loaded
+    ckpt.protect(model, optimizers)     # their step pre-hook waits for an unfinished copy
+    ckpt.start(state, step)             # collective; returns in about a millisecond
+    ...the next step's forward and backward run while the state is copied...
+    ...training goes on while the copy is written, fsynced, hashed and committed...
 
-`save` and `load_latest` are collective over `group`, a process group of their own so
-checkpoint traffic never queues behind (or deadlocks with) the training collectives. The
-interface (`save(state, step)`, `load_latest(state)`) is what the async checkpointer keeps.
+At most one save is in flight. When the next falls due before the last is committed, it is
+deferred, not waited for: training goes on and the save is retried after 1, 2, 4, ... steps
+(`checkpoint_deferred`). Whether to save is agreed by all ranks on a control group of its
+own (a save is collective, and only some ranks might still be busy), and the writes go over
+another; neither is the training group. A failed save (a full disk, a dead writer, a peer
+that died) is recorded as `checkpoint_failed` and the previous checkpoint stays the latest;
+the next one is tried on schedule. A writer that takes longer than `persist_timeout` is
+reported (`checkpoint_stuck`) and skipped over; the loop never waits on it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 
-from unbroken.checkpoint.manifest import fsync_path, verify_manifest, write_manifest
-from unbroken.checkpoint.safe_reader import (
-    SafeFileSystemReader,
-    UnsafeCheckpointError,
-    load_metadata,
+from unbroken.checkpoint.interval import Schedule
+from unbroken.checkpoint.layout import (
+    committed_checkpoints,
+    remove_torn,
+    step_name,
+    temporary_dir,
 )
-from unbroken.errors import CheckpointMismatch
+from unbroken.checkpoint.loader import choose, describe_dcp_failure, load_into
+from unbroken.checkpoint.persist import CheckpointWriteError, Committed, exchange_json, persist
+from unbroken.checkpoint.snapshot import Snapshot, Staged, local_tensor
+from unbroken.errors import first_line
 
-_COMMITTED = re.compile(r"^step_(\d{9})$")
+__all__ = ["Checkpointer", "CheckpointWriteError", "committed_checkpoints"]
+
 # DCP warns on every single-process save/load; a single process is a supported use here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoints, newest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _COMMITTED.match(p.name))]
-    return sorted(found, reverse=True)
+@dataclass
+class _Save:
+    """One save in flight."""
 
+    step: int
+    staged: Staged
+    started: float  # monotonic, when the loop called start()
+    kickoff: float = 0.0  # seconds start() took
+    copied: threading.Event = field(default_factory=threading.Event)
+    copied_at: float = 0.0
+    wait_began: float | None = None  # when the loop began waiting for the copy
+    done: threading.Event = field(default_factory=threading.Event)
+    committed: Committed | None = None
+    error: str | None = None
+    persisted: float = 0.0  # seconds from the end of the copy to the commit
+    stuck_reported: bool = False
 
-def _tensor_leaves(state: Any, prefix: str = "") -> dict[str, torch.Size]:
-    if isinstance(state, torch.Tensor):
-        return {prefix: state.shape}
-    if isinstance(state, dict):
-        out: dict[str, torch.Size] = {}
-        for key, value in state.items():
-            out.update(_tensor_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {}
-
-
-def check_fits(state: dict[str, Any], checkpoint: Path) -> None:
-    """Raise CheckpointMismatch naming the keys and shapes that differ."""
-    metadata = load_metadata(checkpoint / ".metadata")
-    saved = {k: v.size for k, v in metadata.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    ours = _tensor_leaves(state)
-    missing = sorted(k for k in ours if k not in saved)
-    unexpected = sorted(k for k in saved if k not in ours and k.split(".")[0] in state)
-    shapes = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(ours[k])}"
-                    for k in ours if k in saved and tuple(saved[k]) != tuple(ours[k]))
-    if missing or unexpected or shapes:
-        parts = []
-        if shapes:
-            parts.append(f"shapes differ for {', '.join(shapes[:5])}")
-        if missing:
-            parts.append(f"not in checkpoint: {', '.join(missing[:5])}")
-        if unexpected:
-            parts.append(f"not in model: {', '.join(unexpected[:5])}")
-        raise CheckpointMismatch(f"checkpoint {checkpoint} does not fit the model: " + "; ".join(parts))
+    @property
+    def stall(self) -> float:
+        """What this save cost the training loop: start() plus any wait for the copy."""
+        waited = max(0.0, self.copied_at - self.wait_began) if self.wait_began else 0.0
+        return self.kickoff + waited
 
 
 class Checkpointer:
@@ -84,96 +78,246 @@ class Checkpointer:
         self,
         directory: str | os.PathLike[str],
         group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
         keep: int = 3,
+        keep_every: int | None = None,
         attempt: int = 0,
         record: Callable[..., Any] | None = None,
         clean_stale: bool = True,
+        persist_timeout: float = 600.0,
+        schedule: Schedule | None = None,
+        fault_point: Callable[[str, int], None] = lambda point, step: None,
     ) -> None:
-        """`clean_stale`: remove torn saves of earlier attempts (rank 0 only). A replacement
-        joining a running job must not: the survivors may be saving right now."""
+        """`group` carries the writes, `control_group` the decision to save (both gloo, and
+        never the training group). `clean_stale`: remove torn saves of earlier attempts
+        (rank 0); a replacement joining a running job must not, the others may be saving."""
         if keep < 1:
             raise ValueError("keep must be at least 1")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError("keep_every must be at least 1")
         self.directory = Path(directory)
         self.group = group
+        self.control_group = control_group if control_group is not None else group
         self.keep = keep
+        self.keep_every = keep_every
         self.attempt = attempt
         self.record = record or (lambda *a, **k: None)
+        self.persist_timeout = persist_timeout
+        self.schedule = schedule or Schedule()
+        self.fault_point = fault_point  # injected faults in the writer (tests)
         self.tag = f"a{attempt}"  # names this writer's temporary directories
+        self._snapshot = Snapshot()
+        self._save: _Save | None = None
+        self._deferrals = 0
+        self._loaded_step: int | None = None
+        self._last: _Save | None = None  # the last save that finished, for the schedule
+        self._hooks: list[Any] = []
+        self._protected: tuple[torch.nn.Module | None, list[torch.optim.Optimizer]] = (None, [])
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0 and clean_stale:
-            for stale in self.directory.glob(".tmp-step_*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_torn(self.directory)
 
     @property
     def rank(self) -> int:
         """This process's rank now: in-place recovery renumbers ranks between generations."""
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def use_group(self, group: dist.ProcessGroup | None, generation: int) -> None:
-        """Checkpoint over a new generation's group; its saves get temporary dirs of their own."""
-        self.group = group
+    def use_groups(self, group: dist.ProcessGroup | None, control_group: dist.ProcessGroup | None,
+                   generation: int) -> None:
+        """Checkpoint over a new generation's groups; its saves get temporary dirs of their own.
+        A save still in flight on the old groups fails (they were aborted) and is reported."""
+        self.group, self.control_group = group, control_group
         self.tag = f"a{self.attempt}g{generation}"
 
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
+    # ------------------------------------------------------------------ snapshot
+    def protect(self, model: torch.nn.Module | None, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Copy `model`'s parameters and the optimizers' state in the background, and make
+        each optimizer's update wait until that copy is done (a step pre-hook)."""
+        optimizers = list(optimizers)
+        self._protected = (model, optimizers)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_snapshot()) for o in optimizers]
+
+    def _late(self) -> Callable[[torch.Tensor], bool]:
+        """Tensors that only an optimizer update changes: safe to copy after start() returns."""
+        model, optimizers = self._protected
+        if model is None or not optimizers:
+            return lambda t: False
+        ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
+        for optimizer in optimizers:
+            for per_param in optimizer.state.values():
+                ptrs.update(local_tensor(v).data_ptr() for v in per_param.values()
+                            if isinstance(v, torch.Tensor))
+        return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
+
+    def wait_snapshot(self) -> None:
+        """Block until the state being checkpointed has been copied (before it changes)."""
+        save = self._save
+        if save is None or save.copied.is_set():
+            return
+        save.wait_began = time.monotonic()
+        save.copied.wait()
+
+    # ------------------------------------------------------------------ saving
+    def due(self, step: int) -> bool:
+        return self.schedule.due(step)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._save is not None and not self._save.done.is_set()
+
+    def _agree(self, busy: bool, proposal: int) -> tuple[bool, int]:
+        """(is any rank still writing, the largest proposed interval), the same on every rank."""
+        vote = torch.tensor([int(busy), proposal], dtype=torch.int64)
+        if dist.is_initialized() and self.control_group is not None:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(vote[0]), int(vote[1])
+
+    def start(self, state: dict[str, Any], step: int, step_time: float | None = None) -> bool:
+        """Checkpoint `state` as of `step`: snapshot now, persist in the background.
+
+        Collective (every rank calls it at the same step). Returns False if the save was
+        deferred because a previous one is still being written on some rank.
+        """
+        t0 = time.monotonic()
+        busy = self.in_flight
+        if busy:
+            self._report_stuck(self._save, t0)
+        elif self._save is not None:
+            self._last, self._save = self._save, None
+        last = self._last
+        proposal = self.schedule.propose(step_time, last.stall if last else None,
+                                         last.persisted if last and last.committed else None)
+        anyone_busy, interval = self._agree(busy, proposal)
+        if anyone_busy:
+            self._deferrals += 1
+            self.schedule.deferred(step, self._deferrals)
+            self.record("checkpoint_deferred", step=step, retry_at=self.schedule.next_due,
+                        writing=self._save.step if busy else None)
+            return False
+        changed = interval != self.schedule.interval or self._last is None
+        self.schedule.reset(step, interval)
+        if changed and self.rank == 0:
+            self.record("checkpoint_interval", steps=interval, reason=self.schedule.reason)
+        self._deferrals = 0
+        save = _Save(step=step, staged=self._snapshot.stage(state, self._late()), started=t0)
+        self._save = save
+        group, tmp = self.group, temporary_dir(self.directory, step, self.tag)
+        threading.Thread(target=self._background, args=(save, group, self.rank, tmp), daemon=True,
+                         name=f"unbroken-checkpoint-{step}").start()
+        save.kickoff = time.monotonic() - t0
+        return True
+
+    def _report_stuck(self, save: _Save, now: float) -> None:
+        if not save.stuck_reported and now - save.started > self.persist_timeout:
+            save.stuck_reported = True
+            self.record("checkpoint_stuck", step=save.step, seconds=round(now - save.started, 3),
+                        timeout=self.persist_timeout)
+
+    def _background(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
+                    tmp: Path) -> None:
+        """The checkpoint thread: finish the copy, then write and commit it."""
+        t0 = time.monotonic()
+        copy_error = None
+        try:
+            self._snapshot.copy_pending(save.staged)
+        except Exception as exc:  # noqa: BLE001 -- e.g. no memory for the buffers
+            copy_error = first_line(exc)
+        finally:
+            save.copied_at = time.monotonic()
+            save.copied.set()
+        t1 = time.monotonic()
+        try:
+            distributed = dist.is_initialized() and group is not None
+            reports = exchange_json({"ok": copy_error is None, "error": copy_error},
+                                group if distributed else None)
+            failed = [r["error"] for r in reports if not r["ok"]]
+            if failed:
+                raise CheckpointWriteError(f"snapshot failed: {failed[0]}")
+            save.committed = persist(
+                save.staged.state, save.step, tmp, self.directory / step_name(save.step), group,
+                rank, self.keep, self.keep_every, {"attempt": self.attempt},
+                before_commit=lambda: self.fault_point("persist", save.step))
+        except CheckpointException as exc:  # DCP's, a BaseException: a peer failed inside DCP
+            save.error = describe_dcp_failure(exc)
+        except Exception as exc:  # noqa: BLE001 -- reported; the next save is tried on schedule
+            save.error = first_line(exc)
+        finally:
+            if save.committed is None and rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # torn: give its space back
+            end = time.monotonic()
+            save.persisted = end - t1
+            if save.committed is not None:
+                c = save.committed
+                self.record("checkpoint_saved", step=save.step, path=str(c.path), bytes=c.bytes,
+                            stall=round(save.stall, 6), snapshot=round(t1 - t0, 6),
+                            persist=round(end - t1, 6), durable=round(end - save.started, 6),
+                            deleted=c.deleted or None)
+            else:
+                self.record("checkpoint_failed", step=save.step, error=save.error,
+                            stall=round(save.stall, 6), duration=round(end - save.started, 6))
+            save.staged.state = {}  # the buffers stay with the Snapshot, for the next save
+            save.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight (if any) to finish; False if it is still running."""
+        save = self._save
+        if save is None:
+            return True
+        return save.done.wait(timeout)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write `state` as the checkpoint of `step`; returns once it is committed everywhere."""
+        """Checkpoint `state` and wait until it is committed (collective)."""
+        self.wait(self.persist_timeout)
+        if not self.start(state, step):
+            raise CheckpointWriteError(f"a save of step {self._save.step} is still being written")
+        self.wait()
+        save = self._save
+        if save.committed is None:
+            raise CheckpointWriteError(save.error or "checkpoint failed")
+        return save.committed.path
+
+    def finish(self, state: dict[str, Any], step: int) -> bool:
+        """At the end of training: commit the final state, waiting at most `persist_timeout`.
+        Collective. False (and an event) if it could not be committed in time."""
         t0 = time.monotonic()
-        name = f"step_{step:09d}"
-        tmp = self.directory / f".tmp-{name}-{self.tag}"
-        final = self.directory / name
-        tmp.mkdir(parents=True, exist_ok=True)
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
-                 process_group=self.group, no_dist=not dist.is_initialized())
-        if self.rank == 0:
-            write_manifest(tmp, step, {"attempt": self.attempt})
-            if final.exists():  # the same step saved by an earlier attempt
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_path(self.directory)
-            for torn in self.directory.glob(f".tmp-{name}-*"):  # a save a fault interrupted
-                shutil.rmtree(torn, ignore_errors=True)
-            self._retain()
-        self._barrier()
-        nbytes = sum(f.stat().st_size for f in final.iterdir()) if self.rank == 0 else None
-        self.record("checkpoint_saved", step=step, path=str(final), bytes=nbytes,
-                    duration=round(time.monotonic() - t0, 6))
-        return final
+        if self._save is None and step == self._loaded_step:
+            return True  # nothing has changed since that checkpoint was loaded
+        if not self.wait(self.persist_timeout):
+            self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
+        already = self._save is not None and self._save.step == step and self._save.committed
+        if not already:
+            if not self.start(state, step):
+                self.record("checkpoint_failed", step=step, final=True,
+                            error=f"the save of step {self._save.step if self._save else '?'} "
+                                  f"was still being written after checkpoint_timeout")
+                return False
+            left = max(0.0, self.persist_timeout - (time.monotonic() - t0))
+            if not self.wait(left):
+                self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
+                return False
+        return self._save.committed is not None
 
-    def _retain(self) -> None:
-        for _, path in committed_checkpoints(self.directory)[self.keep:]:
-            shutil.rmtree(path, ignore_errors=True)
+    def rejoin(self, step: int) -> None:
+        """After a generation switch: agree afresh on when the next save is due (collective).
+        A replacement has no schedule of its own yet; every member's is reset alike."""
+        proposal = self.schedule.interval
+        _, interval = self._agree(False, proposal)
+        self._deferrals = 0
+        self.schedule.reset(step, interval)
 
-    def _choose(self) -> Path | None:
-        """Rank 0 picks the newest intact checkpoint; every rank gets the same answer."""
-        choice = torch.tensor([-1], dtype=torch.int64)
-        if self.rank == 0:
-            for step, path in committed_checkpoints(self.directory):
-                reason = verify_manifest(path)
-                if reason is None:
-                    choice[0] = step
-                    break
-                self.record("checkpoint_invalid", step=step, path=str(path), reason=reason)
-        if dist.is_initialized():
-            dist.broadcast(choice, src=0, group=self.group)
-        step = int(choice[0])
-        return self.directory / f"step_{step:09d}" if step >= 0 else None
-
+    # ------------------------------------------------------------------ loading
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest intact checkpoint into `state` in place; its step, or None if none."""
         t0 = time.monotonic()
-        path = self._choose()
+        path = choose(self.directory, self.rank, self.control_group, self.record)
         if path is None:
             return None
-        try:
-            check_fits(state, path)
-            dcp.load(state, storage_reader=SafeFileSystemReader(path),
-                     process_group=self.group, no_dist=not dist.is_initialized())
-        except UnsafeCheckpointError as exc:
-            raise CheckpointMismatch(f"refusing to load {path}: {exc}") from None
+        load_into(state, path, self.group)
         step = int(path.name.removeprefix("step_"))
+        self.schedule.reset(step)
+        self._loaded_step = step
         self.record("checkpoint_loaded", step=step, path=str(path),
                     duration=round(time.monotonic() - t0, 6))
         return step

@@ -32,21 +32,25 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
+def write_manifest(directory: Path, step: int, files: dict[str, dict[str, Any]],
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the manifest of `files` (name -> bytes, sha256), durably.
+
+    Every rank has already fsynced the files it wrote; this is the commit marker's content.
+    """
     manifest = {"format": "unbroken-dcp/1", "step": step, "files": files, **(extra or {})}
     tmp = directory / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     fsync_path(tmp)
     os.replace(tmp, directory / MANIFEST)
-    for name in files:
-        fsync_path(directory / name)
     fsync_path(directory)
     return manifest
+
+
+def describe_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file in `directory` except the manifest."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 def verify_manifest(directory: Path) -> str | None:

@@ -2,12 +2,14 @@
 
 DCP's `.metadata` file is a pickle, and `FileSystemReader` unpickles it with plain `pickle`,
 so a crafted checkpoint could run code on load. This reader allows only the metadata
-classes DCP itself writes; tensors are read as raw bytes and other objects with
-`weights_only=True`, as DCP already does.
+classes DCP itself writes. Tensors are read as raw bytes; DCP's default planner reads every
+other value (a learning rate, a step count) with `torch.load(weights_only=False)`, which
+executes pickles, so `SafeLoadPlanner` reads them with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+import io
 import pathlib
 import pickle
 from typing import Any
@@ -15,6 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 _ALLOWED: dict[str, set[str] | None] = {
@@ -62,3 +66,20 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor values as plain data only."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpointError(
+                f"value {fqn} is not plain data (a pickle that would build arbitrary objects)"
+            ) from None
+        if self.flatten_state_dict:  # as DefaultLoadPlanner does, minus the unsafe load
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -2,7 +2,10 @@
 
 `at` says where the fault fires: `step` (default) at the start of step S; `join` when the
 worker, holding step S or later, starts forming a new generation's groups (a fault during a
-recovery); `send` when it is about to send its state to a peer (the state sender dies).
+recovery); `send` when it is about to send its state to a peer (the state sender dies);
+`persist` in the background checkpoint writer, once the files of a checkpoint of step S or
+later are written but before it is committed (`crash`: the worker dies mid-write;
+`exception`: the writer dies; `slow`: the writer stalls for `seconds`).
 
 One grammar for the `--fault` flag, the `UNBROKEN_FAULTS` variable, tests and benchmarks,
 so a fault that broke a run can be replayed by pasting the same string.
@@ -22,7 +25,7 @@ FAULT_KINDS = {
 }
 
 
-FAULT_POINTS = ("step", "join", "send")
+FAULT_POINTS = ("step", "join", "send", "persist")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -53,8 +54,8 @@ class AbortableGroups:
             self._sockets.update({fd: ino for fd, ino in after.items() if before.get(fd) != ino})
 
     def form(self, store: Store, rank: int, world_size: int, backend: str,
-             join_timeout: float, timeout: float) -> dist.ProcessGroup | None:
-        """Make the default group from `store`, plus a gloo group for checkpoints.
+             join_timeout: float, timeout: float) -> CheckpointGroups | None:
+        """Make the default group from `store`, plus the gloo groups for checkpoints.
 
         Rendezvous is bounded by `join_timeout` (a member that died before joining must not
         block us for long); collectives then get the user's `timeout`.
@@ -66,9 +67,7 @@ class AbortableGroups:
             dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=timeout))
             if world_size == 1:
                 return None
-            ckpt = dist.new_group(backend="gloo", timeout=timedelta(seconds=join_timeout))
-            ckpt.set_timeout(timedelta(seconds=timeout))
-            return ckpt
+            return checkpoint_groups(join_timeout, timeout)
 
     def abort(self) -> None:
         """Make every peer blocked on this generation's groups fail now; then tear them down."""
@@ -102,6 +101,26 @@ class AbortableGroups:
             except (RuntimeError, ValueError):
                 pass  # a broken group can fail to destroy cleanly; it is gone either way
         self.backend = None
+
+
+@dataclass(frozen=True)
+class CheckpointGroups:
+    """Checkpoint traffic, never on the training group: `writes` carries DCP's collectives
+    from the background writer, `control` the loop's decision to save (two threads must not
+    share one group: their collectives would interleave differently on different ranks)."""
+
+    writes: dist.ProcessGroup
+    control: dist.ProcessGroup
+
+
+def checkpoint_groups(form_timeout: float, timeout: float) -> CheckpointGroups:
+    """Collective over the default group, like any new_group."""
+    groups = []
+    for _ in range(2):
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=form_timeout))
+        group.set_timeout(timedelta(seconds=timeout))
+        groups.append(group)
+    return CheckpointGroups(*groups)
 
 
 def default_backend() -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from unbroken.errors import PEER_ERROR_MARKERS, first_line
 from unbroken.runtime.membership import Membership, Plan
-from unbroken.runtime.process_group import AbortableGroups
+from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
 
 
@@ -38,7 +38,7 @@ class Switch:
 
     plan: Plan
     sync: SyncResult
-    ckpt_group: dist.ProcessGroup | None
+    ckpt_groups: CheckpointGroups | None
     view: Any  # what the user's build() returned in the new generation
     phases: dict[str, float]  # wait_plan, gather, form, sync, build: seconds
     tries: int  # generations tried before this one held
@@ -89,7 +89,7 @@ class Generations:
             try:
                 self.fault_point("join", committed_step)
                 store = self.membership.store_for(plan, self.join_timeout)
-                ckpt_group = self.groups.form(store, plan.rank,
+                ckpt_groups = self.groups.form(store, plan.rank,
                                               plan.world_size, self.backend, self.join_timeout,
                                               self.timeout)
                 t3 = time.monotonic()
@@ -116,6 +116,6 @@ class Generations:
                 continue
             phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,
                       "build": t5 - t4}
-            return Switch(plan, result, ckpt_group, view,
+            return Switch(plan, result, ckpt_groups, view,
                           {k: round(v, 6) for k, v in phases.items()}, tries)
 

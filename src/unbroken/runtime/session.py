@@ -1,6 +1,6 @@
 """The worker API: `unbroken.init()` returns a `Run`, whose loop owns the step counter.
 
-    run = unbroken.init(checkpoint_dir="ckpt", checkpoint_every=50)
+    run = unbroken.init(checkpoint_dir="ckpt", checkpoint_every=50)   # async: ~1 ms stall
     model = GPT(cfg); optimizer = torch.optim.AdamW(model.parameters())
     run.track(model, optimizer)                    # the state a step commits
     def build():                                   # once per generation: what needs the group
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.checkpoint.interval import Schedule
 from unbroken.errors import UserError, first_line
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
@@ -45,7 +46,7 @@ from unbroken.runtime.heartbeat import (
     HeartbeatWriter,
 )
 from unbroken.runtime.membership import JobFinished, Membership
-from unbroken.runtime.process_group import AbortableGroups, default_backend
+from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
 from unbroken.runtime.recovery import Generations, is_peer_error
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -93,9 +94,16 @@ class Run:
         backend: str | None = None,
         timeout: float = 1800.0,
         seed: int | None = 0,
+        checkpoint_every_seconds: float | None = None,
+        checkpoint_mtbf_hours: float | None = None,
+        keep_every: int | None = None,
+        checkpoint_timeout: float = 600.0,
     ) -> None:
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise UserError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+        schedule = Schedule(checkpoint_every, checkpoint_every_seconds, checkpoint_mtbf_hours)
+        if keep_checkpoints < 1:
+            raise UserError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
+        if keep_every is not None and keep_every < 1:
+            raise UserError(f"keep_every must be at least 1, got {keep_every}")
         env = os.environ
         self.rank = int(env.get("RANK", 0))
         self.world_size = int(env.get("WORLD_SIZE", 1))
@@ -138,8 +146,9 @@ class Run:
                                         **_torchrun_rendezvous(self.rank, self.world_size, timeout))
                 self._groups.backend = self.backend
                 self._owns_group = True
-            # Checkpoint collectives get a group of their own, never the training one.
-            self._ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            # Checkpoint collectives get groups of their own, never the training one.
+            self._ckpt_groups = (checkpoint_groups(timeout, timeout)
+                                 if dist.is_initialized() else None)
         pg_seconds = time.monotonic() - t0
         started = _process_start_time()
         self.events.emit(
@@ -148,16 +157,19 @@ class Run:
             process_group=round(pg_seconds, 6), wid=self.wid, joining=self.joining,
         )
 
-        self._checkpointer = (
-            Checkpointer(checkpoint_dir, group=self._ckpt_group, keep=keep_checkpoints,
-                         attempt=self.attempt, record=self.events.emit,
-                         clean_stale=not self.joining)
-            if checkpoint_dir else None
-        )
-        self.checkpoint_every = checkpoint_every if checkpoint_dir else None
         self._faults = FaultInjector(
             parse_faults(env.get("UNBROKEN_FAULTS")), self.rank, self._claim_fault, self.events.emit
         )
+        groups = self._ckpt_groups
+        self._checkpointer = (
+            Checkpointer(checkpoint_dir, group=groups and groups.writes,
+                         control_group=groups and groups.control, keep=keep_checkpoints,
+                         keep_every=keep_every, attempt=self.attempt, record=self.events.emit,
+                         clean_stale=not self.joining, persist_timeout=checkpoint_timeout,
+                         schedule=schedule, fault_point=self._faults.at_point)
+            if checkpoint_dir else None
+        )
+        self._step_time: float | None = None  # moving average, for time-based intervals
         self._control: Any = None
         self._claimed_here: set[str] = set()
         self._model: torch.nn.Module | None = None
@@ -206,6 +218,8 @@ class Run:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UserError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
         self._model, self._optimizers, self._extra = model, list(optimizers), extra
+        if self._checkpointer is not None:
+            self._checkpointer.protect(model, self._optimizers)
 
     def state_dict(self) -> dict[str, Any]:
         if self._model is None:
@@ -231,13 +245,28 @@ class Run:
         self.step = int(state["unbroken"]["step"])
         self._holds_state = True
 
-    def save_checkpoint(self) -> None:
-        """Checkpoint the committed state now (collective: every rank must call it)."""
+    def save_checkpoint(self) -> bool:
+        """Start a checkpoint of the committed state now (collective: every rank calls it).
+
+        It is snapshotted while the next step runs and persisted in the background. False if
+        it was deferred because the previous save is still being written."""
         if self._checkpointer is None:
             raise UserError("no checkpoint_dir was given to unbroken.init()")
+        return self._checkpointer.start(self.state_dict(), self.step, self._step_time)
+
+    def _after_step(self, duration: float) -> None:
+        """Per committed step: the step-time average, and a checkpoint if one is due."""
+        avg = self._step_time
+        self._step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
+        if self._checkpointer is not None and self._checkpointer.due(self.step):
+            self.save_checkpoint()
+
+    def _finish_checkpoints(self) -> None:
+        """The final state, committed before we report done (bounded by checkpoint_timeout)."""
+        if self._checkpointer is None:
+            return
         self._stamp(self.step, PHASE_CHECKPOINT)
-        self._checkpointer.save(self.state_dict(), self.step)
-        self._stamp(self.step, PHASE_TRAINING)
+        self._checkpointer.finish(self.state_dict(), self.step)
 
     def _resume(self) -> None:
         if self._checkpointer is None:
@@ -277,9 +306,8 @@ class Run:
             duration = time.perf_counter() - t0
             self.step = step + 1  # the body returned: the step is committed
             self.events.emit("step", step=step, duration=round(duration, 6), **self._metrics)
-            every = self.checkpoint_every
-            if every and (self.step % every == 0 or self.step == total):
-                self.save_checkpoint()
+            self._after_step(duration)
+        self._finish_checkpoints()
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step)
 
@@ -341,14 +369,14 @@ class Run:
             self.step = step + 1
             self.events.emit("step", step=step, duration=round(duration, 6), gen=self.gen,
                              **self._metrics)
-            every = self.checkpoint_every
-            if every and (self.step % every == 0 or self.step == steps):
-                try:
-                    self.save_checkpoint()
-                except Exception as exc:
-                    if not (self.in_place and is_peer_error(exc)):
-                        raise
-                    self._leave_and_join("peer", error=first_line(exc))
+            try:
+                self._after_step(duration)
+                if self.step == steps:
+                    self._finish_checkpoints()
+            except Exception as exc:
+                if not (self.in_place and is_peer_error(exc)):
+                    raise
+                self._leave_and_join("peer", error=first_line(exc))
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
@@ -424,9 +452,11 @@ class Run:
         self.joining = False
         self._holds_state = True
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
-        self._ckpt_group = switch.ckpt_group
+        self._ckpt_groups = groups = switch.ckpt_groups
         if self._checkpointer is not None:
-            self._checkpointer.use_group(switch.ckpt_group, self.gen)
+            self._checkpointer.use_groups(groups and groups.writes, groups and groups.control,
+                                          self.gen)
+            self._checkpointer.rejoin(self.step)
         self._view = switch.view
         self._owns_group = True  # formed by the runtime: close() tears it down
         gens.report_up(switch)
@@ -466,11 +496,26 @@ def init(
     backend: str | None = None,
     timeout: float = 1800.0,
     seed: int | None = 0,
+    *,
+    checkpoint_every_seconds: float | None = None,
+    checkpoint_mtbf_hours: float | None = None,
+    keep_every: int | None = None,
+    checkpoint_timeout: float = 600.0,
 ) -> Run:
     """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
     script already did, and set up heartbeat, events, faults and checkpoints.
 
+    Checkpoints (async: snapshot while the next step runs, persist in the background) are
+    taken every `checkpoint_every` steps, or every `checkpoint_every_seconds`, or at the
+    Young/Daly interval for the measured checkpoint cost and an expected mean time between
+    failures of `checkpoint_mtbf_hours`; and at the end. The newest `keep_checkpoints` are
+    kept, and every one whose step is a multiple of `keep_every`. A save not committed within
+    `checkpoint_timeout` seconds is reported and skipped over; the loop never waits for it.
+
     `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
     redone or run by a replacement draws the same numbers; None leaves the RNG alone.
     """
-    return Run(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed)
+    return Run(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed,
+               checkpoint_every_seconds=checkpoint_every_seconds,
+               checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
+               checkpoint_timeout=checkpoint_timeout)

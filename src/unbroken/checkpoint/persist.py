@@ -1,0 +1,141 @@
+"""Phase two of a checkpoint: write a snapshot in DCP format and commit it, in the background.
+
+Every rank writes its own shard files (fsynced) through DCP over the checkpoint group, hashes
+them, and tells the others whether it succeeded. Only when every rank did does rank 0 write
+the manifest (each file's size and SHA-256), fsync it, and rename the temporary directory
+into place. A rank whose write fails (a full disk) still takes part in the exchange, so no
+peer waits on it; a rank that dies breaks the group, so its peers fail at once. Either way
+nothing is committed and the previous checkpoint stays the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from unbroken.checkpoint.layout import remove_torn, retain
+from unbroken.checkpoint.loader import describe_dcp_failure
+from unbroken.checkpoint.manifest import file_digest, fsync_path, write_manifest
+from unbroken.errors import first_line
+from unbroken.runtime.recovery import is_peer_error
+
+
+class CheckpointWriteError(RuntimeError):
+    """Some rank could not write its part of a checkpoint; nothing was committed."""
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, noting which files this rank wrote (to hash just those)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, sync_files=True, thread_count=1)
+        self.written: set[str] = set()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        for result in future.wait():
+            self.written.add(result.storage_data.relative_path)
+        return future
+
+
+def exchange_json(payload: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
+    """Every rank's `payload` (JSON), on every rank. JSON, so nothing received is executed."""
+    data = json.dumps(payload).encode()
+    if group is None or not dist.is_initialized():
+        return [payload]
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(everyone, mine, group=group)
+    return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(everyone, sizes, strict=True)]
+
+
+@dataclass
+class Committed:
+    path: Path
+    bytes: int | None  # the checkpoint's total size, known on rank 0
+    deleted: list[int]  # older steps removed by retention (rank 0)
+
+
+def persist(
+    state: dict[str, Any],
+    step: int,
+    tmp: Path,
+    final: Path,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    keep: int,
+    keep_every: int | None,
+    manifest_extra: dict[str, Any],
+    before_commit: Callable[[], None] = lambda: None,
+) -> Committed:
+    """Write `state` into `tmp`, and commit it as `final` once every rank's files are durable.
+
+    Collective over `group`. Raises CheckpointWriteError (or the group's error, if a peer
+    died) when nothing was committed.
+    """
+    distributed = dist.is_initialized() and group is not None
+    local: dict[str, Any] = {"ok": True, "files": {}}
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        writer = _RecordingWriter(tmp)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
+        local["files"] = {name: {"bytes": (tmp / name).stat().st_size,
+                                 "sha256": file_digest(tmp / name)}
+                          for name in sorted(writer.written)}
+        before_commit()  # fault injection: the files are written, nothing is committed
+    except CheckpointException as exc:  # some rank failed inside DCP; every rank has this
+        local = {"ok": False, "error": describe_dcp_failure(exc)}
+    except Exception as exc:  # noqa: BLE001 -- reported to every rank, then raised below
+        if is_peer_error(exc):
+            raise  # the group broke (a peer died): no exchange is possible
+        local = {"ok": False, "error": f"rank {rank}: {first_line(exc)}"}
+    reports = exchange_json(local, group if distributed else None)
+    failed = list(dict.fromkeys(r["error"] for r in reports if not r["ok"]))  # DCP's: alike
+    outcome = torch.tensor([0], dtype=torch.int64)
+    result = Committed(final, None, [])
+    error = "; ".join(failed[:3])
+    if rank == 0:
+        try:
+            if not failed:
+                result = _commit(tmp, final, step, reports, keep, keep_every, manifest_extra)
+                outcome[0] = 1
+        except Exception as exc:  # noqa: BLE001 -- e.g. no space left for the manifest
+            error = f"rank 0 could not commit: {first_line(exc)}"
+        if not outcome[0]:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back for the next try
+    if distributed:
+        dist.broadcast(outcome, group=group, group_src=0)
+    if not outcome[0]:
+        raise CheckpointWriteError(error or "rank 0 could not commit")
+    return result
+
+
+def _commit(tmp: Path, final: Path, step: int, reports: list[dict[str, Any]], keep: int,
+            keep_every: int | None, extra: dict[str, Any]) -> Committed:
+    files = {name: info for report in reports for name, info in report["files"].items()}
+    metadata = tmp / ".metadata"
+    files[".metadata"] = {"bytes": metadata.stat().st_size, "sha256": file_digest(metadata)}
+    write_manifest(tmp, step, files, extra)
+    if final.exists():  # the same step saved by an earlier attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    remove_torn(final.parent)  # saves a fault interrupted: only one is ever in flight
+    deleted = retain(final.parent, keep, keep_every)
+    return Committed(final, sum(i["bytes"] for i in files.values()), deleted)

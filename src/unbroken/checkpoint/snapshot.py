@@ -1,0 +1,100 @@
+"""Phase one of a checkpoint: copy the state into reusable CPU buffers, off the loop's path.
+
+Only the optimizer update overwrites parameters and optimizer state, so those large tensors
+are copied by the checkpoint's background thread while the next step's forward and backward
+run; the optimizers' step pre-hook waits for the copy (`Checkpointer.protect`). Everything
+else (buffers such as BatchNorm statistics, which a forward pass updates; counters; RNG
+state; Python values such as the learning rate, which a scheduler changes) is copied at once.
+Buffers are allocated on the first save and reused, so a checkpoint costs no allocation.
+On GPU they are pinned and filled on a side stream; DTensor shards stay DTensors, so the
+persisted checkpoint keeps its sharding and reshards on load.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Staged:
+    """A snapshot being taken: `state` has the structure of the original with CPU buffers
+    in place of tensors; `pending` are the copies still to do (source, buffer)."""
+
+    state: dict[str, Any]
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    ready: Any = None  # on GPU: an event marking where the main stream had got to
+    nbytes: int = 0
+
+
+class Snapshot:
+    """Reusable CPU buffers for one training state; `stage` then `copy_pending`."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any = None
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            pin = like.is_cuda
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        return buf
+
+    def stage(self, state: dict[str, Any], late: Callable[[torch.Tensor], bool]) -> Staged:
+        """Copy now what may change before the next optimizer update; defer the rest.
+
+        `late(t)`: True for tensors only an optimizer update changes (parameters and
+        optimizer state), which the background thread copies.
+        """
+        staged = Staged(state={})
+        staged.state = self._walk(state, "", late, staged)
+        if any(src.is_cuda for src, _ in staged.pending):
+            staged.ready = torch.cuda.Event()
+            staged.ready.record()
+        return staged
+
+    def _walk(self, obj: Any, key: str, late: Callable[[torch.Tensor], bool], staged: Staged) -> Any:
+        if isinstance(obj, torch.Tensor):
+            src = local_tensor(obj).detach()
+            buf = self._buffer(key, src)
+            staged.nbytes += buf.numel() * buf.element_size()
+            if late(src):
+                staged.pending.append((src, buf))
+            else:
+                buf.copy_(src)
+            if isinstance(obj, DTensor):
+                # Same mesh and placements around the CPU shard: DCP saves it as a shard.
+                return DTensor(buf, obj._spec, requires_grad=False)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._walk(v, f"{key}/{k}", late, staged) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._walk(v, f"{key}/{i}", late, staged) for i, v in enumerate(obj)]
+            return type(obj)(items) if isinstance(obj, list) else tuple(items)
+        return copy.deepcopy(obj)
+
+    def copy_pending(self, staged: Staged) -> None:
+        """The deferred copies; run by the checkpoint thread, concurrently with training."""
+        if staged.ready is not None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_event(staged.ready)
+            with torch.cuda.stream(self._stream):
+                for src, buf in staged.pending:
+                    buf.copy_(src, non_blocking=src.is_cuda)
+            self._stream.synchronize()
+        else:
+            for src, buf in staged.pending:
+                buf.copy_(src)
+        staged.pending.clear()

@@ -1,0 +1,63 @@
+"""A small worker for checkpoint tests: a two-layer model, AdamW, `run.train`.
+
+`--fsdp` shards it with FSDP2 (one shard per rank, uneven when the world size does not
+divide the rows); `--full-state PATH` makes rank 0 write the full, unsharded model and
+optimizer state there at the end, to compare runs of different world sizes.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import unbroken
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--checkpoint-dir", required=True)
+p.add_argument("--checkpoint-every", type=int, default=5)
+p.add_argument("--checkpoint-timeout", type=float, default=600.0)
+p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--fsdp", action="store_true")
+p.add_argument("--full-state", default=None)
+args = p.parse_args()
+
+torch.set_num_threads(1)
+run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    checkpoint_timeout=args.checkpoint_timeout)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+run.track(model, optimizer)
+
+
+def build():
+    if args.fsdp or run.world_size == 1:
+        return model
+    return DDP(model)
+
+
+def step_fn(step, net):
+    g = torch.Generator().manual_seed(step * 100 + run.rank)
+    x = torch.randn(4, 6, generator=g)
+    net(x).pow(2).mean().backward()
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+
+
+run.train(step_fn, steps=args.steps, build=build)
+if args.full_state:
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({"model": model_sd, "optim": optim_sd["state"]}, args.full_state)
+run.close()
