@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from unbroken.errors import ExitCode, UserError
+from unbroken.exiting import exit_without_teardown
 from unbroken.faults import FAULT_KINDS, parse_faults
 
 
@@ -200,7 +201,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from unbroken.launch.agent import Agent
 
     cfg = config_from_args(args)
-    return Agent(cfg).run()
+    code = Agent(cfg).run()
+    exit_without_teardown(int(code))  # the agent's store threads can abort a normal exit
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from unbroken.exiting import exit_without_teardown
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -133,30 +135,7 @@ def main() -> None:
     except BaseException as exc:
         _write_error(exc)
         raise
-    _exit_successfully()
-
-
-def _exit_successfully() -> None:
-    """Finish a worker whose script succeeded without the interpreter's C++ teardown.
-
-    Python-level shutdown still happens: non-daemon threads are joined, atexit handlers run,
-    output is flushed. What is skipped is the destruction of torch's C++ statics, which took
-    0.5-2.5 s per worker here and sometimes aborted (SIGABRT, "terminate called without an
-    active exception") after training had finished, turning a success into a fault.
-    """
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # closed or broken pipe: nothing left to flush to
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":
