@@ -190,11 +190,11 @@ def test_a_deferred_save_is_retried_and_never_waited_for(tmp_path):
     assert saved[0] == 10
 
 
-def _job(tmp_path, *flags, steps=40, every=5, extra=(), **kw):
+def _job(tmp_path, *flags, steps=40, every=5, extra=(), nproc=2, **kw):
     ckpt = tmp_path / "ckpt"
     args = ["--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
             *extra]
-    return launch(tmp_path / "run", "--nproc-per-node", "2", *flags, script=CKPT_TRAIN,
+    return launch(tmp_path / "run", "--nproc-per-node", str(nproc), *flags, script=CKPT_TRAIN,
                   args=args, **kw), ckpt
 
 
@@ -315,3 +315,50 @@ def test_fsdp2_checkpoint_reshards_from_4_ranks_to_2_and_3(tmp_path):
     _assert_same(full[3], full[4])
     assert full[4]["model"]["0.weight"].shape == (7, 6)
     shutil.rmtree(ckpt)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_checksummed_file_writes_exactly_what_it_was_given(tmp_path, direct):
+    """Odd sizes across chunk boundaries; O_DIRECT pads the last block and truncates it."""
+    import zlib
+
+    from unbroken.checkpoint.direct_io import CHUNK, ChecksummedFile
+
+    g = torch.Generator().manual_seed(1)
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+              for n in (1, 4095, CHUNK - 3, 7, CHUNK + 12345, 100)]
+    path = tmp_path / "data.distcp"
+    stream = ChecksummedFile(path, direct=direct)
+    for piece in pieces:
+        assert stream.write(memoryview(piece)) == len(piece)
+    assert stream.tell() == sum(map(len, pieces))
+    stream.close()
+    expected = b"".join(pieces)
+    assert path.read_bytes() == expected
+    assert stream.crc32 == zlib.crc32(expected)
+    if direct:
+        assert stream.direct, "O_DIRECT was refused on the test filesystem"
+
+
+def test_an_unscheduled_checkpointer_proposes_its_interval_unchanged():
+    """Saves started by hand (no interval configured) with a known step time."""
+    schedule = Schedule()
+    assert not schedule.enabled and not schedule.due(10**6)
+    assert schedule.propose(step_time=0.5, cost=0.001, persist=1.0) == schedule.interval
+
+
+def test_checkpoints_go_on_across_in_place_generations(tmp_path):
+    """A worker dies; the survivors shrink, its replacement joins: each generation agrees on
+    saves over its own control group, and the replacement writes its part of the last ones."""
+    result, ckpt = _job(tmp_path, "--max-restarts", "2", "--fault", "crash:rank=1,step=8",
+                        steps=300, extra=["--step-sleep", "0.02"], nproc=3)
+    assert result.code == 0, result.output
+    ups = result.events("gen_up")
+    assert len(ups) >= 2 and ups[-1]["world_size"] == 3, ups  # shrunk, then grown back
+    last_up = ups[-1]["t"]
+    after = [e for e in result.events("checkpoint_saved") if e["t"] > last_up]
+    assert after, "no checkpoint after the replacement joined"
+    final = [e for e in after if e["step"] == 300]
+    assert {e["slot"] for e in final} == {0, 1, 2}  # the replacement took part
+    assert not [e for e in result.events("checkpoint_failed") if e["t"] > last_up]
+    assert verify_manifest(committed_checkpoints(ckpt)[0][1]) is None

@@ -59,7 +59,7 @@ class Schedule:
 
     def propose(self, step_time: float | None, cost: float | None, persist: float | None) -> int:
         """This rank's wish for the number of steps until the next save, and why."""
-        if self.every_steps is not None or not step_time:
+        if (self.every_seconds is None and self.mtbf_hours is None) or not step_time:
             self.reason = f"every {self.interval} steps"
             return self.interval
         if self.every_seconds is not None:

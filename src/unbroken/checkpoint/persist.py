@@ -1,9 +1,9 @@
 """Phase two of a checkpoint: write a snapshot in DCP format and commit it, in the background.
 
-Every rank writes its own shard files (fsynced) through DCP over the checkpoint group, hashes
-them, and tells the others whether it succeeded. Only when every rank did does rank 0 write
-the manifest (each file's size and SHA-256), fsync it, and rename the temporary directory
-into place. A rank whose write fails (a full disk) still takes part in the exchange, so no
+Every rank writes its own shard files through DCP over the checkpoint group (around the page
+cache, checksummed as written, fsynced: see `direct_io.py`), and tells the others whether it
+succeeded. Only when every rank did does rank 0 write the manifest (each file's size and
+CRC-32), fsync it, and rename the temporary directory into place. A rank whose write fails (a full disk) still takes part in the exchange, so no
 peer waits on it; a rank that dies breaks the group, so its peers fail at once. Either way
 nothing is committed and the previous checkpoint stays the latest.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from unbroken.checkpoint.direct_io import ChecksummingFileSystem
 from unbroken.checkpoint.layout import remove_torn, retain
 from unbroken.checkpoint.loader import describe_dcp_failure
 from unbroken.checkpoint.manifest import file_digest, fsync_path, write_manifest
@@ -36,17 +38,16 @@ class CheckpointWriteError(RuntimeError):
 
 
 class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer, noting which files this rank wrote (to hash just those)."""
+    """DCP's file writer, with data files written by ChecksummingFileSystem: around the
+    page cache where the filesystem allows, fsynced, and checksummed as they are written."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, sync_files=True, thread_count=1)
-        self.written: set[str] = set()
+    def __init__(self, path: Path, rate: float | None) -> None:
+        super().__init__(path, sync_files=False, thread_count=1)  # our files fsync on close
+        self.fs = ChecksummingFileSystem(rate=rate)
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        future = super().write_data(plan, planner)
-        for result in future.wait():
-            self.written.add(result.storage_data.relative_path)
-        return future
+    @property
+    def written(self) -> dict[str, dict[str, Any]]:
+        return self.fs.written
 
 
 def exchange_json(payload: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
@@ -70,6 +71,7 @@ class Committed:
     path: Path
     bytes: int | None  # the checkpoint's total size, known on rank 0
     deleted: list[int]  # older steps removed by retention (rank 0)
+    committed_at: float | None = None  # monotonic, on rank 0: before retention's deletes
 
 
 def persist(
@@ -83,21 +85,21 @@ def persist(
     keep_every: int | None,
     manifest_extra: dict[str, Any],
     before_commit: Callable[[], None] = lambda: None,
+    write_rate: float | None = None,
 ) -> Committed:
     """Write `state` into `tmp`, and commit it as `final` once every rank's files are durable.
 
-    Collective over `group`. Raises CheckpointWriteError (or the group's error, if a peer
+    `write_rate`: bytes per second at most for the data files (None: unpaced). Collective
+    over `group`. Raises CheckpointWriteError (or the group's error, if a peer
     died) when nothing was committed.
     """
     distributed = dist.is_initialized() and group is not None
     local: dict[str, Any] = {"ok": True, "files": {}}
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        writer = _RecordingWriter(tmp)
+        writer = _RecordingWriter(tmp, write_rate)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
-        local["files"] = {name: {"bytes": (tmp / name).stat().st_size,
-                                 "sha256": file_digest(tmp / name)}
-                          for name in sorted(writer.written)}
+        local["files"] = writer.written
         before_commit()  # fault injection: the files are written, nothing is committed
     except CheckpointException as exc:  # some rank failed inside DCP; every rank has this
         local = {"ok": False, "error": describe_dcp_failure(exc)}
@@ -130,12 +132,14 @@ def _commit(tmp: Path, final: Path, step: int, reports: list[dict[str, Any]], ke
             keep_every: int | None, extra: dict[str, Any]) -> Committed:
     files = {name: info for report in reports for name, info in report["files"].items()}
     metadata = tmp / ".metadata"
-    files[".metadata"] = {"bytes": metadata.stat().st_size, "sha256": file_digest(metadata)}
+    fsync_path(metadata)
+    files[".metadata"] = {"bytes": metadata.stat().st_size, "crc32": file_digest(metadata)}
     write_manifest(tmp, step, files, extra)
     if final.exists():  # the same step saved by an earlier attempt
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_path(final.parent)
+    committed_at = time.monotonic()
     remove_torn(final.parent)  # saves a fault interrupted: only one is ever in flight
     deleted = retain(final.parent, keep, keep_every)
-    return Committed(final, sum(i["bytes"] for i in files.values()), deleted)
+    return Committed(final, sum(i["bytes"] for i in files.values()), deleted, committed_at)
