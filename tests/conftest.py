@@ -38,12 +38,26 @@ class Launched:
 
 
 def last_committed(result: Launched, attempt: int = 0) -> int:
-    """The newest checkpoint an attempt committed (0: none), where the next attempt must
-    resume. Async saves are deferred while the last is still being written, so not every
-    multiple of --checkpoint-every is saved, and a fault may come before the first commit."""
+    """The newest checkpoint an attempt reported committed (0: none). Async saves are
+    deferred while the last is still being written, so not every multiple of
+    --checkpoint-every is saved, and a fault may come before the first commit."""
     steps = [e["step"] for e in result.events("checkpoint_saved")
              if e["attempt"] == attempt and e["rank"] == 0]
     return max(steps, default=0)
+
+
+def assert_resumed_from_the_last_checkpoint(result: Launched, before_step: int) -> int:
+    """Attempt 1 resumed from the newest checkpoint attempt 0 committed before the fault.
+    (A worker stopped right after its commit may not have logged it: the resumed step can
+    then be newer than the last `checkpoint_saved`, never older.)"""
+    resumed = {e["step"] for e in result.events("resume") if e["attempt"] == 1}
+    assert len(resumed) == 1, resumed
+    step = resumed.pop()
+    assert last_committed(result) <= step <= before_step, (step, last_committed(result))
+    if step:
+        loaded = {e["step"] for e in result.events("checkpoint_loaded") if e["attempt"] == 1}
+        assert loaded == {step}, loaded
+    return step
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -362,3 +363,42 @@ def test_checkpoints_go_on_across_in_place_generations(tmp_path):
     assert {e["slot"] for e in final} == {0, 1, 2}  # the replacement took part
     assert not [e for e in result.events("checkpoint_failed") if e["t"] > last_up]
     assert verify_manifest(committed_checkpoints(ckpt)[0][1]) is None
+
+
+def test_parameters_no_optimizer_updates_are_copied_at_once(tmp_path):
+    """A momentum encoder's parameters are updated in place by the training step, not by
+    the optimizer; the optimizer's pre-hook cannot guard them, so they are copied at once."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"online": torch.nn.Linear(64, 64), "target": torch.nn.Linear(4096, 4096)})
+    model["target"].requires_grad_(False)
+    optimizer = torch.optim.SGD(model["online"].parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.protect(model, [optimizer])
+    expected = model["target"].weight.detach().clone()
+    assert ckpt.start({"model": model.state_dict()}, step=1)
+    with torch.no_grad():
+        model["target"].weight.mul_(0.5).add_(1.0)  # the EMA update, right after start()
+    assert ckpt.wait(60)
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    assert ckpt.load_latest(target) == 1
+    assert torch.equal(target["model"]["target.weight"], expected)
+
+
+class _Unpicklable:
+    def state_dict(self):
+        return {"lock": threading.Lock()}  # cannot be copied into a snapshot
+
+
+def test_a_snapshot_that_cannot_be_taken_is_reported_and_training_goes_on(tmp_path):
+    model, optimizer = _model()
+    events = []
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)))
+    ckpt.protect(model, [optimizer])
+    state = {**_state(model, optimizer), "extra": _Unpicklable().state_dict()}
+    assert ckpt.start(state, step=1)  # the failure is reported by the writer, on every rank
+    _train_step(model, optimizer)  # the optimizer's pre-hook does not wait forever
+    assert ckpt.wait(30)
+    failed = [kw for name, kw in events if name == "checkpoint_failed"]
+    assert failed and "lock" in failed[0]["error"].lower()
+    assert ckpt.start(_state(model, optimizer), step=2) and ckpt.wait(30)  # the next one works
+    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2]

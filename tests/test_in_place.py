@@ -12,7 +12,15 @@ import random
 import signal
 
 import torch
-from conftest import TINY, events_of, finish, last_committed, launch, start, wait_for
+from conftest import (
+    TINY,
+    assert_resumed_from_the_last_checkpoint,
+    events_of,
+    finish,
+    launch,
+    start,
+    wait_for,
+)
 
 from unbroken.telemetry.summary import summarize
 
@@ -183,8 +191,7 @@ def test_fallback_to_full_restart_when_no_holder_is_left(tmp_path):
     assert result.code == 0, result.output
     assert result.events("recovery_fallback"), result.output
     assert [e["attempt"] for e in result.events("restart")] == [1]
-    resumed = [e for e in result.events("resume") if e["attempt"] == 1]
-    assert resumed and all(e["step"] == last_committed(result) for e in resumed), resumed
+    assert_resumed_from_the_last_checkpoint(result, before_step=12)
     assert summarize(result.run_dir)["steps"] == STEPS
 
 

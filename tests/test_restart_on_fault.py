@@ -8,7 +8,15 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import TINY, assert_gave_up, finish, last_committed, launch, start, wait_for
+from conftest import (
+    TINY,
+    assert_gave_up,
+    assert_resumed_from_the_last_checkpoint,
+    finish,
+    launch,
+    start,
+    wait_for,
+)
 
 from unbroken.telemetry.summary import summarize
 
@@ -35,9 +43,7 @@ def _assert_recovered(result, kind: str, rank: int, step: int) -> dict:
     assert summary["steps"] == STEPS
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
     # The second attempt resumed from the last checkpoint before the fault, not from zero.
-    resumed = [e for e in result.events("resume") if e["attempt"] == 1]
-    assert resumed and all(e["step"] == last_committed(result) for e in resumed), resumed
-    assert last_committed(result) <= step
+    assert_resumed_from_the_last_checkpoint(result, before_step=step)
     return faults[0]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -141,12 +142,15 @@ class Checkpointer:
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_snapshot()) for o in optimizers]
 
     def _late(self) -> Callable[[torch.Tensor], bool]:
-        """Tensors that only an optimizer update changes: safe to copy after start() returns."""
-        model, optimizers = self._protected
-        if model is None or not optimizers:
-            return lambda t: False
-        ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
+        """Tensors that only an optimizer update changes: safe to copy after start() returns.
+
+        The parameters the protected optimizers update, and their state; not every parameter
+        of the model (a momentum encoder's are updated in place by the forward pass)."""
+        _, optimizers = self._protected
+        ptrs: set[int] = set()
         for optimizer in optimizers:
+            ptrs.update(local_tensor(p).data_ptr() for group in optimizer.param_groups
+                        for p in group["params"])
             for per_param in optimizer.state.values():
                 ptrs.update(local_tensor(v).data_ptr() for v in per_param.values()
                             if isinstance(v, torch.Tensor))
@@ -202,15 +206,20 @@ class Checkpointer:
         if changed and self.rank == 0:
             self.record("checkpoint_interval", steps=interval, reason=self.schedule.reason)
         self._deferrals = 0
-        save = _Save(step=step, staged=self._snapshot.stage(state, self._late()), started=t0)
+        stage_error = None
+        try:
+            staged = self._snapshot.stage(state, self._late())
+        except Exception as exc:  # noqa: BLE001 -- no memory for the buffers, an uncopyable value
+            staged, stage_error = Staged(state={}), first_line(exc)  # the peers must hear of it
+        save = _Save(step=step, staged=staged, started=t0)
         # Spread the disk writes over about one step (see direct_io.py): a step's worth of
         # delay to durability, for a few percent of each step instead of a stutter of one.
-        save.write_rate = save.staged.nbytes / step_time if step_time else None
+        save.write_rate = staged.nbytes / step_time if step_time and staged.nbytes else None
         self._save = save
         group, tmp = self.group, temporary_dir(self.directory, step, self.tag)
-        threading.Thread(target=self._background, args=(save, group, self.rank, tmp), daemon=True,
-                         name=f"unbroken-checkpoint-{step}").start()
         save.kickoff = time.monotonic() - t0
+        threading.Thread(target=self._background, args=(save, group, self.rank, tmp, stage_error),
+                         daemon=True, name=f"unbroken-checkpoint-{step}").start()
         return True
 
     def _report_stuck(self, save: _Save, now: float) -> None:
@@ -220,22 +229,35 @@ class Checkpointer:
                         timeout=self.persist_timeout)
 
     def _background(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
-                    tmp: Path) -> None:
+                    tmp: Path, error: str | None) -> None:
         """The checkpoint thread: finish the copy, then write and commit it."""
-        t0 = time.monotonic()
-        copy_error = None
         try:
-            self._snapshot.copy_pending(save.staged)
-        except Exception as exc:  # noqa: BLE001 -- e.g. no memory for the buffers
-            copy_error = first_line(exc)
+            self._write_and_commit(save, group, rank, tmp, error)
+        finally:
+            save.copied.set()  # whatever happened, never leave the loop or the vote waiting
+            save.done.set()
+
+    def _write_and_commit(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
+                          tmp: Path, error: str | None) -> None:
+        t0 = time.monotonic()
+        try:
+            if error is None:
+                self._snapshot.copy_pending(save.staged)
+        except Exception as exc:  # noqa: BLE001 -- reported to every rank below
+            error = first_line(exc)
         finally:
             save.copied_at = time.monotonic()
             save.copied.set()
         t1 = time.monotonic()
         try:
+            if error is None:
+                try:  # before any collective, so that a failure here is reported, not a hang
+                    tmp.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    error = f"rank {rank}: {first_line(exc)}"
             distributed = dist.is_initialized() and group is not None
-            reports = exchange_json({"ok": copy_error is None, "error": copy_error},
-                                group if distributed else None)
+            reports = exchange_json({"ok": error is None, "error": error},
+                                    group if distributed else None)
             failed = [r["error"] for r in reports if not r["ok"]]
             if failed:
                 raise CheckpointWriteError(f"snapshot failed: {failed[0]}")
@@ -253,18 +275,25 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # torn: give its space back
             end = time.monotonic()
             save.persisted = end - t1
+            save.staged.state = {}  # the buffers stay with the Snapshot, for the next save
+            self._report(save, t0, t1, end)
+
+    def _report(self, save: _Save, t0: float, t1: float, end: float) -> None:
+        try:
             if save.committed is not None:
                 c = save.committed
                 durable = (c.committed_at or end) - save.started  # retention's deletes after
                 self.record("checkpoint_saved", step=save.step, path=str(c.path), bytes=c.bytes,
                             stall=round(save.stall, 6), snapshot=round(t1 - t0, 6),
                             persist=round(end - t1, 6), durable=round(durable, 6),
-                            deleted=c.deleted or None)
+                            deleted=c.deleted or None, retention_error=c.retention_error)
             else:
                 self.record("checkpoint_failed", step=save.step, error=save.error,
                             stall=round(save.stall, 6), duration=round(end - save.started, 6))
-            save.staged.state = {}  # the buffers stay with the Snapshot, for the next save
-            save.done.set()
+        except Exception as exc:  # noqa: BLE001 -- the event log is gone (closed, disk full)
+            print(f"unbroken: checkpoint of step {save.step}: could not record the outcome "
+                  f"({first_line(exc)}); committed: {save.committed is not None}",
+                  file=sys.stderr, flush=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight (if any) to finish; False if it is still running."""
@@ -288,21 +317,26 @@ class Checkpointer:
         """At the end of training: commit the final state, waiting at most `persist_timeout`.
         Collective. False (and an event) if it could not be committed in time."""
         t0 = time.monotonic()
-        if self._save is None and step == self._loaded_step:
-            return True  # nothing has changed since that checkpoint was loaded
         if not self.wait(self.persist_timeout):
             self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
-        already = self._save is not None and self._save.step == step and self._save.committed
-        if not already:
-            if not self.start(state, step):
-                self.record("checkpoint_failed", step=step, final=True,
-                            error=f"the save of step {self._save.step if self._save else '?'} "
-                                  f"was still being written after checkpoint_timeout")
-                return False
-            left = max(0.0, self.persist_timeout - (time.monotonic() - t0))
-            if not self.wait(left):
-                self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
-                return False
+        save = self._save
+        have = (save.step == step and save.committed is not None) if save is not None \
+            else step == self._loaded_step  # a checkpoint loaded and nothing run since
+        # Agreed, not decided per rank: a rank whose wait ran out just before its save
+        # committed must not start a save that the others skip.
+        anyone_busy, anyone_lacks = self._agree(self.in_flight, int(not have))
+        if not anyone_lacks:
+            return True
+        if anyone_busy:
+            self.record("checkpoint_failed", step=step, final=True,
+                        error="the previous save was still being written after checkpoint_timeout")
+            return False
+        if not self.start(state, step):
+            return False  # cannot happen after the vote above, but never start twice
+        left = max(0.0, self.persist_timeout - (time.monotonic() - t0))
+        if not self.wait(left):
+            self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
+            return False
         return self._save.committed is not None
 
     def rejoin(self, step: int) -> None:

@@ -48,18 +48,6 @@ class ChecksummedFile(io.RawIOBase):
         """`rate`: at most this many bytes per second reach the disk (None: as fast as it goes)."""
         super().__init__()
         self.rate = rate
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = direct and hasattr(os, "O_DIRECT")
-        self._fd = -1
-        if self.direct:
-            try:
-                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
-                    raise
-                self.direct = False
-        if self._fd < 0:
-            self._fd = os.open(path, flags, 0o644)
         self.size = 0  # bytes written so far (what tell() reports)
         self.crc32 = 0
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
@@ -72,6 +60,18 @@ class ChecksummedFile(io.RawIOBase):
         self._error: BaseException | None = None
         self._chunk: mmap.mmap | None = self._free.get()
         self._fill = 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._fd = -1
+        if self.direct:
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    raise
+                self.direct = False
+        if self._fd < 0:
+            self._fd = os.open(path, flags, 0o644)
         self._disk = threading.Thread(target=self._drain, name="unbroken-direct-write", daemon=True)
         self._disk.start()
 
@@ -94,6 +94,9 @@ class ChecksummedFile(io.RawIOBase):
     def _write_all(self, view: memoryview) -> None:
         while view:
             written = os.write(self._fd, view)
+            if written < len(view) and self.direct:
+                # The rest would start at an unaligned offset (EINVAL): say what it means.
+                raise OSError(errno.ENOSPC, "short write: no space left on device?")
             view = view[written:]
 
     # ------------------------------------------------------------------ the stream
@@ -127,6 +130,8 @@ class ChecksummedFile(io.RawIOBase):
         return total
 
     def _hand_over(self, length: int) -> None:
+        if self._error is not None:  # stop copying a multi-GB tensor into a failed file
+            raise self._error
         self._full.put((self._chunk, length))
         self._chunk = self._free.get()
         self._fill = 0
@@ -151,8 +156,10 @@ class ChecksummedFile(io.RawIOBase):
                 os.ftruncate(self._fd, self.size)  # drop the padding of the last block
             os.fsync(self._fd)
         finally:
-            os.close(self._fd)
-            super().close()
+            try:
+                os.close(self._fd)
+            finally:
+                super().close()
 
 
 class ChecksummingFileSystem(FileSystem):

@@ -72,6 +72,7 @@ class Committed:
     bytes: int | None  # the checkpoint's total size, known on rank 0
     deleted: list[int]  # older steps removed by retention (rank 0)
     committed_at: float | None = None  # monotonic, on rank 0: before retention's deletes
+    retention_error: str | None = None  # committed, but older checkpoints could not go
 
 
 def persist(
@@ -87,7 +88,8 @@ def persist(
     before_commit: Callable[[], None] = lambda: None,
     write_rate: float | None = None,
 ) -> Committed:
-    """Write `state` into `tmp`, and commit it as `final` once every rank's files are durable.
+    """Write `state` into `tmp` (which exists), and commit it as `final` once every rank's
+    files are durable.
 
     `write_rate`: bytes per second at most for the data files (None: unpaced). Collective
     over `group`. Raises CheckpointWriteError (or the group's error, if a peer
@@ -96,7 +98,6 @@ def persist(
     distributed = dist.is_initialized() and group is not None
     local: dict[str, Any] = {"ok": True, "files": {}}
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
         writer = _RecordingWriter(tmp, write_rate)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
         local["files"] = writer.written
@@ -135,11 +136,18 @@ def _commit(tmp: Path, final: Path, step: int, reports: list[dict[str, Any]], ke
     fsync_path(metadata)
     files[".metadata"] = {"bytes": metadata.stat().st_size, "crc32": file_digest(metadata)}
     write_manifest(tmp, step, files, extra)
-    if final.exists():  # the same step saved by an earlier attempt
-        shutil.rmtree(final)
+    replaced = None
+    if final.exists():  # the same step saved by an earlier attempt: set aside, then swap
+        replaced = final.with_name(f"{tmp.name}-replaced")
+        os.replace(final, replaced)
     os.replace(tmp, final)
     fsync_path(final.parent)
-    committed_at = time.monotonic()
-    remove_torn(final.parent)  # saves a fault interrupted: only one is ever in flight
-    deleted = retain(final.parent, keep, keep_every)
-    return Committed(final, sum(i["bytes"] for i in files.values()), deleted, committed_at)
+    committed = Committed(final, sum(i["bytes"] for i in files.values()), [], time.monotonic())
+    try:  # committed now, whatever happens below
+        if replaced is not None:
+            shutil.rmtree(replaced)
+        remove_torn(final.parent)  # saves a fault interrupted: only one is ever in flight
+        committed.deleted = retain(final.parent, keep, keep_every)
+    except OSError as exc:
+        committed.retention_error = first_line(exc)
+    return committed

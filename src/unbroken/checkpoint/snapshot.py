@@ -33,6 +33,7 @@ class Staged:
     state: dict[str, Any]
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     ready: Any = None  # on GPU: an event marking where the main stream had got to
+    device: Any = None  # on GPU: the training thread's device (the copy thread has its own)
     nbytes: int = 0
 
 
@@ -41,7 +42,7 @@ class Snapshot:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._stream: Any = None
+        self._streams: dict[Any, Any] = {}  # device -> side stream
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -60,6 +61,7 @@ class Snapshot:
         staged = Staged(state={})
         staged.state = self._walk(state, "", late, staged)
         if any(src.is_cuda for src, _ in staged.pending):
+            staged.device = torch.cuda.current_device()
             staged.ready = torch.cuda.Event()
             staged.ready.record()
         return staged
@@ -87,13 +89,16 @@ class Snapshot:
     def copy_pending(self, staged: Staged) -> None:
         """The deferred copies; run by the checkpoint thread, concurrently with training."""
         if staged.ready is not None:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_event(staged.ready)
-            with torch.cuda.stream(self._stream):
+            # The current CUDA device is per thread: this one starts on device 0.
+            torch.cuda.set_device(staged.device)
+            stream = self._streams.get(staged.device)
+            if stream is None:
+                stream = self._streams[staged.device] = torch.cuda.Stream(device=staged.device)
+            stream.wait_event(staged.ready)
+            with torch.cuda.stream(stream):
                 for src, buf in staged.pending:
                     buf.copy_(src, non_blocking=src.is_cuda)
-            self._stream.synchronize()
+            stream.synchronize()
         else:
             for src, buf in staged.pending:
                 buf.copy_(src)

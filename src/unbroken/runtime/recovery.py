@@ -68,9 +68,13 @@ class Generations:
 
     def join(self, position: Callable[[], tuple[int, bool]], get_state: Callable[[], Any],
              set_state: Callable[[Any], None], build: Callable[[], Any],
-             joining: bool = False) -> Switch:
+             joining: bool = False,
+             formed: Callable[[Plan, CheckpointGroups | None], None] = lambda plan, groups: None,
+             ) -> Switch:
         """Join the next generation that names us, with the newest committed state, and
-        rebuild what depends on the group (`build`: DDP's constructor is collective too)."""
+        rebuild what depends on the group (`build`: DDP's constructor is collective too).
+        `formed(plan, groups)` runs once the state is synced, before `build`: collectives it
+        issues (the checkpointer's) fail over to the next plan like the rest of the switch."""
         tries = 0
         while True:
             tries += 1
@@ -99,6 +103,7 @@ class Generations:
                                     device=device,
                                     before_send=lambda step: self.fault_point("send", step))
                 t4 = time.monotonic()
+                formed(plan, ckpt_groups)
                 view = build()
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:

@@ -444,7 +444,8 @@ class Run:
             gens.membership.register_joiner(self.slot)
         try:
             switch = gens.join(lambda: (self.step, self._holds_state), self._peer_state,
-                               self._restore, self._build_view, joining=self.joining)
+                               self._restore, self._build_view, joining=self.joining,
+                               formed=self._checkpoints_formed)
         except JobFinished:
             self.events.emit("joiner_unused", slot=self.slot)
             self.close()
@@ -452,11 +453,7 @@ class Run:
         self.joining = False
         self._holds_state = True
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
-        self._ckpt_groups = groups = switch.ckpt_groups
-        if self._checkpointer is not None:
-            self._checkpointer.use_groups(groups and groups.writes, groups and groups.control,
-                                          self.gen)
-            self._checkpointer.rejoin(self.step)
+        self._ckpt_groups = switch.ckpt_groups
         self._view = switch.view
         self._owns_group = True  # formed by the runtime: close() tears it down
         gens.report_up(switch)
@@ -469,6 +466,13 @@ class Run:
                          received_bytes=switch.sync.received_bytes, tries=switch.tries,
                          duration=round(time.monotonic() - t0, 6),
                          **switch.phases)
+
+    def _checkpoints_formed(self, plan: Any, groups: Any) -> None:
+        """In a new generation: checkpoint over its groups, on a schedule its members agree."""
+        if self._checkpointer is not None:
+            self._checkpointer.use_groups(groups and groups.writes, groups and groups.control,
+                                          plan.gen)
+            self._checkpointer.rejoin(self.step)
 
     def _peer_state(self) -> dict[str, Any]:
         state = self.state_dict()
