@@ -10,11 +10,11 @@ overlaps the disk writing the other. Where O_DIRECT is refused (tmpfs, some netw
 filesystems) the same stream writes through the page cache. Either way the file is fsynced
 when closed, and its CRC-32 and size are known without reading it back.
 
-Writing costs the host CPU time even with O_DIRECT: on the development VM the virtual disk
-took as much from a training loop beside it (~48 ms of step time per 515 MB) as everything
-else a save does together. So the writes can be paced (`rate`): the checkpointer spreads
-them over about one training step, where they are a few percent of each step, not a
-stutter of one.
+Writing still costs a training loop beside it some time even with O_DIRECT: on the
+development VM the virtual disk took 3-48 ms of step time per 515 MB written (three runs of
+`benchmarks/write_interference.py`), in two of them more than the copying and checksumming
+together. So the writes can be paced (`rate`): the checkpointer spreads them over about one
+training step, so that they cost each step a little rather than one step a lot.
 """
 
 from __future__ import annotations
