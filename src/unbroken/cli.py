@@ -94,6 +94,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="workers using run.train() recover in place: survivors go on without the "
                         "failed worker until its replacement joins (shrink, default), or wait for "
                         "the replacement (wait); restart: restart every worker from the checkpoint")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="hot spares per node: processes that run the script up to its training "
+                        "loop, warm up on a private group, and take a failed worker's rank")
     p.add_argument("--recovery-timeout", type=_seconds, default=30.0,
                    help="seconds an in-place recovery may take before a full restart")
     p.add_argument("--run-dir", default=None,
@@ -158,6 +161,11 @@ def config_from_args(args: argparse.Namespace):
         raise UserError(f"--node-rank must be between 0 and {nnodes - 1} for --nnodes {nnodes}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.spares < 0:
+        raise UserError(f"--spares must be 0 or more, got {args.spares}")
+    if args.spares and args.on_fault == "restart":
+        raise UserError("--spares takes failed workers' ranks in place; it does not work with "
+                        "--on-fault restart")
     addr, port = args.master_addr, args.master_port
     if args.rdzv_endpoint:
         host, _, p = args.rdzv_endpoint.rpartition(":")
@@ -192,7 +200,7 @@ def config_from_args(args: argparse.Namespace):
         module=args.module, no_python=args.no_python, redirect=args.redirect, faults=faults,
         hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
-        warm_restarts=args.warm_restarts, on_fault=args.on_fault,
+        warm_restarts=args.warm_restarts, on_fault=args.on_fault, spares=args.spares,
         recovery_timeout=args.recovery_timeout,
     )
 

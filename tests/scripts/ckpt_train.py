@@ -17,12 +17,13 @@ import unbroken
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
-p.add_argument("--checkpoint-dir", required=True)
+p.add_argument("--checkpoint-dir", default=None)
 p.add_argument("--checkpoint-every", type=int, default=5)
 p.add_argument("--checkpoint-timeout", type=float, default=600.0)
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--full-state", default=None)
+p.add_argument("--exact", action="store_true", help="sum gradients in rank order (bit-identical)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -43,7 +44,10 @@ run.track(model, optimizer)
 def build():
     if args.fsdp or run.world_size == 1:
         return model
-    return DDP(model)
+    ddp = DDP(model)
+    if args.exact:
+        ddp.register_comm_hook(None, unbroken.exact_allreduce)
+    return ddp
 
 
 def step_fn(step, net):

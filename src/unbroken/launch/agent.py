@@ -27,7 +27,7 @@ from unbroken.launch.control_store import ControlStore, connect_store, serve_sto
 from unbroken.launch.generations import GenerationPlanner
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
-from unbroken.launch.warm_pool import WarmPool
+from unbroken.launch.warm_pool import WarmPool, normal_priority
 from unbroken.launch.worker_process import (
     WorkerProcess,
     describe_exit,
@@ -39,7 +39,12 @@ from unbroken.launch.worker_process import (
     stop_workers,
     worker_command,
 )
-from unbroken.runtime.heartbeat import PHASE_RECOVERY, HeartbeatReader
+from unbroken.runtime.heartbeat import (
+    PHASE_RECOVERY,
+    PHASE_SPARE_READY,
+    PHASE_TRAINING,
+    HeartbeatReader,
+)
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 _STORE_ERRORS = (RuntimeError, OSError)  # what a TCPStore call raises when the server is gone
@@ -90,6 +95,9 @@ class Agent:
         self._give_up = False
         self._hang_quiet_until = 0.0
         self._pending: list[tuple[WorkerProcess, float]] = []  # dead workers to replace
+        self.spares: list[WorkerProcess] = []  # hot spares of this node: warm, unassigned
+        self._spares_started = 0  # numbers spare worker ids
+        self._spare_failures = 0
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -433,13 +441,13 @@ class Agent:
                          reason=(fault or {}).get("kind"))
 
     def _stop_workers(self) -> None:
-        if not self.workers:
-            return
-        stop_workers(self.workers, self.cfg.kill_grace)
-        for w in self.workers:
-            self._guard.forget(w.pid)
-            w.close()
-        self.workers = []
+        for group in (self.workers, self.spares):
+            if group:
+                stop_workers(group, self.cfg.kill_grace)
+                for w in group:
+                    self._guard.forget(w.pid)
+                    w.close()
+        self.workers, self.spares = [], []
 
     def _spawn(self, attempt: int, plan: dict[str, Any]) -> None:
         node = plan["nodes"][str(self.cfg.node_rank)]
@@ -479,6 +487,68 @@ class Agent:
         worker.pidfd = open_pidfd(proc.pid)
         self.workers.append(worker)
         return worker
+
+    # ---------------------------------------------------------------- hot spares
+    def _spawn_spare(self, attempt: int, plan: dict[str, Any]) -> WorkerProcess:
+        """A hot spare: the user's script in the spare role, warming up at idle priority."""
+        cfg = self.cfg
+        node = plan["nodes"][str(cfg.node_rank)]
+        self._spares_started += 1
+        wid = f"spare{cfg.node_rank}-{self._spares_started}"
+        base = self.node_dir / f"attempt_{attempt}" / wid
+        env = self._worker_env(attempt, plan, -1, 0, node["nproc"], base)
+        env.update({"UNBROKEN_WORKER_ID": wid, "UNBROKEN_SLOT": "-1", "UNBROKEN_JOIN": "1",
+                    "UNBROKEN_ROLE": "spare"})
+        log = base.with_suffix(".log") if cfg.redirect else None
+        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env, log)
+        self._guard.watch(proc.pid)
+        _idle_priority(proc.pid)
+        spare = WorkerProcess(rank=-1, local_rank=-1, proc=proc,
+                              heartbeat=HeartbeatReader(base.with_suffix(".hb")),
+                              hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
+                              error_file=base.with_suffix(".error.json"), wid=wid)
+        spare.pidfd = open_pidfd(proc.pid)
+        self.spares.append(spare)
+        self.events.emit("spare_started", wid=wid, pid=proc.pid)
+        return spare
+
+    def _tend_spares(self, attempt: int, plan: dict[str, Any], training: bool) -> None:
+        """Replace spares that died; keep the pool at --spares once training runs."""
+        for spare in [s for s in self.spares if s.proc.poll() is not None]:
+            self.spares.remove(spare)
+            self._guard.forget(spare.pid)
+            error = read_error(spare.error_file)
+            detail = f"{error['type']}: {error['message']}" if error else describe_exit(spare.proc.returncode)[1]
+            self.events.emit("spare_lost", wid=spare.wid, exit_code=spare.proc.returncode, detail=detail)
+            self.say(f"spare {spare.wid} failed ({detail})")
+            spare.close()
+            self._spare_failures += 1
+        if not training or len(self.spares) >= self.cfg.spares:
+            return
+        if self._spare_failures > 3 * max(1, self.cfg.spares):
+            return  # a script that cannot warm up as a spare: stop trying (said above)
+        while len(self.spares) < self.cfg.spares:
+            self._spawn_spare(attempt, plan)
+
+    def _ready_spare(self) -> WorkerProcess | None:
+        for spare in self.spares:
+            beat = spare.heartbeat.read()
+            if spare.proc.poll() is None and beat is not None and beat.phase == PHASE_SPARE_READY:
+                return spare
+        return None
+
+    def _promote(self, attempt: int, spare: WorkerProcess, dead: WorkerProcess,
+                 selector: selectors.BaseSelector) -> None:
+        """Put a ready spare into a dead worker's slot: the same rank, so nothing else moves."""
+        self.spares.remove(spare)
+        normal_priority(spare.pid)
+        spare.rank, spare.local_rank = dead.rank, dead.local_rank
+        spare.hang = HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout)
+        self._set(f"a/{attempt}/spare/{spare.wid}", {"slot": dead.rank})
+        self.workers.append(spare)
+        if spare.pidfd is not None:
+            selector.register(spare.pidfd, selectors.EVENT_READ, spare)
+        self.events.emit("spare_promoted", wid=spare.wid, slot=dead.rank, pid=spare.pid)
 
     def _standby_env(self) -> dict[str, str]:
         """What a standby imports torch under: the workers' environment without rank or attempt."""
@@ -606,6 +676,8 @@ class Agent:
                 if resilient:
                     target = self._mirror_target(attempt, target, planner)
                     self._start_replacements(attempt, plan, selector)
+                    if self.cfg.spares:
+                        self._tend_spares(attempt, plan, self._training())
                 if multi:
                     self._finished()
                     remote = self._get(f"a/{attempt}/fault")
@@ -631,6 +703,12 @@ class Agent:
             join_timeout=cfg.join_timeout, budget=cfg.max_restarts - attempt - self._recovered,
             record=self.events.emit, say=self.say,
         )
+
+    def _training(self) -> bool:
+        """Every worker is stepping (not starting or recovering): spares may warm up now."""
+        beats = [w.heartbeat.read() for w in self.workers]
+        return bool(beats) and all(b is not None and b.phase == PHASE_TRAINING and b.step >= 0
+                                   for b in beats)
 
     def _all_resilient(self) -> bool:
         beats = [w.heartbeat.read() for w in self.workers]
@@ -660,6 +738,11 @@ class Agent:
             pass  # stuck in the kernel; the orphan guard still holds its group
         fault = w.fault or self._exit_fault([w])
         fault = {**fault, "wid": w.wid, "slot": w.rank, "attempt": attempt, "t": time.time()}
+        spare = self._ready_spare() if self._replacements < self.cfg.max_restarts else None
+        if spare is not None:
+            fault["spare"] = spare.wid  # the planner waits for it instead of shrinking
+            self._replacements += 1
+            self._promote(attempt, spare, w, selector)
         index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
         self._set(f"a/{attempt}/death/{index}", fault)
         self._store(self.ctl.add, f"a/{attempt}/news", 1)
@@ -668,6 +751,8 @@ class Agent:
         self.workers.remove(w)
         self._guard.forget(w.pid)
         w.close()
+        if spare is not None:
+            return  # the spare took the slot; the pool refills once training runs again
         if self._replacements >= self.cfg.max_restarts:
             return  # the planner will give up or shrink; a crash loop must not spawn forever
         self._replacements += 1
@@ -763,6 +848,14 @@ class Agent:
 
 _ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
 _HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
+def _idle_priority(pid: int) -> None:
+    """A spare warms up on CPU that training leaves idle (SCHED_IDLE; needs root)."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # not permitted: it warms up at normal priority
+
+
 _REPLACEMENT_DELAY = 2.0  # "shrink": start a replacement by then even if survivors still switch
 _PEER_ERROR = 2
 

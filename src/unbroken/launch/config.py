@@ -32,6 +32,7 @@ class LaunchConfig:
     on_fault: str = "shrink"  # in place: "shrink" or "wait" for the replacement; or "restart"
     recovery_timeout: float = 30.0  # an in-place recovery slower than this falls back to restart
     join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
+    spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
 
     @property
     def is_leader(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 from unbroken.launch.control_store import ControlStore
 
 SHRINK, WAIT = "shrink", "wait"
+SPARE_WAIT = 5.0  # seconds to wait for a promoted spare before planning without it
 
 
 @dataclass
@@ -177,7 +178,13 @@ class GenerationPlanner:
         members = list(left)
         missing = {self.slot_of[m] for m in self.members if m in self.dead}
         ready = [j for j in self.joiners if j not in members]
-        if self.policy == WAIT and missing - {self.slot_of[j] for j in ready}:
+        filled = {self.slot_of[j] for j in ready}
+        # A slot a hot spare was promoted into is worth waiting for under any policy: the
+        # spare is warm and joins in milliseconds, and the world size stays as it was.
+        promised = {self.slot_of[m] for m in self.members if self.dead.get(m, {}).get("spare")}
+        if promised - filled and now - self.recovery.started < SPARE_WAIT:
+            return None
+        if self.policy == WAIT and missing - filled:
             if now - self.recovery.started < self.join_timeout:
                 return None  # wait for the replacements to take the failed slots
         members += ready

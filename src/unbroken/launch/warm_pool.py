@@ -21,7 +21,7 @@ from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.worker_process import BOOTSTRAP
 
 
-def _normal_priority(pid: int) -> None:
+def normal_priority(pid: int) -> None:
     """A standby still importing under SCHED_IDLE would starve behind training once it is
     needed: give it normal priority now (it restores its own once its imports are done)."""
     try:
@@ -78,7 +78,7 @@ class WarmPool:
             except (BrokenPipeError, OSError):
                 self._drop(proc)
                 continue
-            _normal_priority(proc.pid)
+            normal_priority(proc.pid)
             return proc
         return None
 

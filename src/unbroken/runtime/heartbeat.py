@@ -28,6 +28,7 @@ PHASE_TRAINING = 1  # between or inside steps
 PHASE_CHECKPOINT = 2  # inside a checkpoint save or load: may legitimately take long
 PHASE_DONE = 3  # the training loop has finished
 PHASE_RECOVERY = 4  # re-forming the group in place: bounded by the leader, not by step time
+PHASE_SPARE_READY = 5  # a hot spare, warmed up, waiting to be promoted
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
     PHASE_RECOVERY,
+    PHASE_SPARE_READY,
+    PHASE_STARTING,
     PHASE_TRAINING,
     HeartbeatWriter,
 )
@@ -123,6 +125,10 @@ class Run:
         self.slot = int(env.get("UNBROKEN_SLOT", self.rank))
         self.wid = env.get("UNBROKEN_WORKER_ID", f"{self.slot}.0")
         self.joining = env.get("UNBROKEN_JOIN") == "1"
+        # A hot spare: runs the script up to train(), warms up in a sandbox, and waits to be
+        # promoted into a failed worker's slot (its rank and slot are unknown until then).
+        self.spare = env.get("UNBROKEN_ROLE") == "spare"
+        self.joining = self.joining or self.spare
         self.events.context["slot"] = self.slot
         self.in_place = env.get("UNBROKEN_IN_PLACE") == "1" and "UNBROKEN_CONTROL_PORT" in env
         self.seed = seed
@@ -337,7 +343,11 @@ class Run:
                            connect=self._connect_control),
                 self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
                 record=self.events.emit, fault_point=self._faults.at_point)
-        if self.joining:
+        if self.spare:
+            self._warm_up(step_fn)
+            self._await_promotion()
+            self._join(reason="spare")
+        elif self.joining:
             self._join(reason="replacement")
         else:
             self._resume()
@@ -381,6 +391,48 @@ class Run:
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
             self._generations.membership.report_done(self.gen)
+
+    def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
+        """A spare's shadow iterations: the real step on a private one-process group (real
+        kernels, allocator and caches; nothing reaches the job), then discarded. The state
+        is replaced by a peer's when the spare is promoted."""
+        t0 = time.monotonic()
+        steps = int(os.environ.get("UNBROKEN_SHADOW_STEPS", 3))
+        self.rank, self.world_size = 0, 1
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            view = self._model if self._build is None else self._build()
+            for step in range(steps):
+                self._stamp(step, PHASE_STARTING)
+                if self.seed is not None:
+                    self._seed_step(step)
+                step_fn(step, view)
+                self._commit()
+            del view
+        finally:
+            dist.destroy_process_group()
+        self._holds_state = False
+        self.events.emit("spare_ready", wid=self.wid, shadow_steps=steps,
+                         duration=round(time.monotonic() - t0, 6))
+
+    def _await_promotion(self) -> None:
+        """Wait, stamping a ready heartbeat, until the agent assigns us a slot (or the job ends)."""
+        ctl = self._control_store()
+        key = f"a/{self.attempt}/spare/{self.wid}"
+        while True:
+            self._stamp(-1, PHASE_SPARE_READY)
+            assignment = ctl.get_json(key)
+            if assignment is not None:
+                break
+            if ctl.get_json(f"a/{self.attempt}/finished"):
+                self.events.emit("joiner_unused", wid=self.wid)
+                self.close()
+                sys.exit(0)
+            time.sleep(0.005)
+        self.slot = self.rank = int(assignment["slot"])
+        self.events.context["slot"] = self.slot
+        self.events.context["rank"] = self.slot
+        self.events.emit("spare_promoted", wid=self.wid, slot=self.slot)
 
     def _seed_step(self, step: int) -> None:
         """Seed the RNGs from (seed, step, slot). Not torch.manual_seed: it costs ~80 us."""
