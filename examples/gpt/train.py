@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import time
 import zlib
 
 import torch
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--print-every", type=int, default=10)
     p.add_argument("--final-state", default=None, help="rank 0 saves model and optimizer here")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds each step waits, standing in for accelerator time: on a GPU "
+                        "host the CPUs are mostly idle (benchmarks/spares.py uses it)")
     p.add_argument("--exact", action="store_true",
                    help="reduce gradients in rank order: bit-identical results across recoveries")
     args = p.parse_args()
@@ -64,6 +68,8 @@ def main() -> None:
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten(), reduction="sum")
         (loss * run.world_size / (args.global_batch * args.seq)).backward()
         mean = loss.detach() / y.numel()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {mean.item():.3f}", flush=True)

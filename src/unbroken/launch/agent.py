@@ -544,7 +544,7 @@ class Agent:
         normal_priority(spare.pid)
         spare.rank, spare.local_rank = dead.rank, dead.local_rank
         spare.hang = HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout)
-        self._set(f"a/{attempt}/spare/{spare.wid}", {"slot": dead.rank})
+        spare.heartbeat.promote(dead.rank)
         self.workers.append(spare)
         if spare.pidfd is not None:
             selector.register(spare.pidfd, selectors.EVENT_READ, spare)

@@ -22,13 +22,19 @@ from unbroken.launch.worker_process import BOOTSTRAP
 
 
 def normal_priority(pid: int) -> None:
-    """A standby still importing under SCHED_IDLE would starve behind training once it is
-    needed: give it normal priority now (it restores its own once its imports are done)."""
+    """A standby or spare under SCHED_IDLE would starve behind training once it is needed:
+    give it, every thread of it, normal priority now (a standby still importing restores
+    its own once its imports are done)."""
     try:
-        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
-            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # not ours to change (not root) or already gone: it runs at its own pace
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass  # not ours to change (not root) or already gone: it runs at its own pace
 
 
 class WarmPool:

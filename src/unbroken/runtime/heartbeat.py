@@ -29,6 +29,9 @@ PHASE_CHECKPOINT = 2  # inside a checkpoint save or load: may legitimately take 
 PHASE_DONE = 3  # the training loop has finished
 PHASE_RECOVERY = 4  # re-forming the group in place: bounded by the leader, not by step time
 PHASE_SPARE_READY = 5  # a hot spare, warmed up, waiting to be promoted
+# In a spare's target field, this generation means "promoted": the step field is its slot.
+# Shared memory, so that an idle spare waits without a system call or a store round trip.
+SPARE_PROMOTION = -2
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class HeartbeatWriter:
         """(generation, step): the agent asks the worker to leave its generation at that step."""
         return struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
 
+    def promotion(self) -> int | None:
+        """A spare's slot, once its agent has promoted it."""
+        gen, slot = self.target()
+        return slot if gen == SPARE_PROMOTION else None
+
 
 class HeartbeatReader:
     """Owned by the agent; `read` returns None until the worker has stamped once."""
@@ -97,6 +105,10 @@ class HeartbeatReader:
             return False
         struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, generation, step)
         return True
+
+    def promote(self, slot: int) -> bool:
+        """Tell a waiting spare which slot it now fills."""
+        return self.set_target(SPARE_PROMOTION, slot)
 
     def close(self) -> None:
         if self._map is not None:
