@@ -89,3 +89,21 @@ def test_a_spare_that_dies_is_replaced_and_none_is_promoted_before_it_is_ready(t
     assert "spare" not in fault, "a spare was promoted before it was ready"
     assert result.events("gen_plan")[0]["world_size"] == 1  # shrank, as with no spares
     assert len({e["step"] for e in result.events("step")}) == 400
+
+
+def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "3",
+                 script=CKPT_TRAIN, args=["--steps", "500", "--step-sleep", "0.05"])
+    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to warm up")
+    os.kill(_pid(run_dir, 1), signal.SIGKILL)
+    promoted = wait_for(lambda: [e for e in events_of(run_dir, "spare_promoted")
+                                 if e["source"] == "agent"], 60, "the promotion")
+    wait_for(lambda: events_of(run_dir, "gen_up"), 60, "the spare's generation")
+    os.kill(promoted[0]["pid"], signal.SIGKILL)  # the spare, now rank 1, dies in turn
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    faults = result.events("fault")
+    assert len(faults) == 2 and faults[1]["wid"] == promoted[0]["wid"] and faults[1]["slot"] == 1
+    assert len({e["step"] for e in result.events("step")}) == 500
+    assert {e["slot"] for e in result.events("training_done")} == {0, 1}

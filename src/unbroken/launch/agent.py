@@ -96,6 +96,8 @@ class Agent:
         self._hang_quiet_until = 0.0
         self._pending: list[tuple[WorkerProcess, float]] = []  # dead workers to replace
         self.spares: list[WorkerProcess] = []  # hot spares of this node: warm, unassigned
+        self._incarnations: dict[int, int] = {}  # slot -> its latest replacement's number
+        self._targets_written: dict[int, Any] = {}  # pid -> the switch request it was given
         self._spares_started = 0  # numbers spare worker ids
         self._spare_failures = 0
 
@@ -721,9 +723,18 @@ class Agent:
     def _mirror_target(self, attempt: int, seen: Any, planner: GenerationPlanner | None) -> Any:
         """Hand the leader's switch request to this node's workers through their heartbeat page."""
         target = planner.target if planner is not None else self._get(f"a/{attempt}/target")
-        if target is not None and target != seen:
-            for w in self.workers:
+        if target is None:
+            return target
+        for w in self.workers:
+            if self._targets_written.get(w.pid) == target:
+                continue
+            beat = w.heartbeat.read()
+            # Not yet in a generation (a replacement, a promoted spare that has not read its
+            # slot from this very field): it joins by plan; the request would only overwrite
+            # the promotion. It gets the request once it is in.
+            if beat is not None and beat.generation >= 0:
                 w.heartbeat.set_target(target["gen"], target["step"])
+                self._targets_written[w.pid] = target
         return target
 
     def _worker_died(self, attempt: int, plan: dict[str, Any], w: WorkerProcess,
@@ -776,7 +787,9 @@ class Agent:
             if not (self.cfg.on_fault == "wait" or switched or now - since > _REPLACEMENT_DELAY):
                 continue
             self._pending.remove((dead, since))
-            incarnation = int(dead.wid.split(".")[1]) + 1
+            # The slot's next incarnation (a promoted spare's wid names no slot).
+            incarnation = self._incarnations.get(dead.rank, 0) + 1
+            self._incarnations[dead.rank] = incarnation
             t0 = time.monotonic()
             new = self._spawn_worker(attempt, plan, dead.rank, dead.local_rank,
                                      f"{dead.rank}.{incarnation}", joining=True)
