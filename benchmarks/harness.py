@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -54,3 +55,28 @@ class EventTail:
         new = [json.loads(line) for line in lines if line.strip()]
         self.events += new
         return new
+
+
+def epoch(e: dict) -> tuple[int, int]:
+    """Which incarnation of the job computed a step: (attempt, generation)."""
+    return e.get("attempt", 0), e.get("gen", 0)
+
+
+def kill_and_time(proc: subprocess.Popen, tail: EventTail, victim: int,
+                  hang_after: float) -> tuple[float, dict | str | None]:
+    """SIGKILL `victim`, then wait for the first step the recovered job completes (a later
+    attempt or generation). Returns (kill time, that step's event); instead of the event,
+    None for a hang, or a string if the launcher exited without resuming."""
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    before = max((epoch(e) for e in tail.events if e["event"] == "step"), default=(0, 0))
+    deadline = time.monotonic() + hang_after
+    while time.monotonic() < deadline:
+        resumed = next((e for e in tail.poll() if e["event"] == "step"
+                        and e["t"] > killed_at and epoch(e) > before), None)
+        if resumed is not None:
+            return killed_at, resumed
+        if proc.poll() is not None:
+            return killed_at, f"exited {proc.returncode} without resuming"
+        time.sleep(0.005)
+    return killed_at, None

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 PLAIN = REPO / "benchmarks" / "plain_ddp.py"
 sys.path.insert(0, str(REPO / "src"))
 
-from harness import EventTail, free_port, kill_everything  # noqa: E402
+from harness import EventTail, free_port, kill_and_time, kill_everything  # noqa: E402
 
 from unbroken.telemetry.events import read_events  # noqa: E402
 
@@ -85,11 +84,6 @@ def _launch(cmd: list[str], run_dir: Path) -> subprocess.Popen:
                                 start_new_session=True, cwd=REPO)
 
 
-def _epoch(e: dict) -> tuple[int, int]:
-    """Which incarnation of the job computed a step: (attempt, generation)."""
-    return e.get("attempt", 0), e.get("gen", 0)
-
-
 def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
     run_dir = root / f"{arm}-{index}"
     proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
@@ -107,17 +101,9 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
             time.sleep(0.02)
         if victim is None:
             return {"arm": arm, "error": "never reached the kill step"}
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
-        before = max((_epoch(e) for e in tail.events if e["event"] == "step"), default=(0, 0))
-        resumed = None
-        deadline = time.monotonic() + hang_after
-        while time.monotonic() < deadline and resumed is None:
-            resumed = next((e for e in tail.poll() if e["event"] == "step"
-                            and e["t"] > killed_at and _epoch(e) > before), None)
-            if resumed is None and proc.poll() is not None:
-                return {"arm": arm, "error": f"exited {proc.returncode} without resuming"}
-            time.sleep(0.005)
+        killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
+        if isinstance(resumed, str):
+            return {"arm": arm, "error": resumed}
         if resumed is None:
             return {"arm": arm, "hang": True}
         try:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,8 +40,8 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import EventTail, kill_everything  # noqa: E402
-from recovery import _epoch, _events, _launch, _stats, _torchrun  # noqa: E402
+from harness import EventTail, kill_and_time, kill_everything  # noqa: E402
+from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
 
 KILL_AT = 125
 STEPS = 600  # never reached: a try ends a few steps after the recovery
@@ -83,17 +81,9 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
             time.sleep(0.02)
         if victim is None:
             return {"arm": arm, "error": "never reached the kill step (or the spare never got ready)"}
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
-        before = max((_epoch(e) for e in tail.events if e["event"] == "step"), default=(0, 0))
-        resumed = None
-        deadline = time.monotonic() + hang_after
-        while time.monotonic() < deadline and resumed is None:
-            resumed = next((e for e in tail.poll() if e["event"] == "step"
-                            and e["t"] > killed_at and _epoch(e) > before), None)
-            if resumed is None and proc.poll() is not None:
-                return {"arm": arm, "error": f"exited {proc.returncode} without resuming"}
-            time.sleep(0.005)
+        killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
+        if isinstance(resumed, str):
+            return {"arm": arm, "error": resumed}
         if resumed is None:
             return {"arm": arm, "hang": True}
         time.sleep(1.0)  # a few more steps, then the try is over
