@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,6 +61,24 @@ class EventTail:
 def epoch(e: dict) -> tuple[int, int]:
     """Which incarnation of the job computed a step: (attempt, generation)."""
     return e.get("attempt", 0), e.get("gen", 0)
+
+
+def wait_for_victim(proc: subprocess.Popen, tail: EventTail, kill_at: int, rank: int,
+                    timeout: float, ready: Callable[[list[dict]], bool] = lambda events: True,
+                    ) -> int | None:
+    """The pid of `rank`'s worker once training has passed step `kill_at` and `ready(events)`
+    holds; None if the launcher exits or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tail.poll()
+        if ready(tail.events) and any(e["event"] == "step" and e["step"] >= kill_at
+                                      for e in tail.events):
+            return [e["pid"] for e in tail.events
+                    if e["event"] == "worker_start" and e["rank"] == rank][-1]
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.02)
+    return None
 
 
 def kill_and_time(proc: subprocess.Popen, tail: EventTail, victim: int,

@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +41,13 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 PLAIN = REPO / "benchmarks" / "plain_ddp.py"
 sys.path.insert(0, str(REPO / "src"))
 
-from harness import EventTail, free_port, kill_and_time, kill_everything  # noqa: E402
+from harness import (  # noqa: E402
+    EventTail,
+    free_port,
+    kill_and_time,
+    kill_everything,
+    wait_for_victim,
+)
 
 from unbroken.telemetry.events import read_events  # noqa: E402
 
@@ -89,16 +94,7 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
     proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
     tail = EventTail(run_dir)
     try:
-        deadline = time.monotonic() + 180
-        victim = None
-        while time.monotonic() < deadline and victim is None:
-            new = tail.poll()
-            if any(e["event"] == "step" and e["step"] >= KILL_AT for e in new):
-                victim = [e["pid"] for e in tail.events
-                          if e["event"] == "worker_start" and e["rank"] == 1][-1]
-            elif proc.poll() is not None:
-                break
-            time.sleep(0.02)
+        victim = wait_for_victim(proc, tail, KILL_AT, rank=1, timeout=180)
         if victim is None:
             return {"arm": arm, "error": "never reached the kill step"}
         killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)

@@ -40,7 +40,7 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import EventTail, kill_and_time, kill_everything  # noqa: E402
+from harness import EventTail, kill_and_time, kill_everything, wait_for_victim  # noqa: E402
 from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
 
 KILL_AT = 125
@@ -68,17 +68,9 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
     proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
     tail = EventTail(run_dir)
     try:
-        deadline = time.monotonic() + 240
-        victim = None
-        while time.monotonic() < deadline and victim is None:
-            tail.poll()
-            spare_ok = arm != "unbroken-spare" or any(e["event"] == "spare_ready" for e in tail.events)
-            if spare_ok and any(e["event"] == "step" and e["step"] >= KILL_AT for e in tail.events):
-                victim = [e["pid"] for e in tail.events
-                          if e["event"] == "worker_start" and e["rank"] == 1][-1]
-            elif proc.poll() is not None:
-                break
-            time.sleep(0.02)
+        spare_ready = (lambda events: any(e["event"] == "spare_ready" for e in events)) \
+            if arm == "unbroken-spare" else (lambda events: True)
+        victim = wait_for_victim(proc, tail, KILL_AT, rank=1, timeout=240, ready=spare_ready)
         if victim is None:
             return {"arm": arm, "error": "never reached the kill step (or the spare never got ready)"}
         killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
