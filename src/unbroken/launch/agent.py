@@ -620,7 +620,6 @@ class Agent:
         """
         t0 = time.monotonic()
         self._pending.clear()  # replacements for an ended attempt's workers are not needed
-        self._targets_written.clear()  # a new attempt numbers its generations from 0 again
         self._spawn(attempt, plan)
         self.events.emit("workers_started", attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          pids={w.rank: w.pid for w in self.workers})
@@ -636,6 +635,7 @@ class Agent:
         in_place = self.cfg.on_fault != "restart" and not self.cfg.no_python
         resilient = False  # latched once every worker runs the resilient loop
         planner = self._planner(attempt, plan) if in_place and self.cfg.is_leader else None
+        target = None
         try:
             while True:
                 fast = planner is not None and planner.busy
@@ -676,7 +676,7 @@ class Agent:
                         return Outcome("fault", self._publish_fault(attempt, verdict.fault))
                     self._recovered = planner.recovered
                 if resilient:
-                    self._mirror_target(attempt, planner)
+                    target = self._mirror_target(attempt, target, planner)
                     self._start_replacements(attempt, plan, selector)
                     if self.cfg.spares:
                         self._tend_spares(attempt, plan, self._training())
@@ -720,11 +720,11 @@ class Agent:
         steps = [b.step for w in self.workers if (b := w.heartbeat.read()) is not None]
         return max(steps, default=0)
 
-    def _mirror_target(self, attempt: int, planner: GenerationPlanner | None) -> None:
+    def _mirror_target(self, attempt: int, seen: Any, planner: GenerationPlanner | None) -> Any:
         """Hand the leader's switch request to this node's workers through their heartbeat page."""
         target = planner.target if planner is not None else self._get(f"a/{attempt}/target")
         if target is None:
-            return
+            return target
         for w in self.workers:
             if self._targets_written.get(w.pid) == target:
                 continue
@@ -735,6 +735,7 @@ class Agent:
             if beat is not None and beat.generation >= 0:
                 w.heartbeat.set_target(target["gen"], target["step"])
                 self._targets_written[w.pid] = target
+        return target
 
     def _worker_died(self, attempt: int, plan: dict[str, Any], w: WorkerProcess,
                      selector: selectors.BaseSelector) -> None:
