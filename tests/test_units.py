@@ -108,3 +108,43 @@ def test_pack_refuses_what_cannot_travel():
 
     with pytest.raises(TypeError, match="state.model.fn"):
         pack({"model": {"fn": object()}, "t": torch.zeros(1)})
+
+
+def test_a_replacement_that_registers_while_a_generation_forms_is_placed_once_it_is_up():
+    """Regression: a joiner seen in the tick that found the shrunk generation up was never
+    placed, because no later news woke the planner (a warm replacement registers in ms)."""
+    from torch.distributed import HashStore
+
+    from unbroken.launch.control_store import ControlStore
+    from unbroken.launch.generations import GenerationPlanner
+    from unbroken.runtime.membership import Membership, Plan
+
+    ctl = ControlStore(HashStore(), "run")
+    events: list[tuple[str, dict]] = []
+    planner = GenerationPlanner(ctl, 0, {"0.0": 0, "1.0": 1}, policy="shrink",
+                                recovery_timeout=30, join_timeout=30, budget=3,
+                                record=lambda name, **kw: events.append((name, kw)),
+                                say=lambda _msg: None)
+    survivor = Membership(ctl, 0, "0.0", on_wait=lambda: None, timeout=5, connect=None)
+    joiner = Membership(ctl, 0, "1.1", on_wait=lambda: None, timeout=5, connect=None)
+
+    # Rank 1 dies; its agent publishes the death as `_worker_died` does.
+    ctl.add("a/0/deaths", 1)
+    ctl.set_json("a/0/death/0", {"wid": "1.0", "slot": 1, "kind": "crash"})
+    ctl.add("a/0/news", 1)
+    assert planner.tick(lambda: 10) is None and planner.target == {"gen": 1, "step": 0}
+    survivor.leave(0, step=10, holds_state=True, reason="peer")
+    planner.tick(lambda: 10)
+    assert survivor.next_plan(0) == Plan(1, ["0.0"], 0)  # shrank to the survivor
+    # The warm replacement registers before the survivor reports generation 1 up.
+    joiner.register_joiner(1)
+    planner.tick(lambda: 10)
+    survivor.report_up(Plan(1, ["0.0"], 0))
+    planner.tick(lambda: 12)
+    assert [name for name, _ in events] == ["gen_plan", "gen_up"]
+    # Nothing else happens, yet the planner asks for the switch that brings rank 1 back.
+    planner.tick(lambda: 12)
+    assert planner.target == {"gen": 2, "step": 14}
+    survivor.leave(1, step=14, holds_state=True, reason="switch")
+    planner.tick(lambda: 14)
+    assert joiner.next_plan(0, joining=True) == Plan(2, ["0.0", "1.1"], 1)

@@ -94,7 +94,8 @@ class Agent:
         self._replacements = 0
         self._give_up = False
         self._hang_quiet_until = 0.0
-        self._pending: list[tuple[WorkerProcess, float]] = []  # dead workers to replace
+        # Dead workers to replace: (worker, when it died, its peers' generation then).
+        self._pending: list[tuple[WorkerProcess, float, int]] = []
         self.spares: list[WorkerProcess] = []  # hot spares of this node: warm, unassigned
         self._incarnations: dict[int, int] = {}  # slot -> its latest replacement's number
         self._targets_written: dict[int, Any] = {}  # pid -> the switch request it was given
@@ -767,7 +768,8 @@ class Agent:
         if self._replacements >= self.cfg.max_restarts:
             return  # the planner will give up or shrink; a crash loop must not spawn forever
         self._replacements += 1
-        self._pending.append((w, time.monotonic()))
+        beats = [b for p in self.workers if (b := p.heartbeat.read()) is not None]
+        self._pending.append((w, time.monotonic(), max((b.generation for b in beats), default=0)))
 
     def _start_replacements(self, attempt: int, plan: dict[str, Any],
                             selector: selectors.BaseSelector) -> None:
@@ -782,11 +784,15 @@ class Agent:
             return
         now = time.monotonic()
         beats = [w.heartbeat.read() for w in self.workers]
-        switched = all(b is not None and b.phase != PHASE_RECOVERY for b in beats)
-        for dead, since in list(self._pending):
+        for entry in list(self._pending):
+            dead, since, gen = entry
+            # The survivors are training in a generation newer than the one the death broke
+            # (right after a death they still train in the old one, unaware of it).
+            switched = all(b is not None and b.generation > gen and b.phase != PHASE_RECOVERY
+                           for b in beats)
             if not (self.cfg.on_fault == "wait" or switched or now - since > _REPLACEMENT_DELAY):
                 continue
-            self._pending.remove((dead, since))
+            self._pending.remove(entry)
             # The slot's next incarnation (a promoted spare's wid names no slot).
             incarnation = self._incarnations.get(dead.rank, 0) + 1
             self._incarnations[dead.rank] = incarnation

@@ -126,7 +126,9 @@ class GenerationPlanner:
                 elif now - self.planned_at > self.recovery_timeout:
                     return self._fallback(f"generation {self.gen} did not form within "
                                           f"{self.recovery_timeout:g}s")
-            elif self.joiners and not self._switch_requested:
+            # Not an elif: a joiner that registered while this generation formed must be
+            # placed now, as the tick that saw it up may be the last news for a long time.
+            if self.state == "running" and self.joiners and not self._switch_requested:
                 # A replacement is ready (under "wait", one that came after the wait timed
                 # out and the job shrank): grow back at a step boundary.
                 self._switch_requested = True
