@@ -77,6 +77,21 @@ def test_heartbeat_page_is_shared_between_writer_and_reader(tmp_path):
     assert beat.step == 41 and beat.phase == PHASE_TRAINING
 
 
+def test_a_half_written_first_stamp_is_no_beat(tmp_path):
+    """Regression: a read racing the first stamp saw the pid but a zero time, and the
+    agent judged a live worker silent since boot (hours) and killed it as hung."""
+    import mmap
+    import struct
+
+    path = tmp_path / "rank_0.hb"
+    HeartbeatWriter(path)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as page:
+        struct.pack_into("<qqqq", page, 0, -1, 0, PHASE_STARTING, 1234)  # time not yet stored
+        assert HeartbeatReader(path).read() is None
+        struct.pack_into("<q", page, 8, 5_000_000_000)
+        assert HeartbeatReader(path).read().monotonic == 5.0
+
+
 def test_state_travels_whole_through_pack_and_unpack():
     """Tensors of mixed dtypes and odd sizes, packed back to back into one buffer, come back
     equal (a view to another dtype needs an aligned offset: unpack must not rely on one)."""

@@ -93,8 +93,17 @@ class HeartbeatReader:
                 self._map = mmap.mmap(fd, _SIZE)
             finally:
                 os.close(fd)
-        step, ns, phase, pid = struct.unpack_from(_FORMAT, self._map, 0)
-        if pid == 0:
+        # The worker may be stamping while we read, and the 32 bytes are not written at
+        # once: a read can pair a new pid with an old (at first, zero) time. Two equal reads
+        # in a row are whole (stores reach us in program order), and a zero time is no stamp.
+        raw = self._map[:_GEN_OFFSET]
+        for _ in range(100):
+            again = self._map[:_GEN_OFFSET]
+            if again == raw:
+                break
+            raw = again
+        step, ns, phase, pid = struct.unpack(_FORMAT, raw)
+        if pid == 0 or ns == 0:
             return None
         (generation,) = struct.unpack_from(_GEN_FORMAT, self._map, _GEN_OFFSET)
         return Beat(step=step, monotonic=ns / 1e9, phase=phase, pid=pid, generation=generation)
