@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import torch
-from conftest import SCRIPTS, events_of, finish, launch, start, wait_for
+from conftest import (
+    REPO,
+    SCRIPTS,
+    alive,
+    events_of,
+    finish,
+    free_port,
+    launch,
+    start,
+    unbroken_cmd,
+    wait_for,
+)
 
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 
@@ -107,3 +119,89 @@ def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
     assert len(faults) == 2 and faults[1]["wid"] == promoted[0]["wid"] and faults[1]["slot"] == 1
     assert len({e["step"] for e in result.events("step")}) == 500
     assert {e["slot"] for e in result.events("training_done")} == {0, 1}
+
+
+def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_path):
+    """`unbroken drain RUN_DIR --rank 1` while the job trains: the spare takes rank 1 at a
+    step boundary, the drained worker exits cleanly (no fault), and the survivors' longest
+    step around the switch is about one step long."""
+    steps = 300
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=CKPT_TRAIN,
+                   args=_args(steps, str(tmp_path / "clean.pt")))
+    assert clean.code == 0, clean.output
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",
+                 script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "drained.pt")))
+    ready = wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to warm up")
+    drained_pid = _pid(run_dir, 1)
+    cmd = subprocess.run(unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"),
+                         capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert cmd.returncode == 0, cmd.stderr
+    assert f"moved rank 1 from worker 1.0 to spare {ready[0]['wid']}" in cmd.stdout
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    assert not result.events("fault"), "a drain is not a fault"
+    (left,) = [e for e in result.events("drained") if e["source"] == "worker"]
+    assert left["pid"] == drained_pid and left["slot"] == 1
+    assert [e["world_size"] for e in result.events("gen_plan")] == [2]  # never shrank
+    assert result.events("gen_plan")[0]["members"] == ["0.0", ready[0]["wid"]]
+    # The stall: rank 0's longest step interval around the switch, against its median step.
+    times = sorted((e["step"], e["t"]) for e in result.events("step") if e["rank"] == 0
+                   and e["slot"] == 0)
+    gaps = [b[1] - a[1] for a, b in zip(times, times[1:], strict=False)]
+    median = sorted(gaps)[len(gaps) // 2]
+    switch_step = left["step"]
+    around = [g for (s, _), g in zip(times[1:], gaps, strict=False) if abs(s - switch_step) <= 2]
+    stall = max(around) - median
+    print(f"drain: median step {median * 1000:.0f} ms, stall {stall * 1000:.0f} ms")
+    assert stall < 3 * median + 0.05, (stall, median)
+    # Bit-identical to the run without a drain: the spare got the exact state of rank 1.
+    _same(torch.load(tmp_path / "drained.pt", weights_only=True),
+          torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+def test_a_standby_node_takes_over_a_lost_node_in_place(tmp_path):
+    """Two nodes of 2 workers and a standby node (agents on loopback). Node 1's agent is
+    SIGKILLed, as with a lost machine: its workers die with it, the standby's warm spares take
+    ranks 2 and 3 in place, the world size stays 4 and the run ends bit-identical."""
+    steps = 300
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "4", script=CKPT_TRAIN,
+                   args=_args(steps, str(tmp_path / "clean.pt")))
+    assert clean.code == 0, clean.output
+    port, run_dir = free_port(), tmp_path / "run"
+
+    def node(rank: int, *extra: str):
+        return start(run_dir, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                     "--rdzv-id", "job", "--max-restarts", "3", "--node-timeout", "1", *extra,
+                     port=port, script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "faulty.pt")))
+
+    leader, follower, standby = node(0), node(1), node(2, "--standby")
+    try:
+        ready = wait_for(lambda: len(events_of(run_dir, "spare_ready")) >= 2 and
+                         events_of(run_dir, "spare_ready"), 120, "the standby's spares to warm up")
+        lost_workers = [e for e in events_of(run_dir, "workers_started") if e["node"] == 1][0]["pids"]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait()
+        result = finish(leader, run_dir)
+        assert result.code == 0, result.output
+        assert finish(standby, run_dir, timeout=30).code == 0
+    finally:
+        for p in (leader, follower, standby):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for pid in lost_workers.values():
+        assert not alive(pid)
+    (lost,) = result.events("node_lost")
+    assert lost["lost_node"] == 1
+    faults = result.events("fault")
+    assert sorted(f["slot"] for f in faults) == [2, 3] and all(f["in_place"] for f in faults)
+    assigned = {e["slot"]: e["wid"] for e in result.events("spare_assigned")}
+    assert set(assigned) == {2, 3} and set(assigned.values()) == {e["wid"] for e in ready}
+    assert all(e["spare_node"] == 2 for e in result.events("spare_assigned"))
+    assert not result.events("restart") and not result.events("recovery_fallback")
+    plans = result.events("gen_plan")
+    assert [p["world_size"] for p in plans] == [4]
+    assert plans[0]["members"] == ["0.0", "1.0", assigned[2], assigned[3]]
+    assert {e["slot"] for e in result.events("training_done")} == {0, 1, 2, 3}
+    _same(torch.load(tmp_path / "faulty.pt", weights_only=True),
+          torch.load(tmp_path / "clean.pt", weights_only=True))

@@ -97,6 +97,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="hot spares per node: processes that run the script up to its training "
                         "loop, warm up on a private group, and take a failed worker's rank")
+    p.add_argument("--standby", action="store_true",
+                   help="join a running multi-node job as a standby node: every process is a "
+                        "spare, and they take over a lost node's or a drained node's ranks; "
+                        "give a --node-rank of --nnodes or more")
     p.add_argument("--recovery-timeout", type=_seconds, default=30.0,
                    help="seconds an in-place recovery may take before a full restart")
     p.add_argument("--run-dir", default=None,
@@ -136,6 +140,17 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-faults", action="store_true", help="run without injected faults")
     report = sub.add_parser("report", help="summarise a run from its event log")
     report.add_argument("run_dir")
+    drain = sub.add_parser("drain", help="move a rank or a node of a running job onto spares")
+    drain.add_argument("run_dir", nargs="?", default=None,
+                       help="the job's run dir (or give --master-addr/--master-port/--rdzv-id)")
+    which = drain.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, default=None, help="the rank to move")
+    which.add_argument("--node", type=int, default=None, help="the node whose every rank moves")
+    drain.add_argument("--master-addr", default=None)
+    drain.add_argument("--master-port", type=_port, default=None)
+    drain.add_argument("--rdzv-id", dest="run_id", default=None)
+    drain.add_argument("--timeout", type=_seconds, default=120.0,
+                       help="seconds to wait for the move (default 120)")
     return parser
 
 
@@ -157,7 +172,14 @@ def config_from_args(args: argparse.Namespace):
     from unbroken.launch.config import LaunchConfig
 
     nnodes = _nnodes(args.nnodes)
-    if not 0 <= args.node_rank < nnodes:
+    if args.standby:
+        if args.node_rank < nnodes:
+            raise UserError(f"a --standby node takes a --node-rank of {nnodes} or more (ranks "
+                            f"0-{nnodes - 1} are the job's nodes), got {args.node_rank}")
+        if args.on_fault == "restart":
+            raise UserError("--standby takes ranks over in place; it does not work with "
+                            "--on-fault restart")
+    elif not 0 <= args.node_rank < nnodes:
         raise UserError(f"--node-rank must be between 0 and {nnodes - 1} for --nnodes {nnodes}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
@@ -201,7 +223,7 @@ def config_from_args(args: argparse.Namespace):
         hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
         warm_restarts=args.warm_restarts, on_fault=args.on_fault, spares=args.spares,
-        recovery_timeout=args.recovery_timeout,
+        recovery_timeout=args.recovery_timeout, standby=args.standby,
     )
 
 
@@ -227,9 +249,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return ExitCode.SUCCESS
 
 
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from unbroken.launch.drain import drain
+
+    moved = drain(args.run_dir, args.master_addr, args.master_port, args.run_id,
+                  args.rank, args.node, args.timeout)
+    for move in moved["moves"]:
+        print(f"moved rank {move['rank']} from worker {move['from']} to spare {move['to']}")
+    print(f"generation {moved['gen']} was up {moved['switch_s']:.3f}s after the switch began")
+    return ExitCode.SUCCESS
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report}
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report, "drain": _cmd_drain}
     try:
         return int(handlers[args.command](args))
     except UserError as exc:

@@ -9,6 +9,7 @@ budget is spent. The agent never imports the user's code.
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -24,9 +25,11 @@ from typing import Any, TextIO
 from unbroken.errors import PEER_ERROR_MARKERS, ControlPlaneError, ExitCode
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.control_store import ControlStore, connect_store, serve_store
+from unbroken.launch.drain import CONTROL_FILE
 from unbroken.launch.generations import GenerationPlanner
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
+from unbroken.launch.spare_board import SpareBoard, SpareBroker
 from unbroken.launch.warm_pool import WarmPool, normal_priority
 from unbroken.launch.worker_process import (
     WorkerProcess,
@@ -101,6 +104,11 @@ class Agent:
         self._targets_written: dict[int, Any] = {}  # pid -> the switch request it was given
         self._spares_started = 0  # numbers spare worker ids
         self._spare_failures = 0
+        # A standby node runs only spares, as many as it has devices.
+        self._spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
+        self._board: SpareBoard | None = None
+        self._broker: SpareBroker | None = None  # the leader's view of every node's spares
+        self._released: set[int] = set()  # followers whose every rank was drained away
 
     # ---------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -157,6 +165,13 @@ class Agent:
         if cfg.is_leader:
             store, self.control_port = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
             self._servers.append(store)  # control_port is the real one when --master-port was 0
+            # Where `unbroken drain RUN_DIR` finds the job.
+            control = Path(cfg.run_dir) / CONTROL_FILE
+            control.parent.mkdir(parents=True, exist_ok=True)
+            tmp = control.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"addr": cfg.master_addr, "port": self.control_port,
+                                       "run_id": cfg.run_id}))
+            tmp.replace(control)
         else:
             store = self._connect_with_retries()
         self.ctl = ControlStore(store, cfg.run_id)
@@ -282,15 +297,20 @@ class Agent:
     def _check_nodes(self, attempt: int, plan: dict[str, Any]) -> dict[str, Any] | None:
         """A node_lost fault for the first follower whose agent stopped heartbeating."""
         now = time.monotonic()
-        for key, node in plan["nodes"].items():
-            k = int(key)
-            if k == self.cfg.node_rank or k in self._lost:
+        instances = {int(k): node["instance"] for k, node in plan["nodes"].items()}
+        if self._broker is not None:
+            instances.update(self._broker.standbys)
+        for k, instance in instances.items():
+            if k == self.cfg.node_rank or k in self._lost or k in self._released:
                 continue
-            count = self._store(self.ctl.add, f"hb/{k}/{node['instance']}", 0)
+            count = self._store(self.ctl.add, f"hb/{k}/{instance}", 0)
             last = self._node_seen.get(k)
             if last is None or last[0] != count:
                 self._node_seen[k] = (count, now)
             elif now - last[1] > self.cfg.node_timeout:
+                if self._get(f"a/{attempt}/released/{k}"):
+                    self._released.add(k)  # drained, then left on purpose
+                    continue
                 self._lost.add(k)
                 detail = f"agent of node {k} silent for {now - last[1]:.1f}s"
                 self.events.emit("node_lost", attempt=attempt, lost_node=k, detail=detail)
@@ -298,12 +318,39 @@ class Agent:
                 return {"kind": "node_lost", "node": k, "rank": None, "detail": detail}
         return None
 
+    def _replace_node(self, attempt: int, lost: dict[str, Any], planner: GenerationPlanner) -> bool:
+        """Hand a lost node's ranks to ready spares elsewhere (a standby node), in place.
+
+        Only when there is a ready spare for every rank it ran: a job that would shrink by
+        a whole node restarts instead, and waits for the node to come back.
+        """
+        k = lost["node"]
+        hosted = {wid: slot for wid, slot in self._broker.hosted(k).items() if wid in planner.members}
+        if len(self._broker.ready(avoid={k})) < len(hosted):
+            return False
+        for wid, slot in sorted(hosted.items(), key=lambda item: item[1]):
+            fault = {**lost, "rank": slot, "slot": slot, "wid": wid, "attempt": attempt,
+                     "t": time.time()}
+            index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
+            self._set(f"a/{attempt}/death/{index}", fault)
+            self.events.emit("fault", **{k2: v for k2, v in fault.items() if k2 != "t"}, in_place=True)
+        self._store(self.ctl.add, f"a/{attempt}/news", 1)
+        self.say(f"node {k} lost: its rank(s) {sorted(hosted.values())} go to spares in place")
+        return True
+
+    def _node_finished(self, attempt: int, k: int) -> bool:
+        return (k in self._lost or k in self._released
+                or bool(self._get(f"a/{attempt}/done/{k}")) or bool(self._get(f"a/{attempt}/released/{k}")))
+
     def _leader_wait_all_done(self, attempt: int, plan: dict[str, Any]) -> Outcome:
+        # A standby node that took ranks over must finish them too.
+        standbys = [k for k in (self._broker.standbys if self._broker else {})
+                    if self._broker.hosted(k)]
         while True:
             fault = self._get(f"a/{attempt}/fault")
             if fault:
                 return Outcome("fault", fault)
-            if all(self._get(f"a/{attempt}/done/{k}") for k in plan["nodes"]):
+            if all(self._node_finished(attempt, int(k)) for k in [*plan["nodes"], *standbys]):
                 return Outcome("done")
             lost = self._check_nodes(attempt, plan)
             if lost:
@@ -313,7 +360,9 @@ class Agent:
     def _wait_stopped(self, attempt: int, plan: dict[str, Any]) -> None:
         """Wait until every live follower has stopped its workers of this attempt."""
         deadline = time.monotonic() + self.cfg.kill_grace + self.cfg.node_timeout
-        pending = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank}
+        pending = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank} - self._released
+        if self._broker is not None:
+            pending |= set(self._broker.standbys)
         while pending and time.monotonic() < deadline:
             pending = {k for k in pending if not self._get(f"a/{attempt}/stopped/{k}")}
             self._check_nodes(attempt, plan)
@@ -324,7 +373,9 @@ class Agent:
     def _wait_acks(self, plan: dict[str, Any]) -> None:
         """Keep the store up until the followers have read the result (bounded)."""
         deadline = time.monotonic() + 5.0
-        followers = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank}
+        followers = {int(k) for k in plan["nodes"]} - {self.cfg.node_rank} - self._released - self._lost
+        if self._broker is not None:
+            followers |= set(self._broker.standbys) - self._lost
         while followers and time.monotonic() < deadline:
             followers = {k for k in followers if not self._get(f"ack/{k}")}
             if followers:
@@ -342,6 +393,12 @@ class Agent:
                 if plan is None:
                     continue
                 outcome = self._run_attempt(attempt, plan)
+                if outcome.kind == "done" and self._all_drained(attempt):
+                    self._set(f"a/{attempt}/released/{self.cfg.node_rank}", True)
+                    self.events.emit("node_drained", attempt=attempt)
+                    self.say("every rank of this node moved to spares: leaving the job")
+                    self._stop_workers()
+                    return ExitCode.SUCCESS
                 if outcome.kind == "done":
                     self._set(f"a/{attempt}/done/{self.cfg.node_rank}", True)
                     outcome = self._follower_wait(attempt)
@@ -360,6 +417,9 @@ class Agent:
                     return 128 + int(fin.result.get("signal", signal.SIGTERM))
                 self._report_failure(fin.result.get("fault"))
                 return ExitCode.WORKERS_FAILED
+
+    def _all_drained(self, attempt: int) -> bool:
+        return bool(self.workers) and all(self._get(f"a/{attempt}/drained/{w.wid}") for w in self.workers)
 
     def _finished(self) -> None:
         result = self._get("result")
@@ -386,6 +446,8 @@ class Agent:
             self._finished()
             plan = self._get(f"a/{attempt}/plan")
             if plan is not None:
+                if self.cfg.standby:
+                    return plan  # not in the plan: its spares wait to be handed a rank
                 mine = plan["nodes"].get(str(self.cfg.node_rank), {})
                 return plan if mine.get("instance") == self.instance else None
             current = self._get("current")
@@ -405,6 +467,9 @@ class Agent:
 
     # ---------------------------------------------------------------- both roles
     def _join(self, attempt: int) -> None:
+        if self.cfg.standby:
+            SpareBoard(self.ctl, attempt, self.cfg.node_rank).join_as_standby(self.instance)
+            return
         info = {"nproc": self.cfg.nproc_per_node, "instance": self.instance, "pid": os.getpid(),
                 "host": os.uname().nodename}
         self._store(self.ctl.first_json, f"a/{attempt}/node/{self.cfg.node_rank}", info)
@@ -453,12 +518,14 @@ class Agent:
         self.workers, self.spares = [], []
 
     def _spawn(self, attempt: int, plan: dict[str, Any]) -> None:
-        node = plan["nodes"][str(self.cfg.node_rank)]
         attempt_dir = self.node_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
             if stale.suffix != ".log":
                 stale.unlink(missing_ok=True)
+        if self.cfg.standby:
+            return  # only spares
+        node = plan["nodes"][str(self.cfg.node_rank)]
         for local_rank in range(node["nproc"]):
             rank = node["offset"] + local_rank
             self._spawn_worker(attempt, plan, rank, local_rank, f"{rank}.0", joining=False)
@@ -495,18 +562,21 @@ class Agent:
     def _spawn_spare(self, attempt: int, plan: dict[str, Any]) -> WorkerProcess:
         """A hot spare: the user's script in the spare role, warming up at idle priority."""
         cfg = self.cfg
-        node = plan["nodes"][str(cfg.node_rank)]
         self._spares_started += 1
         wid = f"spare{cfg.node_rank}-{self._spares_started}"
         base = self.node_dir / f"attempt_{attempt}" / wid
-        env = self._worker_env(attempt, plan, -1, 0, node["nproc"], base)
+        # On a standby node each spare has a device of its own; elsewhere spares share one.
+        taken = {p.local_rank for p in (*self.spares, *self.workers) if p.proc.poll() is None}
+        local_rank = (next((i for i in range(cfg.nproc_per_node) if i not in taken), 0)
+                      if cfg.standby else 0)
+        env = self._worker_env(attempt, plan, -1, local_rank, cfg.nproc_per_node, base)
         env.update({"UNBROKEN_WORKER_ID": wid, "UNBROKEN_SLOT": "-1", "UNBROKEN_JOIN": "1",
                     "UNBROKEN_ROLE": "spare"})
         log = base.with_suffix(".log") if cfg.redirect else None
         proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env, log)
         self._guard.watch(proc.pid)
         _idle_priority(proc.pid)
-        spare = WorkerProcess(rank=-1, local_rank=-1, proc=proc,
+        spare = WorkerProcess(rank=-1, local_rank=local_rank, proc=proc,
                               heartbeat=HeartbeatReader(base.with_suffix(".hb")),
                               hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
                               error_file=base.with_suffix(".error.json"), wid=wid)
@@ -526,32 +596,46 @@ class Agent:
             self.say(f"spare {spare.wid} failed ({detail})")
             spare.close()
             self._spare_failures += 1
-        if not training or len(self.spares) >= self.cfg.spares:
+        if not training or len(self.spares) >= self._spare_target:
             return
-        if self._spare_failures > 3 * max(1, self.cfg.spares):
+        if self._spare_failures > 3 * max(1, self._spare_target):
             return  # a script that cannot warm up as a spare: stop trying (said above)
-        while len(self.spares) < self.cfg.spares:
+        while len(self.spares) < self._spare_target:
             self._spawn_spare(attempt, plan)
 
-    def _ready_spare(self) -> WorkerProcess | None:
+    def _ready_spares(self) -> list[WorkerProcess]:
+        ready = []
         for spare in self.spares:
             beat = spare.heartbeat.read()
             if spare.proc.poll() is None and beat is not None and beat.phase == PHASE_SPARE_READY:
-                return spare
-        return None
+                ready.append(spare)
+        return ready
 
-    def _promote(self, attempt: int, spare: WorkerProcess, dead: WorkerProcess,
-                 selector: selectors.BaseSelector) -> None:
-        """Put a ready spare into a dead worker's slot: the same rank, so nothing else moves."""
+    def _promote(self, spare: WorkerProcess, slot: int, local_rank: int,
+                 selector: selectors.BaseSelector, by: str = "agent") -> None:
+        """Put a ready spare into a slot: the same rank, so nothing else moves."""
         self.spares.remove(spare)
         normal_priority(spare.pid)
-        spare.rank, spare.local_rank = dead.rank, dead.local_rank
+        spare.rank, spare.local_rank = slot, local_rank
         spare.hang = HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout)
-        spare.heartbeat.promote(dead.rank)
+        spare.heartbeat.promote(slot)
         self.workers.append(spare)
         if spare.pidfd is not None:
             selector.register(spare.pidfd, selectors.EVENT_READ, spare)
-        self.events.emit("spare_promoted", wid=spare.wid, slot=dead.rank, pid=spare.pid)
+        self.events.emit("spare_promoted", wid=spare.wid, slot=slot, pid=spare.pid, by=by)
+
+    def _serve_board(self, board: SpareBoard, selector: selectors.BaseSelector) -> None:
+        """Offer this node's ready spares and hosted members; promote what the leader asks."""
+        ready = self._ready_spares()
+        for request in board.requests():
+            spare = next((p for p in ready if p.wid == request["spare"]), None)
+            if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
+                self.events.emit("spare_request_declined", wid=request["spare"], slot=request["slot"])
+                continue
+            ready.remove(spare)
+            self._promote(spare, request["slot"], spare.local_rank, selector, by="leader")
+        board.offer([p.wid for p in ready])
+        board.host({w.wid: w.rank for w in self.workers if w.proc.returncode in (None, 0)})
 
     def _standby_env(self) -> dict[str, str]:
         """What a standby imports torch under: the workers' environment without rank or attempt."""
@@ -624,7 +708,9 @@ class Agent:
         self._spawn(attempt, plan)
         self.events.emit("workers_started", attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          pids={w.rank: w.pid for w in self.workers})
-        if attempt == 0 or self.cfg.is_leader:
+        if self.cfg.standby:
+            self.say(f"attempt {attempt}: standing by with {self._spare_target} spare(s)")
+        elif attempt == 0 or self.cfg.is_leader:
             ranks = [w.rank for w in self.workers]
             self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan['world_size']}")
         selector = selectors.DefaultSelector()
@@ -632,9 +718,14 @@ class Agent:
             if w.pidfd is not None:
                 selector.register(w.pidfd, selectors.EVENT_READ, w)
         peer_errors_since: float | None = None
-        multi = len(plan["nodes"]) > 1
+        multi = len(plan["nodes"]) > 1 or self.cfg.standby
         in_place = self.cfg.on_fault != "restart" and not self.cfg.no_python
-        resilient = False  # latched once every worker runs the resilient loop
+        # Latched once every worker runs the resilient loop; a standby node has only spares.
+        resilient = self.cfg.standby
+        self._board = SpareBoard(self.ctl, attempt, self.cfg.node_rank) if in_place else None
+        self._broker = (SpareBroker(self.ctl, attempt, [int(k) for k in plan["nodes"]])
+                        if in_place and self.cfg.is_leader else None)
+        self._released.clear()
         planner = self._planner(attempt, plan) if in_place and self.cfg.is_leader else None
         target = None
         try:
@@ -679,8 +770,12 @@ class Agent:
                 if resilient:
                     target = self._mirror_target(attempt, target, planner)
                     self._start_replacements(attempt, plan, selector)
-                    if self.cfg.spares:
+                    if self._spare_target:
                         self._tend_spares(attempt, plan, self._training())
+                    if self._board is not None:
+                        self._store(self._serve_board, self._board, selector)
+                if self._broker is not None and self._store(self._broker.refresh):
+                    multi = True  # a standby node joined: watch it like the others
                 if multi:
                     self._finished()
                     remote = self._get(f"a/{attempt}/fault")
@@ -688,9 +783,12 @@ class Agent:
                         return Outcome("fault", remote)
                     if self.cfg.is_leader:
                         lost = self._check_nodes(attempt, plan)
-                        if lost:
+                        if lost and not (planner is not None and resilient
+                                         and self._replace_node(attempt, lost, planner)):
                             return Outcome("fault", self._publish_fault(attempt, lost))
-                if all(w.proc.returncode == 0 for w in self.workers):
+                if self.cfg.standby and not self.workers:
+                    pass  # a standby node is done when the ranks it took over are
+                elif all(w.proc.returncode == 0 for w in self.workers):
                     self.events.emit("workers_done", attempt=attempt)
                     return Outcome("done")
                 self._maybe_fill_pool(t0)
@@ -704,12 +802,14 @@ class Agent:
             self.ctl, attempt, {f"{r}.0": r for r in range(plan["world_size"])},
             policy=cfg.on_fault, recovery_timeout=cfg.recovery_timeout,
             join_timeout=cfg.join_timeout, budget=cfg.max_restarts - attempt - self._recovered,
-            record=self.events.emit, say=self.say,
+            record=self.events.emit, say=self.say, broker=self._broker,
         )
 
     def _training(self) -> bool:
         """Every worker is stepping (not starting or recovering): spares may warm up now."""
-        beats = [w.heartbeat.read() for w in self.workers]
+        if self.cfg.standby and not self.workers:
+            return True  # nothing of the job's runs here: spares may warm up now
+        beats = [w.heartbeat.read() for w in self.workers if w.proc.returncode is None]
         return bool(beats) and all(b is not None and b.phase == PHASE_TRAINING and b.step >= 0
                                    for b in beats)
 
@@ -718,7 +818,8 @@ class Agent:
         return bool(beats) and all(b is not None and b.generation >= 0 for b in beats)
 
     def _max_step(self) -> int:
-        steps = [b.step for w in self.workers if (b := w.heartbeat.read()) is not None]
+        steps = [b.step for w in self.workers
+                 if w.proc.returncode is None and (b := w.heartbeat.read()) is not None]
         return max(steps, default=0)
 
     def _mirror_target(self, attempt: int, seen: Any, planner: GenerationPlanner | None) -> Any:
@@ -750,11 +851,12 @@ class Agent:
             pass  # stuck in the kernel; the orphan guard still holds its group
         fault = w.fault or self._exit_fault([w])
         fault = {**fault, "wid": w.wid, "slot": w.rank, "attempt": attempt, "t": time.time()}
-        spare = self._ready_spare() if self._replacements < self.cfg.max_restarts else None
+        ready = self._ready_spares() if self._replacements < self.cfg.max_restarts else []
+        spare = ready[0] if ready else None
         if spare is not None:
             fault["spare"] = spare.wid  # the planner waits for it instead of shrinking
             self._replacements += 1
-            self._promote(attempt, spare, w, selector)
+            self._promote(spare, w.rank, w.local_rank, selector)
         index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
         self._set(f"a/{attempt}/death/{index}", fault)
         self._store(self.ctl.add, f"a/{attempt}/news", 1)
@@ -767,6 +869,8 @@ class Agent:
             return  # the spare took the slot; the pool refills once training runs again
         if self._replacements >= self.cfg.max_restarts:
             return  # the planner will give up or shrink; a crash loop must not spawn forever
+        if self.cfg.standby:
+            return  # a standby node starts no fresh workers: the leader finds another spare
         self._replacements += 1
         beats = [b for p in self.workers if (b := p.heartbeat.read()) is not None]
         self._pending.append((w, time.monotonic(), max((b.generation for b in beats), default=0)))

@@ -33,7 +33,8 @@ class LaunchConfig:
     recovery_timeout: float = 30.0  # an in-place recovery slower than this falls back to restart
     join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
     spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
+    standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
 
     @property
     def is_leader(self) -> bool:
-        return self.node_rank == 0
+        return self.node_rank == 0 and not self.standby

@@ -8,6 +8,10 @@ the leader reads those and moves one state machine:
     forming --(every member up)--> running           (the recovery is complete)
     running --(a joiner is ready, shrink policy)--> a planned switch at a step boundary
 
+A drain (`unbroken drain`) is a planned move: the leader has a ready spare promoted into
+each drained slot, and once the spare has registered, every member leaves at a step boundary
+and the next plan names the spare instead of the drained worker, which then exits cleanly.
+
 A plan lists the members by logical slot (a worker's original rank, which a replacement
 inherits), so when every slot is filled again the layout is exactly the original one. When
 in-place recovery is impossible (no live member holds committed state) or does not complete
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.launch.control_store import ControlStore
+from unbroken.launch.spare_board import SpareBroker
 
 SHRINK, WAIT = "shrink", "wait"
 SPARE_WAIT = 5.0  # seconds to wait for a promoted spare before planning without it
@@ -46,7 +51,8 @@ class _Recovery:
 class GenerationPlanner:
     def __init__(self, ctl: ControlStore, attempt: int, slots: dict[str, int], policy: str,
                  recovery_timeout: float, join_timeout: float, budget: int,
-                 record: Callable[..., None], say: Callable[[str], None]) -> None:
+                 record: Callable[..., None], say: Callable[[str], None],
+                 broker: SpareBroker | None = None) -> None:
         self.ctl = ctl
         self.prefix = f"a/{attempt}/"
         self.attempt = attempt
@@ -57,6 +63,12 @@ class GenerationPlanner:
         self.record = record
         self.say = say
         self.slot_of = dict(slots)
+        # Ready spares of every node, for a death whose own node has none, and for drains.
+        self.broker = broker
+        self.draining: dict[str, tuple[str, int]] = {}  # member -> (its spare, drain index)
+        self._drains_seen = 0
+        self._moved: list[tuple[str, str, int]] = []  # (member, spare, drain index) this switch
+        self._moves: dict[int, list[dict[str, Any]]] = {}  # drain index -> ranks moved so far
         self.gen = 0
         self.members = sorted(slots, key=slots.get)
         self.state = "running"
@@ -90,6 +102,12 @@ class GenerationPlanner:
             if death is None:
                 self._news = -1  # counted but not yet written; read it next tick
                 return
+            if ("spare" not in death and self.broker is not None
+                    and death["wid"] in self.members and death["wid"] not in self.dead):
+                # Its own node had no ready spare: take one from another node.
+                found = self.broker.ready(avoid={death.get("node")})
+                if found:
+                    death = {**death, "spare": self._assign(*found[0], death["slot"])}
             self.dead[death["wid"]] = death
             self._deaths_seen = i + 1
         joiners = self._count("joiners")
@@ -102,6 +120,55 @@ class GenerationPlanner:
             self.joiners.append(joiner["wid"])
             self._joiners_seen = i + 1
         self.joiners = [w for w in self.joiners if w not in self.dead]
+        drains = self._count("drains")
+        for i in range(self._drains_seen, drains):
+            request = self._get(f"drain/{i}")
+            if request is None:
+                self._news = -1
+                return
+            self._drains_seen = i + 1
+            self._drain(i, request)
+
+    def _drain(self, index: int, request: dict[str, Any]) -> None:
+        """Have a ready spare promoted into each drained slot; the switch follows its join."""
+        def refuse(why: str) -> None:
+            self.ctl.set_json(f"{self.prefix}drain/{index}/outcome", {"ok": False, "error": why})
+            self.record("drain_refused", request=request, reason=why)
+            self.say(f"drain refused: {why}")
+
+        if self.state != "running" or self._switch_requested:
+            return refuse("a recovery or switch is in progress; try again in a moment")
+        if "node" in request:
+            node = int(request["node"])
+            if node == 0:
+                return refuse("node 0 hosts the control store and cannot be drained")
+            hosted = self.hosted(node) if self.hosted is not None else {}
+            movers = [m for m in self.members if m in hosted]
+        else:
+            movers = [m for m in self.members if self.slot_of[m] == int(request["slot"])]
+            node = None
+        if not movers:
+            return refuse(f"no member of generation {self.gen} is on "
+                          + (f"node {node}" if node is not None else f"rank {request['slot']}"))
+        if len(movers) >= len(self.members):
+            return refuse("a drain needs a member that stays to hand the state over")
+        if self.broker is None:
+            return refuse("no spares: start the job with --spares N or add a --standby node")
+        found = self.broker.ready(avoid={node} if node is not None else set())
+        if len(found) < len(movers):
+            return refuse(f"{len(movers)} rank(s) to move but {len(found)} ready spare(s); "
+                          "wait for spares to warm up, or add some")
+        moves = {}
+        for m, (spare_node, spare) in zip(movers, found, strict=False):
+            self.draining[m] = (self._assign(spare_node, spare, self.slot_of[m]), index)
+            moves[self.slot_of[m]] = spare
+        self.record("drain_started", request=request, moves=moves)
+        self.say(f"draining rank(s) {sorted(moves)} onto spare(s) {list(moves.values())}")
+
+    def _assign(self, node: int, spare: str, slot: int) -> str:
+        self.broker.assign(node, spare, slot)
+        self.record("spare_assigned", wid=spare, slot=slot, spare_node=node)
+        return spare
 
     def _request_switch(self, at_step: int) -> None:
         self.target = {"gen": self.gen + 1, "step": at_step}
@@ -189,7 +256,14 @@ class GenerationPlanner:
         if self.policy == WAIT and missing - filled:
             if now - self.recovery.started < self.join_timeout:
                 return None  # wait for the replacements to take the failed slots
-        members += ready
+        # A drained member gives its slot to its spare once the spare is here; it left
+        # holding the state like everyone else, and is told to exit, not that it failed.
+        drained = [m for m in members
+                   if m in self.draining and self.draining[m][0] in ready]
+        for m in drained:
+            self.ctl.set_json(f"{self.prefix}drained/{m}", True)
+            self._moved.append((m, *self.draining.pop(m)))
+        members = [m for m in members if m not in drained] + ready
         self.joiners = [j for j in self.joiners if j not in members]
         self._plan(sorted(members, key=lambda m: self.slot_of[m]), now)
         return None
@@ -216,6 +290,18 @@ class GenerationPlanner:
             self.say(f"recovered in place: generation {self.gen} of {len(self.members)} workers "
                      f"up {now - rec.started:.3f}s after the fault")
         self.recovery = None
+        switch_s = round(now - rec.started, 6) if rec else None
+        for member, spare, index in self._moved:
+            move = {"rank": self.slot_of[spare], "from": member, "to": spare}
+            self._moves.setdefault(index, []).append(move)
+            self.record("drained", **move, gen=self.gen, switch_s=switch_s)
+            self.say(f"drained rank {move['rank']}: {member} -> {spare}, generation {self.gen} "
+                     f"up {switch_s}s after the switch began")
+        for index in {index for _, _, index in self._moved}:
+            if not any(i == index for _, i in self.draining.values()):  # every rank moved
+                self.ctl.set_json(f"{self.prefix}drain/{index}/outcome", {
+                    "ok": True, "moves": self._moves.pop(index), "gen": self.gen, "switch_s": switch_s})
+        self._moved = []
 
     def _fallback(self, why: str) -> Verdict:
         fault = (self.recovery.faults[0] if self.recovery and self.recovery.faults

@@ -15,6 +15,7 @@ prefix (`unbroken/<run_id>/a/<attempt>/`):
     joiners, joiner/<i>   replacement workers waiting to be placed
     news                  bumped with every write the leader must act on, so that an idle
                           leader polls one key
+    drained/<wid>         a drain moved this member's rank onto a spare: it exits cleanly
     finished              the job is done: waiting joiners go home
 """
 
@@ -43,6 +44,10 @@ class Plan:
 
 class Excluded(RuntimeError):
     """The leader planned a generation without this worker (it was presumed dead or stuck)."""
+
+
+class Drained(Exception):
+    """A drain moved this worker's rank onto a spare: it is done, and exits cleanly."""
 
 
 class JobFinished(Exception):
@@ -110,6 +115,8 @@ class Membership:
                 if self.wid in plan["members"]:
                     return Plan(latest, plan["members"], plan["members"].index(self.wid))
                 if not joining:
+                    if self.ctl.get_json(self._key(f"drained/{self.wid}")):
+                        raise Drained
                     raise Excluded(f"generation {latest} was planned without worker {self.wid}")
             if self.ctl.get_json(self._key("finished")):
                 raise JobFinished

@@ -47,7 +47,7 @@ from unbroken.runtime.heartbeat import (
     PHASE_TRAINING,
     HeartbeatWriter,
 )
-from unbroken.runtime.membership import JobFinished, Membership
+from unbroken.runtime.membership import Drained, JobFinished, Membership
 from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
 from unbroken.runtime.recovery import Generations, is_peer_error
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -505,6 +505,10 @@ class Run:
             self.events.emit("joiner_unused", slot=self.slot)
             self.close()
             sys.exit(0)  # the job ended before this replacement was needed
+        except Drained:
+            self.events.emit("drained", slot=self.slot, step=self.step, pid=os.getpid())
+            self.close()
+            sys.exit(0)  # a spare took over this rank, with the state it left with
         self.joining = False
         self._holds_state = True
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
