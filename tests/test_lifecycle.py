@@ -18,6 +18,7 @@ from conftest import (
     assert_gave_up,
     events_of,
     finish,
+    free_port,
     launch,
     start,
     unbroken_cmd,
@@ -97,6 +98,14 @@ def test_bad_input_gets_one_clear_line(tmp_path):
     _one_line_error(_cli("run", "--fault", "explode:rank=0,step=1", str(EXAMPLE)), 2, "explode")
     _one_line_error(_cli("run", "--nnodes", "1:4", str(EXAMPLE)), 2, "elastic")
     _one_line_error(_cli("report", str(tmp_path)), 2, "no event log")
+    _one_line_error(_cli("run", "--standby", "--nnodes", "2", "--node-rank", "1", str(EXAMPLE)), 2,
+                    "--standby", "--node-rank of 2 or more")
+    _one_line_error(_cli("drain", str(tmp_path), "--rank", "1"), 2, "control.json not found")
+    _one_line_error(_cli("drain", "--rank", "1"), 2, "give the job's --run-dir")
+    _one_line_error(_cli("drain", str(tmp_path)), 2, "one of the arguments --rank --node")
+    port = free_port()  # nobody listens there
+    _one_line_error(_cli("drain", "--master-port", str(port), "--rdzv-id", "x", "--rank", "0"),
+                    3, "cannot reach")
 
 
 def test_port_in_use_is_reported(tmp_path):

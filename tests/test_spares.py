@@ -205,3 +205,41 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(tmp_path):
     assert {e["slot"] for e in result.events("training_done")} == {0, 1, 2, 3}
     _same(torch.load(tmp_path / "faulty.pt", weights_only=True),
           torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(tmp_path):
+    port, run_dir = free_port(), tmp_path / "run"
+
+    def node(rank: int, *extra: str):
+        return start(run_dir, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                     "--rdzv-id", "job", "--max-restarts", "1", *extra, port=port,
+                     script=CKPT_TRAIN, args=["--steps", "250", "--step-sleep", "0.05"])
+
+    leader, follower, standby = node(0), node(1), node(2, "--standby")
+    try:
+        wait_for(lambda: len(events_of(run_dir, "spare_ready")) >= 2, 120,
+                 "the standby's spares to warm up")
+        refused = subprocess.run(unbroken_cmd("drain", str(run_dir), "--node", "0"),
+                                 capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert refused.returncode != 0 and "node 0 hosts the control store" in refused.stderr
+        cmd = subprocess.run(unbroken_cmd("drain", str(run_dir), "--node", "1", "--timeout", "60"),
+                             capture_output=True, text=True, timeout=90, cwd=REPO)
+        assert cmd.returncode == 0, cmd.stderr
+        assert "moved rank 2" in cmd.stdout and "moved rank 3" in cmd.stdout
+        drained_agent = finish(follower, run_dir, timeout=30)  # leaves while the job goes on
+        assert drained_agent.code == 0, drained_agent.output
+        assert not events_of(run_dir, "training_done")
+        result = finish(leader, run_dir)
+        assert result.code == 0, result.output
+        assert finish(standby, run_dir, timeout=30).code == 0
+    finally:
+        for p in (leader, follower, standby):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not result.events("fault") and not result.events("node_lost")
+    assert [e["node"] for e in result.events("node_drained")] == [1]
+    assert sorted(e["slot"] for e in result.events("drained") if e["source"] == "worker") == [2, 3]
+    assert [p["world_size"] for p in result.events("gen_plan")] == [4]
+    done = {e["slot"]: e["node"] for e in result.events("training_done")}
+    assert done == {0: 0, 1: 0, 2: 2, 3: 2}
+    assert len({e["step"] for e in result.events("step")}) == 250

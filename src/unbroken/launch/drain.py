@@ -10,11 +10,12 @@ worker exits cleanly; a drained node's agent leaves the job.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from unbroken.errors import UserError
+from unbroken.errors import ControlPlaneError, UserError
 from unbroken.launch.control_store import ControlStore, connect_store
 
 CONTROL_FILE = "control.json"  # in the run dir: where the leader's store is, and the run id
@@ -67,8 +68,17 @@ def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str |
     if (rank if rank is not None else node) < 0:
         raise UserError("--rank and --node must be 0 or more")
     host, port, run_id = find_store(run_dir, addr, port, run_id)
+    try:  # a fast, quiet answer when nothing listens (the store client retries, and logs)
+        socket.create_connection((host, port), timeout=5.0).close()
+    except OSError as exc:
+        raise ControlPlaneError(f"cannot reach the job's control store at {host}:{port} "
+                                f"({exc.strerror or exc}); is the job running?") from None
     ctl = ControlStore(connect_store(host, port, timeout=5.0), run_id)
-    outcome = request_drain(ctl, {"slot": rank} if rank is not None else {"node": node}, timeout)
+    try:
+        outcome = request_drain(ctl, {"slot": rank} if rank is not None else {"node": node}, timeout)
+    except (RuntimeError, OSError) as exc:  # what a store call raises when the server is gone
+        raise ControlPlaneError(f"lost the job's control store at {host}:{port} (the job ended?): "
+                                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if not outcome.get("ok"):
         raise UserError(f"drain refused: {outcome.get('error')}")
     return outcome

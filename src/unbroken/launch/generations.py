@@ -142,7 +142,7 @@ class GenerationPlanner:
             node = int(request["node"])
             if node == 0:
                 return refuse("node 0 hosts the control store and cannot be drained")
-            hosted = self.hosted(node) if self.hosted is not None else {}
+            hosted = self.broker.hosted(node) if self.broker is not None else {}
             movers = [m for m in self.members if m in hosted]
         else:
             movers = [m for m in self.members if self.slot_of[m] == int(request["slot"])]
