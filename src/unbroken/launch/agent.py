@@ -627,7 +627,7 @@ class Agent:
     def _serve_board(self, board: SpareBoard, selector: selectors.BaseSelector) -> None:
         """Offer this node's ready spares and hosted members; promote what the leader asks."""
         ready = self._ready_spares()
-        for request in board.requests():
+        for request in board.requests() if self._spare_target else []:  # no spares, no requests
             spare = next((p for p in ready if p.wid == request["spare"]), None)
             if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
                 self.events.emit("spare_request_declined", wid=request["spare"], slot=request["slot"])
