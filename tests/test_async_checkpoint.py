@@ -402,3 +402,31 @@ def test_a_snapshot_that_cannot_be_taken_is_reported_and_training_goes_on(tmp_pa
     assert failed and "lock" in failed[0]["error"].lower()
     assert ckpt.start(_state(model, optimizer), step=2) and ckpt.wait(30)  # the next one works
     assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2]
+
+
+def test_a_save_still_writing_when_a_generation_forms_is_abandoned_not_waited_for(tmp_path):
+    """Regression (seen in CI): a writer whose collective was queued when a generation
+    switch destroyed its group waited out the group's timeout, and every later save, the
+    final one included, was deferred behind it. The new generation abandons it."""
+    model, optimizer = _model()
+    events, release = [], threading.Event()
+
+    def stuck_writer(point, step):
+        if step == 1:
+            release.wait(60)  # the old generation's writer, blocked
+
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)),
+                        fault_point=stuck_writer)
+    ckpt.protect(model, [optimizer])
+    assert ckpt.start(_state(model, optimizer), step=1)
+    assert not ckpt.wait(0.5) and ckpt.in_flight
+    ckpt.use_groups(None, None, generation=1)  # what the switch to generation 1 does
+    assert not ckpt.in_flight
+    (failed,) = [kw for name, kw in events if name == "checkpoint_failed"]
+    assert failed["step"] == 1 and "abandoned" in failed["error"]
+    _train_step(model, optimizer)
+    assert ckpt.start(_state(model, optimizer), step=2) and ckpt.wait(30)  # not deferred
+    release.set()  # the old writer ends; its outcome was already reported, and is not again
+    time.sleep(0.5)
+    assert [name for name, _ in events].count("checkpoint_failed") == 1
+    assert 2 in [s for s, _ in committed_checkpoints(tmp_path / "ckpt")]

@@ -67,6 +67,7 @@ class _Save:
     persisted: float = 0.0  # seconds from the end of the copy to the commit
     write_rate: float | None = None  # bytes/s the data files are paced to
     stuck_reported: bool = False
+    abandoned: bool = False  # its groups were torn down by a generation switch
 
     @property
     def stall(self) -> float:
@@ -127,9 +128,24 @@ class Checkpointer:
     def use_groups(self, group: dist.ProcessGroup | None, control_group: dist.ProcessGroup | None,
                    generation: int) -> None:
         """Checkpoint over a new generation's groups; its saves get temporary dirs of their own.
-        A save still in flight on the old groups fails (they were aborted) and is reported."""
+
+        A save still in flight on the old groups cannot commit any more (they were aborted),
+        so it is reported failed and abandoned here. Its writer usually fails at once on the
+        aborted sockets, but one whose collective was still queued when the group was
+        destroyed waits out the group's timeout; it must not hold the next saves back. Its
+        writer removes its temporary dir when it ends (a new rank 0 removing it could race
+        that writer's commit).
+        """
         self.group, self.control_group = group, control_group
         self.tag = f"a{self.attempt}g{generation}"
+        save = self._save
+        if save is not None and not save.done.is_set():
+            save.abandoned = True
+            self._save = None
+            self._snapshot = Snapshot()  # its writer may still read the old buffers
+            self.record("checkpoint_failed", step=save.step, stall=round(save.stall, 6),
+                        duration=round(time.monotonic() - save.started, 6),
+                        error=f"abandoned: generation {generation} formed while it was written")
 
     # ------------------------------------------------------------------ snapshot
     def protect(self, model: torch.nn.Module | None, optimizers: Iterable[torch.optim.Optimizer]) -> None:
@@ -279,6 +295,8 @@ class Checkpointer:
             self._report(save, t0, t1, end)
 
     def _report(self, save: _Save, t0: float, t1: float, end: float) -> None:
+        if save.abandoned:
+            return  # reported when it was abandoned
         try:
             if save.committed is not None:
                 c = save.committed
