@@ -329,14 +329,17 @@ class Agent:
         if len(self._broker.ready(avoid={k})) < len(hosted):
             return False
         for wid, slot in sorted(hosted.items(), key=lambda item: item[1]):
-            fault = {**lost, "rank": slot, "slot": slot, "wid": wid, "attempt": attempt,
-                     "t": time.time()}
-            index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
-            self._set(f"a/{attempt}/death/{index}", fault)
-            self.events.emit("fault", **{k2: v for k2, v in fault.items() if k2 != "t"}, in_place=True)
-        self._store(self.ctl.add, f"a/{attempt}/news", 1)
+            self._publish_death(attempt, {**lost, "rank": slot, "slot": slot, "wid": wid,
+                                          "attempt": attempt, "t": time.time()})
         self.say(f"node {k} lost: its rank(s) {sorted(hosted.values())} go to spares in place")
         return True
+
+    def _publish_death(self, attempt: int, fault: dict[str, Any]) -> None:
+        """A member died: tell the leader's planner (in place), and record the fault."""
+        index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
+        self._set(f"a/{attempt}/death/{index}", fault)
+        self._store(self.ctl.add, f"a/{attempt}/news", 1)
+        self.events.emit("fault", **{k: v for k, v in fault.items() if k != "t"}, in_place=True)
 
     def _node_finished(self, attempt: int, k: int) -> bool:
         return (k in self._lost or k in self._released
@@ -857,10 +860,7 @@ class Agent:
             fault["spare"] = spare.wid  # the planner waits for it instead of shrinking
             self._replacements += 1
             self._promote(spare, w.rank, w.local_rank, selector)
-        index = self._store(self.ctl.add, f"a/{attempt}/deaths", 1) - 1
-        self._set(f"a/{attempt}/death/{index}", fault)
-        self._store(self.ctl.add, f"a/{attempt}/news", 1)
-        self.events.emit("fault", **{k: v for k, v in fault.items() if k != "t"}, in_place=True)
+        self._publish_death(attempt, fault)
         self.say(f"fault: rank {w.rank} {fault['kind']}: {fault['detail']} (recovering in place)")
         self.workers.remove(w)
         self._guard.forget(w.pid)
