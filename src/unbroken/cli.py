@@ -254,9 +254,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
     moved = drain(args.run_dir, args.master_addr, args.master_port, args.run_id,
                   args.rank, args.node, args.timeout)
-    for move in moved["moves"]:
+    for move in moved.moves:
         print(f"moved rank {move['rank']} from worker {move['from']} to spare {move['to']}")
-    print(f"generation {moved['gen']} was up {moved['switch_s']:.3f}s after the switch began")
+    print(f"generation {moved.gen} was up {moved.switch_s:.3f}s after the switch began")
     return ExitCode.SUCCESS
 
 

@@ -23,6 +23,16 @@ PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken p
                       "DistNetworkError", "DistBackendError", "DistStoreError")
 
 
+def is_peer_error(exc: BaseException) -> bool:
+    """Did this exception come from the group (a peer died or left), not from the user's code?"""
+    import torch.distributed as dist  # here: the CLI's usage errors need no torch
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, for events and one-line reports."""
     lines = str(exc).strip().splitlines()

@@ -24,11 +24,15 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--full-state", default=None)
 p.add_argument("--exact", action="store_true", help="sum gradients in rank order (bit-identical)")
+p.add_argument("--replacements-crash", action="store_true",
+               help="a replacement worker raises before it can join (a crash loop)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
 run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     checkpoint_timeout=args.checkpoint_timeout)
+if args.replacements_crash and run.joining and not run.spare:
+    raise RuntimeError("this replacement cannot start")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
 if args.fsdp:

@@ -29,8 +29,7 @@ from unbroken.checkpoint.direct_io import ChecksummingFileSystem
 from unbroken.checkpoint.layout import remove_torn, retain
 from unbroken.checkpoint.loader import describe_dcp_failure
 from unbroken.checkpoint.manifest import file_digest, fsync_path, write_manifest
-from unbroken.errors import first_line
-from unbroken.runtime.recovery import is_peer_error
+from unbroken.errors import first_line, is_peer_error
 
 
 class CheckpointWriteError(RuntimeError):

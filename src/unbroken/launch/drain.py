@@ -13,10 +13,13 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
+from unbroken.control.backend import StoreUnavailable
+from unbroken.control.channel import Channel
+from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
+from unbroken.control.schema import CURRENT, RESULT, AttemptKeys
+from unbroken.control.tcp import TcpBackend
 from unbroken.errors import ControlPlaneError, UserError
-from unbroken.launch.control_store import ControlStore, connect_store
 
 CONTROL_FILE = "control.json"  # in the run dir: where the leader's store is, and the run id
 
@@ -39,22 +42,21 @@ def find_store(run_dir: str | None, addr: str | None, port: int | None,
     return addr or "127.0.0.1", port, run_id
 
 
-def request_drain(ctl: ControlStore, target: dict[str, int], timeout: float) -> dict[str, Any]:
+def request_drain(channel: Channel, request: DrainRequest, timeout: float) -> DrainOutcome:
     """File a drain request with the leader and wait for its outcome."""
-    if ctl.get_json("result"):
+    if channel.read(RESULT):
         raise UserError("the job has already ended")
-    attempt = ctl.get_json("current")
-    if attempt is None or ctl.get_json(f"a/{attempt}/plan") is None:
+    attempt = channel.read(CURRENT)
+    keys = AttemptKeys(attempt) if attempt is not None else None
+    if keys is None or channel.read(keys.plan) is None:
         raise UserError("the job has not started training yet; try again once it has")
-    index = ctl.add(f"a/{attempt}/drains", 1) - 1
-    ctl.set_json(f"a/{attempt}/drain/{index}", target)
-    ctl.add(f"a/{attempt}/news", 1)
+    index = channel.append(keys.drains, request)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        outcome = ctl.get_json(f"a/{attempt}/drain/{index}/outcome")
+        outcome = channel.read(keys.drain_outcome(index))
         if outcome is not None:
             return outcome
-        if ctl.get_json("current") != attempt or ctl.get_json("result"):
+        if channel.read(CURRENT) != attempt or channel.read(RESULT):
             raise UserError("the job restarted or ended before the drain completed")
         time.sleep(0.05)
     raise UserError(f"the drain did not complete within {timeout:g}s; see the job's events "
@@ -62,7 +64,7 @@ def request_drain(ctl: ControlStore, target: dict[str, int], timeout: float) -> 
 
 
 def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str | None,
-          rank: int | None, node: int | None, timeout: float) -> dict[str, Any]:
+          rank: int | None, node: int | None, timeout: float) -> DrainOutcome:
     if (rank is None) == (node is None):
         raise UserError("give exactly one of --rank R or --node K")
     if (rank if rank is not None else node) < 0:
@@ -73,12 +75,14 @@ def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str |
     except OSError as exc:
         raise ControlPlaneError(f"cannot reach the job's control store at {host}:{port} "
                                 f"({exc.strerror or exc}); is the job running?") from None
-    ctl = ControlStore(connect_store(host, port, timeout=5.0), run_id)
+    channel = Channel(TcpBackend.connect(host, port, run_id, timeout=5.0))
+    request = (DrainRequest(DrainKind.RANK, rank) if rank is not None
+               else DrainRequest(DrainKind.NODE, node))
     try:
-        outcome = request_drain(ctl, {"slot": rank} if rank is not None else {"node": node}, timeout)
-    except (RuntimeError, OSError) as exc:  # what a store call raises when the server is gone
-        raise ControlPlaneError(f"lost the job's control store at {host}:{port} (the job ended?): "
-                                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if not outcome.get("ok"):
-        raise UserError(f"drain refused: {outcome.get('error')}")
+        outcome = request_drain(channel, request, timeout)
+    except StoreUnavailable as exc:
+        raise ControlPlaneError(f"lost the job's control store at {host}:{port} (the job "
+                                f"ended?): {exc}") from None
+    if not outcome.ok:
+        raise UserError(f"drain refused: {outcome.error}")
     return outcome

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.control.messages import Fault
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.runtime.heartbeat import HeartbeatReader
 
@@ -25,7 +26,7 @@ class WorkerProcess:
     error_file: Path
     pidfd: int | None = None
     wid: str = ""  # worker id: "<slot>.<incarnation>"; a replacement is a new incarnation
-    fault: dict | None = None  # set when the agent killed it (a hang), to name the cause
+    fault: Fault | None = None  # set when the agent killed it (a hang), to name the cause
 
     @property
     def pid(self) -> int:

@@ -1,22 +1,10 @@
-"""The worker's side of the generation protocol, spoken through the control store.
+"""The worker's side of the generation protocol, spoken through the control channel.
 
 A generation is a membership (an ordered list of worker ids) plus the process groups built on
 it. The leader agent alone writes plans; workers leave a generation, wait for the next plan
-that names them, meet the other members, and report themselves up. Keys, under the run's
-prefix (`unbroken/<run_id>/a/<attempt>/`):
-
-    gen                   the newest planned generation (written after its plan)
-    g/<G>/plan            {"gen", "members": [worker id, ...]}; rank = index in members
-    g/<G>/left/<wid>      why and with what state a member left G; g/<G>/nleft counts them
-    g/<G>/nready          members that reached G's rendezvous (a barrier before forming groups)
-    g/<G>/nup             members that finished the switch (groups, state, model rebuilt)
-    g/<G>/pg/...          the store prefix G's process groups rendezvous under
-    g/<G>/ndone           members that finished training in G
-    joiners, joiner/<i>   replacement workers waiting to be placed
-    news                  bumped with every write the leader must act on, so that an idle
-                          leader polls one key
-    drained/<wid>         a drain moved this member's rank onto a spare: it exits cleanly
-    finished              the job is done: waiting joiners go home
+that names them, meet the other members, and report themselves up. The keys are declared in
+`unbroken.control.schema` (`AttemptKeys`, `GenKeys`); the sequence is in
+docs/design-notes.md ("The control protocol").
 """
 
 from __future__ import annotations
@@ -26,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import Store
 
-from unbroken.launch.control_store import ControlStore
+from unbroken.control.channel import Channel
+from unbroken.control.messages import Departure, GenPlan, Joiner, LeaveReason
+from unbroken.control.schema import AttemptKeys
 
 
 @dataclass(frozen=True)
@@ -59,35 +49,35 @@ class RecoveryTimeout(RuntimeError):
 
 
 class Membership:
-    def __init__(self, ctl: ControlStore, attempt: int, wid: str,
-                 on_wait: Callable[[], None], timeout: float,
-                 connect: Callable[[float], Store], poll: float = 0.001) -> None:
-        self.ctl = ctl
-        self._connect = connect  # a new client connection to the control store
+    """One worker's membership calls; every wait is bounded by `timeout`."""
+
+    def __init__(self, channel: Channel, attempt: int, wid: str,
+                 on_wait: Callable[[], None], timeout: float, poll: float = 0.001) -> None:
+        self.channel = channel
+        self.keys = AttemptKeys(attempt)
         self.wid = wid
-        self.prefix = f"a/{attempt}/"
         self._on_wait = on_wait  # keeps the heartbeat fresh while we wait
         self.timeout = timeout
         self.poll = poll
 
-    def _key(self, key: str) -> str:
-        return self.prefix + key
-
     def latest(self) -> int:
         """The newest planned generation (0 before any recovery)."""
-        return self.ctl.get_json(self._key("gen")) or 0
+        return self.channel.read(self.keys.latest_gen) or 0
 
-    def leave(self, gen: int, step: int, holds_state: bool, reason: str, **detail: Any) -> None:
-        record = {"wid": self.wid, "step": step, "holds_state": holds_state, "reason": reason,
-                  "t": time.time(), **detail}
-        self.ctl.set_json(self._key(f"g/{gen}/left/{self.wid}"), record)
-        self.ctl.add(self._key(f"g/{gen}/nleft"), 1)
-        self.ctl.add(self._key("news"), 1)
+    def leave(self, gen: int, step: int, holds_state: bool, reason: LeaveReason,
+              error: str | None = None, traceback: str | None = None) -> None:
+        g = self.keys.gen(gen)
+        self.channel.write(g.left(self.wid), Departure(
+            wid=self.wid, gen=gen, step=step, holds_state=holds_state, reason=LeaveReason(reason),
+            t=time.time(), error=error, traceback=traceback))
+        self.channel.bump(g.nleft)
 
     def register_joiner(self, slot: int) -> None:
-        index = self.ctl.add(self._key("joiners"), 1) - 1
-        self.ctl.set_json(self._key(f"joiner/{index}"), {"wid": self.wid, "slot": slot})
-        self.ctl.add(self._key("news"), 1)
+        self.channel.append(self.keys.joiners, Joiner(wid=self.wid, slot=slot))
+
+    def finished(self) -> bool:
+        """The job finished: a joiner or spare still waiting goes home."""
+        return bool(self.channel.read(self.keys.finished))
 
     def _poll(self, ready: Callable[[], Any], what: str) -> Any:
         """Poll until `ready()` returns something other than None, keeping the heartbeat fresh."""
@@ -110,15 +100,15 @@ class Membership:
             nonlocal seen
             latest = self.latest()
             if latest > seen:
-                plan = self.ctl.get_json(self._key(f"g/{latest}/plan"))
+                plan: GenPlan = self.channel.read(self.keys.gen(latest).plan)
                 seen = latest
-                if self.wid in plan["members"]:
-                    return Plan(latest, plan["members"], plan["members"].index(self.wid))
+                if self.wid in plan.members:
+                    return Plan(latest, plan.members, plan.members.index(self.wid))
                 if not joining:
-                    if self.ctl.get_json(self._key(f"drained/{self.wid}")):
+                    if self.channel.read(self.keys.drained(self.wid)):
                         raise Drained
                     raise Excluded(f"generation {latest} was planned without worker {self.wid}")
-            if self.ctl.get_json(self._key("finished")):
+            if self.finished():
                 raise JobFinished
             return None
 
@@ -126,13 +116,14 @@ class Membership:
 
     def gather(self, plan: Plan) -> bool:
         """Barrier before forming groups; False if a newer generation superseded `plan`."""
-        self.ctl.add(self._key(f"g/{plan.gen}/nready"), 1)
+        nready = self.keys.gen(plan.gen).nready
+        self.channel.bump(nready)
 
         def arrived() -> bool | None:
-            if self.ctl.add(self._key(f"g/{plan.gen}/nready"), 0) >= plan.world_size:
+            if self.channel.count(nready) >= plan.world_size:
                 return True
-            target = self.ctl.get_json(self._key("target")) or {}
-            superseded = self.latest() > plan.gen or target.get("gen", 0) > plan.gen
+            target = self.channel.read(self.keys.target)
+            superseded = self.latest() > plan.gen or (target is not None and target.gen > plan.gen)
             return False if superseded else None
 
         return self._poll(arrived, f"members of generation {plan.gen} did not all arrive")
@@ -142,12 +133,11 @@ class Membership:
         a connection of its own. A rendezvous that times out (a member died while joining)
         can leave a store client out of step with the server, so no client outlives its
         generation."""
-        return PrefixStore(f"{self.ctl.prefix}{self.prefix}g/{plan.gen}/pg/", self._connect(timeout))
+        return self.channel.backend.rendezvous_store(self.keys.gen(plan.gen).rendezvous_prefix,
+                                                     timeout)
 
     def report_up(self, plan: Plan) -> None:
-        self.ctl.add(self._key(f"g/{plan.gen}/nup"), 1)
-        self.ctl.add(self._key("news"), 1)
+        self.channel.bump(self.keys.gen(plan.gen).nup)
 
     def report_done(self, gen: int) -> None:
-        self.ctl.add(self._key(f"g/{gen}/ndone"), 1)
-        self.ctl.add(self._key("news"), 1)
+        self.channel.bump(self.keys.gen(gen).ndone)

@@ -16,20 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from unbroken.errors import PEER_ERROR_MARKERS, first_line
+from unbroken.control.messages import LeaveReason
+from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
-
-
-def is_peer_error(exc: BaseException) -> bool:
-    """Did this exception come from the group (a peer died or left), not from the user's code?"""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = f"{type(exc).__name__}: {exc}"
-    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
 
 
 @dataclass
@@ -61,7 +53,7 @@ class Generations:
         """Tell the leader we are ready to train in the switch's generation."""
         self.membership.report_up(switch.plan)
 
-    def leave(self, step: int, holds_state: bool, reason: str, **detail: Any) -> None:
+    def leave(self, step: int, holds_state: bool, reason: LeaveReason, **detail: Any) -> None:
         """Leave the current generation; peers blocked on it fail now."""
         self.groups.abort()
         self.membership.leave(self.gen, step, holds_state, reason, **detail)
@@ -86,7 +78,7 @@ class Generations:
                 # Superseded before it formed (a member died on the way): say so, so that
                 # the leader can plan the next one.
                 self.gen = plan.gen
-                self.leave(committed_step, holds_state, "superseded")
+                self.leave(committed_step, holds_state, LeaveReason.SUPERSEDED)
                 continue
             t2 = time.monotonic()
             self.gen = plan.gen
@@ -109,14 +101,14 @@ class Generations:
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
                 self.record("switch_failed", gen=plan.gen, error=first_line(exc))
-                self.leave(committed_step, holds_state, "no_state")
+                self.leave(committed_step, holds_state, LeaveReason.NO_STATE)
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise
                 self.record("switch_failed", gen=plan.gen, error=first_line(exc))
                 committed_step, holds_state = position()
-                self.leave(committed_step, holds_state, "peer", error=first_line(exc))
+                self.leave(committed_step, holds_state, LeaveReason.PEER, error=first_line(exc))
                 joining = joining and not holds_state
                 continue
             phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,

@@ -35,7 +35,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from unbroken.checkpoint.checkpointer import Checkpointer
 from unbroken.checkpoint.interval import Schedule
-from unbroken.errors import UserError, first_line
+from unbroken.control.channel import Channel
+from unbroken.control.messages import LeaveReason
+from unbroken.control.schema import fault_claim
+from unbroken.control.tcp import TcpBackend
+from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.errors import UserError, first_line, is_peer_error
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
 from unbroken.runtime.heartbeat import (
@@ -49,7 +54,7 @@ from unbroken.runtime.heartbeat import (
 )
 from unbroken.runtime.membership import Drained, JobFinished, Membership
 from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
-from unbroken.runtime.recovery import Generations, is_peer_error
+from unbroken.runtime.recovery import Generations
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -106,31 +111,25 @@ class Run:
             raise UserError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         if keep_every is not None and keep_every < 1:
             raise UserError(f"keep_every must be at least 1, got {keep_every}")
-        env = os.environ
-        self.rank = int(env.get("RANK", 0))
-        self.world_size = int(env.get("WORLD_SIZE", 1))
-        self.local_rank = int(env.get("LOCAL_RANK", 0))
-        self.attempt = int(env.get("UNBROKEN_ATTEMPT", env.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        run_dir = env.get("UNBROKEN_RUN_DIR")
+        self.env = env = WorkerEnv.from_environ()
+        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.attempt = env.attempt
         self.events = EventLog(
-            Path(run_dir) / EVENTS_FILE if run_dir else None, source="worker",
-            node=int(env.get("UNBROKEN_NODE_RANK", env.get("GROUP_RANK", 0))),
-            rank=self.rank, attempt=self.attempt,
+            Path(env.run_dir) / EVENTS_FILE if env.run_dir else None, source="worker",
+            node=env.node_rank, rank=self.rank, attempt=self.attempt,
         )
-        hb_file = env.get("UNBROKEN_HEARTBEAT_FILE")
-        self._heartbeat = HeartbeatWriter(hb_file) if hb_file else None
+        self._heartbeat = HeartbeatWriter(env.heartbeat_file) if env.heartbeat_file else None
 
         # In place: under `unbroken run` with in-place recovery on, identified by worker id
         # and logical slot (the original rank, which a replacement inherits).
-        self.slot = int(env.get("UNBROKEN_SLOT", self.rank))
-        self.wid = env.get("UNBROKEN_WORKER_ID", f"{self.slot}.0")
-        self.joining = env.get("UNBROKEN_JOIN") == "1"
+        self.slot = env.slot if env.slot is not None else self.rank
+        self.wid = env.worker_id or f"{self.slot}.0"
         # A hot spare: runs the script up to train(), warms up in a sandbox, and waits to be
         # promoted into a failed worker's slot (its rank and slot are unknown until then).
-        self.spare = env.get("UNBROKEN_ROLE") == "spare"
-        self.joining = self.joining or self.spare
+        self.spare = env.role == Role.SPARE
+        self.joining = env.joining or self.spare
         self.events.context["slot"] = self.slot
-        self.in_place = env.get("UNBROKEN_IN_PLACE") == "1" and "UNBROKEN_CONTROL_PORT" in env
+        self.in_place = env.in_place
         self.seed = seed
         self.timeout = timeout
         self.backend = backend or default_backend()
@@ -164,7 +163,7 @@ class Run:
         )
 
         self._faults = FaultInjector(
-            parse_faults(env.get("UNBROKEN_FAULTS")), self.rank, self._claim_fault, self.events.emit
+            parse_faults(env.faults), self.rank, self._claim_fault, self.events.emit
         )
         groups = self._ckpt_groups
         self._checkpointer = (
@@ -176,7 +175,7 @@ class Run:
             if checkpoint_dir else None
         )
         self._step_time: float | None = None  # moving average, for time-based intervals
-        self._control: Any = None
+        self._control: Channel | None = None
         self._claimed_here: set[str] = set()
         self._model: torch.nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -191,26 +190,18 @@ class Run:
         self._holds_state = True
 
     # ------------------------------------------------------------------ faults
-    def _control_store(self) -> Any:
-        """The agent's control store (under `unbroken run`), connected once, lazily."""
+    def _channel(self) -> Channel:
+        """The control channel (under `unbroken run`), connected once, lazily."""
         if self._control is None:
-            from unbroken.launch.control_store import ControlStore, connect_store
-
-            env = os.environ
-            store = connect_store(env["UNBROKEN_CONTROL_ADDR"], int(env["UNBROKEN_CONTROL_PORT"]), 30.0)
-            self._control = ControlStore(store, env.get("UNBROKEN_RUN_ID", "default"))
+            env = self.env
+            self._control = Channel(TcpBackend.connect(env.control_addr, env.control_port,
+                                                       env.run_id, 30.0))
         return self._control
-
-    def _connect_control(self, timeout: float) -> Any:
-        from unbroken.launch.control_store import connect_store
-
-        env = os.environ
-        return connect_store(env["UNBROKEN_CONTROL_ADDR"], int(env["UNBROKEN_CONTROL_PORT"]), timeout)
 
     def _claim_fault(self, key: str) -> bool:
         """A fault fires once per job: claimed in the control store, or per process without one."""
-        if os.environ.get("UNBROKEN_CONTROL_PORT"):
-            return self._control_store().claim(f"fault/{key}")
+        if self.env.under_agent:
+            return self._channel().bump(fault_claim(key)) == 1
         if key in self._claimed_here:
             return False
         self._claimed_here.add(key)
@@ -338,9 +329,8 @@ class Run:
         self._holds_state = not self.joining
         if self.in_place:
             self._generations = Generations(
-                Membership(self._control_store(), self.attempt, self.wid, self._recovery_beat,
-                           timeout=float(os.environ.get("UNBROKEN_RECOVERY_TIMEOUT", 60)),
-                           connect=self._connect_control),
+                Membership(self._channel(), self.attempt, self.wid, self._recovery_beat,
+                           timeout=self.env.recovery_timeout),
                 self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
                 record=self.events.emit, fault_point=self._faults.at_point)
         if self.spare:
@@ -360,7 +350,7 @@ class Run:
             if self._heartbeat is not None:
                 self._stamp(step, PHASE_TRAINING)
                 if self.in_place and self._switch_due(step):
-                    self._leave_and_join("switch")
+                    self._leave_and_join(LeaveReason.SWITCH)
                     continue
             self._metrics = {}
             t0 = time.perf_counter()
@@ -386,7 +376,7 @@ class Run:
             except Exception as exc:
                 if not (self.in_place and is_peer_error(exc)):
                     raise
-                self._leave_and_join("peer", error=first_line(exc))
+                self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
         if self.in_place:
@@ -397,7 +387,7 @@ class Run:
         kernels, allocator and caches; nothing reaches the job), then discarded. The state
         is replaced by a peer's when the spare is promoted."""
         t0 = time.monotonic()
-        steps = int(os.environ.get("UNBROKEN_SHADOW_STEPS", 3))
+        steps = self.env.shadow_steps
         self.rank, self.world_size = 0, 1
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
@@ -420,7 +410,7 @@ class Run:
         an idle spare costs no system call and no store round trip), or the job ends."""
         if self._heartbeat is None:
             raise UserError("a spare needs its agent (UNBROKEN_HEARTBEAT_FILE is not set)")
-        ctl = self._control_store()
+        membership = self._generations.membership
         self._stamp(-1, PHASE_SPARE_READY)
         checked = time.monotonic()
         while (slot := self._heartbeat.promotion()) is None:
@@ -428,7 +418,7 @@ class Run:
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
                 self._stamp(-1, PHASE_SPARE_READY)
-                if ctl.get_json(f"a/{self.attempt}/finished"):
+                if membership.finished():
                     self.events.emit("joiner_unused", wid=self.wid)
                     self.close()
                     sys.exit(0)
@@ -473,21 +463,21 @@ class Run:
             optimizer.zero_grad(set_to_none=True)
         self._model.zero_grad(set_to_none=True)
         if is_peer_error(exc):
-            self._leave_and_join("peer", error=first_line(exc))
+            self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
             return
         error = f"{type(exc).__name__}: {exc}"
         tb = "".join(traceback.format_exception(exc))[-4000:]
         self.events.emit("step_failed", step=step, gen=self.gen, error=error, traceback=tb)
-        self._leave_and_join("exception", error=error, traceback=tb)
+        self._leave_and_join(LeaveReason.EXCEPTION, error=error, traceback=tb)
 
-    def _leave_and_join(self, reason: str, **detail: Any) -> None:
+    def _leave_and_join(self, reason: LeaveReason, **detail: Any) -> None:
         t0 = time.monotonic()
         self._stamp(self.step, PHASE_RECOVERY)
         self._view = None
         self._generations.leave(self.step, self._holds_state, reason, **detail)
-        self.events.emit("gen_leave", gen=self.gen, step=self.step, reason=reason,
+        self.events.emit("gen_leave", gen=self.gen, step=self.step, reason=reason.value,
                          holds_state=self._holds_state, duration=round(time.monotonic() - t0, 6))
-        self._join(reason)
+        self._join(reason.value)
 
     def _join(self, reason: str) -> None:
         """Wait for the next generation naming us; switch to it with the newest state."""
@@ -495,7 +485,7 @@ class Run:
         self._stamp(self.step, PHASE_RECOVERY)
         gens = self._generations
         if self.joining:
-            self._control_store()  # connect before we announce ourselves
+            self._channel()  # connect before we announce ourselves
             gens.membership.register_joiner(self.slot)
         try:
             switch = gens.join(lambda: (self.step, self._holds_state), self._peer_state,

@@ -1,0 +1,207 @@
+"""The typed messages of the control protocol. Each is written under one key of `schema`.
+
+Who writes and who reads each is in `schema` and in docs/design-notes.md ("The control
+protocol"). Messages hold plain values only; `codec` turns them to and from JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class FaultKind(StrEnum):
+    """What went wrong."""
+
+    CRASH = "crash"  # killed by a signal
+    EXIT = "exit"  # exited non-zero without an error report
+    EXCEPTION = "exception"  # the script raised
+    HANG = "hang"  # no heartbeat past the hang timeout; killed by its agent
+    NODE_LOST = "node_lost"  # an agent silent past --node-timeout
+    AGENT_STOPPED = "agent_stopped"  # a follower's agent got SIGINT or SIGTERM
+    RECOVERY_FAILED = "recovery_failed"  # an in-place recovery failed with no fault of its own
+
+
+@dataclass
+class Fault:
+    """A fault, published once: who, what and when. `in_place` faults are deaths that the
+    leader's planner recovers from; the others end the attempt."""
+
+    kind: FaultKind
+    detail: str = ""
+    rank: int | None = None  # the global rank at attempt start (the slot); None: a node
+    node: int | None = None  # the node that hosted it (or the lost node)
+    pid: int | None = None
+    exit_code: int | None = None  # negative: the signal
+    step: int | None = None  # the last step its heartbeat showed
+    traceback: str | None = None
+    attempt: int | None = None
+    t: float | None = None  # wall time it was published
+    reported_by: int | None = None  # the node whose agent published it
+    # In place: the process (worker id, "<slot>.<incarnation>" or a spare's) and its slot.
+    in_place: bool | None = None
+    wid: str | None = None
+    slot: int | None = None
+    spare: str | None = None  # a ready spare promoted into the slot by the dead worker's agent
+    # Hangs: how long it was silent, when it went silent (wall time), the timeout used.
+    silent_for: float | None = None
+    hang_started: float | None = None
+    timeout: float | None = None
+
+    def where(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
+
+    def event_fields(self) -> dict[str, Any]:
+        """The fields of its `fault` event (docs/events.md): set ones, `t` left out."""
+        from unbroken.control.codec import to_plain
+
+        plain = to_plain(self)
+        return {k: v for k, v in plain.items()
+                if k != "t" and (v is not None or k in ("rank", "node"))}
+
+
+@dataclass
+class NodeJoin:
+    """An agent's answer to an attempt's call: it is here, with this many workers."""
+
+    nproc: int
+    instance: str  # the agent's instance id: a restarted agent is a new instance
+    pid: int
+    host: str
+
+
+@dataclass
+class NodeLayout:
+    offset: int  # the global rank of its local rank 0
+    nproc: int
+    instance: str
+
+
+@dataclass
+class AttemptPlan:
+    """The leader's plan of an attempt: ranks per node, and the attempt's worker store."""
+
+    attempt: int
+    world_size: int
+    nodes: dict[int, NodeLayout]
+    worker_port: int
+
+
+@dataclass
+class NodeDone:
+    """A node's workers all exited 0; `ranks` are the ones that trained to the end here."""
+
+    ranks: list[int]
+
+
+@dataclass
+class SwitchTarget:
+    """Every member leaves its generation at `step` and joins generation `gen`."""
+
+    gen: int
+    step: int
+
+
+@dataclass
+class GenPlan:
+    """A generation's membership: worker ids in rank order."""
+
+    gen: int
+    members: list[str]
+
+
+class LeaveReason(StrEnum):
+    PEER = "peer"  # a collective failed: a peer died or left
+    EXCEPTION = "exception"  # the worker's own step raised
+    SWITCH = "switch"  # asked to move at a step boundary
+    SUPERSEDED = "superseded"  # a member died before the generation formed
+    NO_STATE = "no_state"  # the state cannot come from a peer (sharded)
+
+
+@dataclass
+class Departure:
+    """Why and with what state a member left a generation."""
+
+    wid: str
+    gen: int
+    step: int  # committed steps held
+    holds_state: bool
+    reason: LeaveReason
+    t: float
+    error: str | None = None
+    traceback: str | None = None
+
+
+@dataclass
+class Joiner:
+    """A replacement (or promoted spare) waiting to be placed in `slot`."""
+
+    wid: str
+    slot: int
+
+
+class DrainKind(StrEnum):
+    RANK = "rank"
+    NODE = "node"
+
+
+@dataclass
+class DrainRequest:
+    """`unbroken drain`: move one rank, or every rank of a node, onto ready spares."""
+
+    kind: DrainKind
+    target: int  # the rank (slot) or the node
+
+    def describe(self) -> str:
+        return f"{self.kind.value} {self.target}"
+
+    def as_event(self) -> dict[str, int]:
+        """As the drain events show it: {"slot": R} or {"node": K}."""
+        return {"slot" if self.kind == DrainKind.RANK else "node": self.target}
+
+
+@dataclass
+class DrainOutcome:
+    ok: bool
+    error: str | None = None
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    gen: int | None = None
+    switch_s: float | None = None
+
+
+@dataclass
+class StandbyJoin:
+    node: int
+    instance: str
+
+
+class OrderKind(StrEnum):
+    PROMOTE = "promote"  # put ready spare `spare` into `slot`
+    REPLACE = "replace"  # start a fresh worker for `slot` (its previous process is dead)
+
+
+@dataclass
+class NodeOrder:
+    """The leader's order to one node's agent."""
+
+    kind: OrderKind
+    slot: int
+    spare: str | None = None
+
+
+class Status(StrEnum):
+    SUCCESS = "success"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass
+class Result:
+    """The job's outcome, written once by the leader; every agent exits by it."""
+
+    status: Status
+    attempt: int | None = None
+    fault: Fault | None = None
+    reason: str | None = None  # the one line that says why it failed
+    signal: int | None = None  # the leader's, when interrupted

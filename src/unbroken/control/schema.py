@@ -1,0 +1,203 @@
+"""Every key of the control protocol, declared once, with its message type and its writer.
+
+Keys live under the run's prefix (`unbroken/<run id>/`, added by the backend). Three shapes:
+
+- `Slot`: one key holding one message, written by one role (or won by compare-and-set);
+- `Counter`: an integer, only ever added to;
+- `Queue`: an append-only mailbox: a counter of entries plus one key per entry.
+
+A notifying counter or queue also bumps the attempt's `news` counter on every write (done in
+`channel`, never by a caller), so the leader's planner, idle, polls one key. The protocol's
+sequences are in docs/design-notes.md ("The control protocol").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from unbroken.control import messages as m
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Slot(Generic[T]):
+    key: str
+    type: Any  # the message type (or a plain type)
+    writer: str  # who writes it: documentation, and the design notes' table
+
+
+@dataclass(frozen=True)
+class Counter:
+    key: str
+    writer: str
+    notifies: str | None = None  # the news counter every add also bumps
+
+
+@dataclass(frozen=True)
+class Queue(Generic[T]):
+    key: str  # entries are `<key>/<i>`, their count is `<key>/n`
+    type: Any
+    writer: str
+    notifies: str | None = None  # the news counter every append also bumps
+
+    @property
+    def count(self) -> Counter:
+        return Counter(f"{self.key}/n", self.writer, self.notifies)
+
+    def entry(self, index: int) -> Slot[T]:
+        return Slot(f"{self.key}/{index}", self.type, self.writer)
+
+
+# ---------------------------------------------------------------- the job
+CURRENT: Slot[int] = Slot("current", int, "leader: the attempt now open")
+RESULT: Slot[m.Result] = Slot("result", m.Result, "leader, once: how the job ended")
+
+
+def ack(node: int) -> Slot[bool]:
+    return Slot(f"ack/{node}", bool, "each follower: it has read the result")
+
+
+def agent_lease(node: int, instance: str) -> Counter:
+    return Counter(f"lease/{node}/{instance}", "the agent of the node: its liveness lease")
+
+
+def fault_claim(name: str) -> Counter:
+    return Counter(f"claim/fault/{name}", "workers: an injected fault fires once per job")
+
+
+# ---------------------------------------------------------------- one attempt
+@dataclass(frozen=True)
+class AttemptKeys:
+    """The keys of attempt `attempt`: `AttemptKeys(a).plan`, `AttemptKeys(a).gen(g).left(w)`."""
+
+    attempt: int
+
+    def _k(self, key: str) -> str:
+        return f"a/{self.attempt}/{key}"
+
+    @property
+    def _news(self) -> str:
+        return self._k("news")
+
+    # The attempt's rendezvous and end: leader and agents.
+    def node_join(self, node: int) -> Slot[m.NodeJoin]:
+        return Slot(self._k(f"node/{node}"), m.NodeJoin, "each agent, by compare-and-set")
+
+    @property
+    def plan(self) -> Slot[m.AttemptPlan]:
+        return Slot(self._k("plan"), m.AttemptPlan, "leader")
+
+    @property
+    def fault(self) -> Slot[m.Fault]:
+        return Slot(self._k("fault"), m.Fault, "any agent, by compare-and-set: ends the attempt")
+
+    def node_done(self, node: int) -> Slot[m.NodeDone]:
+        return Slot(self._k(f"done/{node}"), m.NodeDone, "the node's agent")
+
+    def node_stopped(self, node: int) -> Slot[bool]:
+        return Slot(self._k(f"stopped/{node}"), bool, "the node's agent: its workers are reaped")
+
+    def node_released(self, node: int) -> Slot[bool]:
+        return Slot(self._k(f"released/{node}"), bool, "a follower whose ranks were all drained")
+
+    # In place: the leader's inbox. Every entry notifies the planner.
+    @property
+    def news(self) -> Counter:
+        return Counter(self._k("news"), "channel, on every notifying write")
+
+    @property
+    def deaths(self) -> Queue[m.Fault]:
+        return Queue(self._k("death"), m.Fault, "the dead worker's agent", notifies=self._news)
+
+    @property
+    def joiners(self) -> Queue[m.Joiner]:
+        return Queue(self._k("joiner"), m.Joiner, "replacements and promoted spares",
+                     notifies=self._news)
+
+    @property
+    def drains(self) -> Queue[m.DrainRequest]:
+        return Queue(self._k("drain"), m.DrainRequest, "`unbroken drain`", notifies=self._news)
+
+    def drain_outcome(self, index: int) -> Slot[m.DrainOutcome]:
+        return Slot(self._k(f"drain_outcome/{index}"), m.DrainOutcome, "leader")
+
+    # In place: the leader's decisions.
+    @property
+    def target(self) -> Slot[m.SwitchTarget]:
+        return Slot(self._k("target"), m.SwitchTarget, "leader: the switch every member makes")
+
+    @property
+    def latest_gen(self) -> Slot[int]:
+        return Slot(self._k("gen"), int, "leader: the newest planned generation, after its plan")
+
+    def drained(self, wid: str) -> Slot[bool]:
+        return Slot(self._k(f"drained/{wid}"), bool, "leader: this member's rank went to a spare")
+
+    @property
+    def finished(self) -> Slot[bool]:
+        return Slot(self._k("finished"), bool, "leader: every member of the newest generation "
+                    "finished training; waiting joiners and spares go home")
+
+    def orders(self, node: int) -> Queue[m.NodeOrder]:
+        return Queue(self._k(f"orders/{node}"), m.NodeOrder, "leader: to the node's agent")
+
+    # Spares, per node: what each agent offers and hosts.
+    def ready_spares(self, node: int) -> Slot[list[str]]:
+        return Slot(self._k(f"ready/{node}"), list[str], "the node's agent, on change")
+
+    def hosted(self, node: int) -> Slot[dict[str, int]]:
+        return Slot(self._k(f"hosts/{node}"), dict[str, int],
+                    "the node's agent, on change: {wid: slot} of the members it runs")
+
+    @property
+    def standbys(self) -> Queue[m.StandbyJoin]:
+        return Queue(self._k("standby"), m.StandbyJoin, "standby nodes' agents")
+
+    def gen(self, gen: int) -> GenKeys:
+        return GenKeys(self.attempt, gen)
+
+
+@dataclass(frozen=True)
+class GenKeys:
+    """The keys of one generation of an attempt (in-place recovery)."""
+
+    attempt: int
+    number: int
+
+    def _k(self, key: str) -> str:
+        return f"a/{self.attempt}/g/{self.number}/{key}"
+
+    @property
+    def _news(self) -> str:
+        return AttemptKeys(self.attempt).news.key
+
+    @property
+    def plan(self) -> Slot[m.GenPlan]:
+        return Slot(self._k("plan"), m.GenPlan, "leader")
+
+    def left(self, wid: str) -> Slot[m.Departure]:
+        return Slot(self._k(f"left/{wid}"), m.Departure, "the member that left")
+
+    @property
+    def nleft(self) -> Counter:
+        return Counter(self._k("nleft"), "members, after writing `left`", notifies=self._news)
+
+    @property
+    def nready(self) -> Counter:
+        return Counter(self._k("nready"), "members: arrived at the generation's barrier")
+
+    @property
+    def nup(self) -> Counter:
+        return Counter(self._k("nup"), "members: switched (groups, state, build)",
+                       notifies=self._news)
+
+    @property
+    def ndone(self) -> Counter:
+        return Counter(self._k("ndone"), "members: finished training in it", notifies=self._news)
+
+    @property
+    def rendezvous_prefix(self) -> str:
+        """Where the generation's process groups rendezvous (a c10d store prefix)."""
+        return self._k("pg/")

@@ -1,0 +1,177 @@
+"""One node's watch over one attempt, the same for leader and followers.
+
+Each look: reap failed workers (in place: publish each death, promote a local ready spare;
+otherwise publish the fault that ends the attempt), kill a hung worker, carry out the
+leader's orders to this node, hand the switch target to the workers, offer spares, post
+this node's `NodeDone`, and stop when the attempt's fault or the job's result is published.
+The role's own duties (the leader's planning and node watch; a follower's release after a
+drain) run in the same look, through `duties`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TextIO
+
+from unbroken.control.channel import Channel
+from unbroken.control.messages import AttemptPlan, Fault, NodeDone, OrderKind, Result
+from unbroken.control.schema import RESULT, AttemptKeys
+from unbroken.launch.config import LaunchConfig
+from unbroken.launch.planner import EndAttempt
+from unbroken.launch.spare_board import SpareBoard
+from unbroken.launch.supervisor import NodeSupervisor
+from unbroken.telemetry.events import EventLog
+
+
+class Ending(StrEnum):
+    DONE = "done"  # every rank of the world trained to the end
+    FAULT = "fault"  # the attempt's fault was published
+    RELEASED = "released"  # a drain moved every rank of this node away
+
+
+@dataclass
+class Outcome:
+    ending: Ending
+    fault: Fault | None = None
+    end: EndAttempt | None = None  # the planner's verdict, when it ended the attempt
+
+
+class Finished(Exception):  # noqa: N818 - control flow, not an error
+    """The leader published the job's result."""
+
+    def __init__(self, result: Result) -> None:
+        super().__init__(result.status.value)
+        self.result = result
+
+
+class AttemptWatch:
+    """The per-node loop of one attempt (see the module docstring)."""
+
+    def __init__(self, cfg: LaunchConfig, channel: Channel, supervisor: NodeSupervisor,
+                 events: EventLog, out: TextIO, check_signal: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.sup = supervisor
+        self.events = events
+        self.out = out
+        self.check_signal = check_signal
+        self.in_place = cfg.on_fault != "restart" and not cfg.no_python
+        self.resilient = False
+        self.busy = False  # the leader asks for fast looks while it recovers
+        self.keys: AttemptKeys | None = None
+
+    def say(self, msg: str) -> None:
+        print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
+
+    def publish_fault(self, fault: Fault, attempt: int) -> Fault:
+        """Publish the fault that ends the attempt; the first one published wins."""
+        fault.attempt, fault.t, fault.reported_by = attempt, time.time(), self.cfg.node_rank
+        won = self.channel.first(self.keys.fault, fault)
+        if won.t == fault.t and won.reported_by == fault.reported_by:
+            self.events.emit("fault", **won.event_fields())
+            self.say(f"fault: {won.where()} {won.kind.value}: {won.detail}")
+        return won
+
+    def run(self, attempt: int, plan: AttemptPlan,
+            duties: Callable[[], Outcome | None]) -> Outcome:
+        cfg, sup, ch = self.cfg, self.sup, self.channel
+        self.keys = keys = AttemptKeys(attempt)
+        t0 = time.monotonic()
+        sup.start_attempt(attempt, plan)
+        self.events.emit("workers_started", attempt=attempt,
+                         duration=round(time.monotonic() - t0, 6),
+                         pids={w.rank: w.pid for w in sup.workers})
+        if cfg.standby:
+            self.say(f"attempt {attempt}: standing by with {sup.spare_target} spare(s)")
+        elif attempt == 0 or cfg.is_leader:
+            ranks = [w.rank for w in sup.workers]
+            self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan.world_size}")
+        self.resilient = cfg.standby  # latched once every worker runs the resilient loop
+        board = SpareBoard(ch, keys, cfg.node_rank) if self.in_place else None
+        orders_seen = 0
+        done_posted = False
+        while True:
+            sup.wait(0.002 if self.busy else cfg.monitor_interval)
+            self.check_signal()
+            if self.in_place and not self.resilient:
+                self.resilient = sup.all_resilient()
+            failed = sup.exited()
+            if self.resilient:
+                for w in failed:
+                    self._death(attempt, sup.reap(w))
+            else:
+                fault = sup.attempt_failure(failed)
+                if fault is not None:
+                    return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
+            hung = sup.find_hang()  # killed: seen as a death at the next look
+            if hung is not None and not self.resilient:
+                return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
+            if self.resilient:
+                orders = ch.entries(keys.orders(cfg.node_rank), orders_seen)
+                orders_seen += len(orders)
+                for order in orders:
+                    self._obey(order)
+                target = ch.read(keys.target)
+                if target is not None:
+                    sup.mirror_target(target)
+                if sup.spare_target:
+                    sup.tend_spares(sup.training())
+                board.offer([s.wid for s in sup.ready_spares()])
+                board.host({w.wid: w.rank for w in sup.workers if w.proc.returncode in (None, 0)})
+            fault = ch.read(keys.fault)
+            if fault is not None:
+                return Outcome(Ending.FAULT, fault)
+            result = ch.read(RESULT)
+            if result is not None:
+                raise Finished(result)
+            outcome = duties()
+            if outcome is not None:
+                return outcome
+            if not done_posted and self._node_done(keys):
+                ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
+                self.events.emit("workers_done", attempt=attempt)
+                done_posted = True
+            sup.fill_pool(t0)
+
+    def _node_done(self, keys: AttemptKeys) -> bool:
+        """Every worker here exited 0, and trained to the end: some rank finished here, or
+        the leader saw the final generation finish (a node left with no rank after a shrink)."""
+        if not self.sup.all_exited_ok():
+            return False
+        return bool(self.sup.finished_ranks()) or bool(self.channel.read(keys.finished))
+
+    def _death(self, attempt: int, fault: Fault) -> None:
+        """A member died: promote a local ready spare into its slot, and tell the planner.
+        The one place a death is published (a lost node's ranks are the planner's own)."""
+        ready = self.sup.ready_spares()
+        if ready:
+            fault.spare = ready[0].wid  # the planner waits for it instead of shrinking
+            self.sup.promote(ready[0], fault.slot, by="agent")
+        fault.attempt, fault.t = attempt, time.time()
+        self.channel.append(self.keys.deaths, fault)
+        self.events.emit("fault", **fault.event_fields())
+        self.say(f"fault: rank {fault.rank} {fault.kind.value}: {fault.detail} (recovering in place)")
+
+    def _obey(self, order) -> None:  # noqa: ANN001
+        sup = self.sup
+        if order.kind == OrderKind.REPLACE:
+            if self.cfg.standby:
+                return  # a standby node starts no fresh workers
+            sup.start_replacement(order.slot)
+            return
+        spare = next((s for s in sup.ready_spares() if s.wid == order.spare), None)
+        if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
+            self.events.emit("spare_request_declined", wid=order.spare, slot=order.slot)
+            return
+        sup.promote(spare, order.slot, by="leader")
+
+    def stop_workers(self, attempt: int, fault: Fault | None) -> None:
+        """End this node's part of the attempt: stop and reap its processes, and say so."""
+        t0 = time.monotonic()
+        self.sup.stop_all()
+        self.channel.write(AttemptKeys(attempt).node_stopped(self.cfg.node_rank), True)
+        self.events.emit("workers_stopped", attempt=attempt, duration=round(time.monotonic() - t0, 6),
+                         reason=fault.kind.value if fault else None)

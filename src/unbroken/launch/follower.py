@@ -1,0 +1,132 @@
+"""The follower role (every agent but the leader, standby nodes included): join each
+attempt the leader opens, run this node's part of it, and exit by the leader's result."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from unbroken.control.channel import Channel
+from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, Status
+from unbroken.control.schema import CURRENT, RESULT, AttemptKeys, ack
+from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.launch.attempt import AttemptWatch, Ending, Finished, Outcome
+from unbroken.launch.config import LaunchConfig
+from unbroken.launch.spare_board import SpareBoard
+from unbroken.telemetry.events import EventLog
+
+
+class Follower:
+    def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
+                 events: EventLog, instance: str, sleep: Any, report_failure: Any) -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.watch = watch
+        self.events = events
+        self.instance = instance
+        self._sleep = sleep
+        self._report_failure = report_failure
+
+    def say(self, msg: str) -> None:
+        self.watch.say(msg)
+
+    def run(self) -> int:
+        seen = -1
+        try:
+            while True:
+                attempt = self._wait_next_attempt(seen)
+                seen = attempt
+                self._join(attempt)
+                plan = self._wait_plan(attempt)
+                if plan is None:
+                    continue
+                outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
+                if outcome.ending == Ending.RELEASED:
+                    return ExitCode.SUCCESS
+                self.watch.stop_workers(attempt, outcome.fault)
+        except Finished as fin:
+            return self._finish(fin.result)
+
+    def _finish(self, result: Any) -> int:
+        try:
+            self.channel.write(ack(self.cfg.node_rank), True)
+        except ControlPlaneError:
+            pass  # the leader has already gone; the result is what counts
+        if result.status == Status.SUCCESS:
+            self.say("job finished")
+            return ExitCode.SUCCESS
+        if result.status == Status.INTERRUPTED:
+            self.say("the node-0 agent was interrupted; stopping")
+            return 128 + int(result.signal or signal.SIGTERM)
+        self._report_failure(result.fault, result.reason)
+        return ExitCode.WORKERS_FAILED
+
+    def _duties(self, attempt: int) -> Outcome | None:
+        """A node whose every rank was drained onto spares leaves the job."""
+        sup, keys = self.watch.sup, AttemptKeys(attempt)
+        if not (sup.workers and sup.all_exited_ok()):
+            return None
+        if not all(self.channel.read(keys.drained(w.wid)) for w in sup.workers):
+            return None
+        self.channel.write(keys.node_released(self.cfg.node_rank), True)
+        self.events.emit("node_drained", attempt=attempt)
+        self.say("every rank of this node moved to spares: leaving the job")
+        sup.stop_all()
+        return Outcome(Ending.RELEASED)
+
+    def _check_result(self) -> None:
+        result = self.channel.read(RESULT)
+        if result is not None:
+            raise Finished(result)
+
+    def _join(self, attempt: int) -> None:
+        keys = AttemptKeys(attempt)
+        if self.cfg.standby:
+            SpareBoard(self.channel, keys, self.cfg.node_rank).join_as_standby(self.instance)
+            return
+        self.channel.first(keys.node_join(self.cfg.node_rank), NodeJoin(
+            nproc=self.cfg.nproc_per_node, instance=self.instance, pid=os.getpid(),
+            host=os.uname().nodename))
+
+    def _wait_next_attempt(self, seen: int) -> int:
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while True:
+            self._check_result()
+            current = self.channel.read(CURRENT)
+            if current is not None and current > seen:
+                return int(current)
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"the node-0 agent opened no new attempt within {self.cfg.rdzv_timeout:g}s")
+            self._sleep()
+
+    def _wait_plan(self, attempt: int) -> AttemptPlan | None:
+        """The plan for this attempt, or None if it already runs without this agent."""
+        keys = AttemptKeys(attempt)
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while True:
+            self._check_result()
+            plan = self.channel.read(keys.plan)
+            if plan is not None:
+                if self.cfg.standby:
+                    return plan  # not in the plan: its spares wait to be handed a rank
+                mine = plan.nodes.get(self.cfg.node_rank)
+                return plan if mine is not None and mine.instance == self.instance else None
+            current = self.channel.read(CURRENT)
+            if current is not None and current > attempt:
+                return None
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"no plan for attempt {attempt} within {self.cfg.rdzv_timeout:g}s")
+            self._sleep()
+
+    def interrupted(self, signum: int) -> None:
+        """Tell the leader this node stops: the attempt ends everywhere."""
+        current = self.channel.read(CURRENT)
+        if current is not None:
+            self.watch.keys = AttemptKeys(current)
+            self.watch.publish_fault(Fault(
+                kind=FaultKind.AGENT_STOPPED, node=self.cfg.node_rank,
+                detail=f"agent received {signal.Signals(signum).name}"), current)

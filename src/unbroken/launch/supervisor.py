@@ -1,0 +1,413 @@
+"""The node supervisor: spawns, watches, reaps and stops this node's workers and spares.
+
+It never touches the control store: the roles (`attempt`, `leader`, `follower`) tell it what
+to start and what to promote, and publish what it observes. Its observations are typed
+(`Fault`), its processes are watched through pidfds, and none of them outlives it (the
+orphan guard holds their process groups).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TextIO
+
+from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
+from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.errors import PEER_ERROR_MARKERS
+from unbroken.launch.config import LaunchConfig
+from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.orphan_guard import OrphanGuard
+from unbroken.launch.warm_pool import WarmPool, normal_priority
+from unbroken.launch.worker_process import (
+    WorkerProcess,
+    describe_exit,
+    open_pidfd,
+    read_error,
+    script_argv,
+    signal_group,
+    spawn,
+    stop_workers,
+    worker_command,
+)
+from unbroken.runtime.heartbeat import (
+    PHASE_RECOVERY,
+    PHASE_SPARE_READY,
+    PHASE_TRAINING,
+    HeartbeatReader,
+)
+from unbroken.telemetry.events import EventLog
+
+_HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
+_ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
+_PEER_ERROR = 2
+
+
+class NodeSupervisor:
+    """This node's processes for one attempt at a time: workers, replacements, spares."""
+
+    def __init__(self, cfg: LaunchConfig, events: EventLog, out: TextIO, guard: OrphanGuard,
+                 pool: WarmPool | None, control_port: int) -> None:
+        self.cfg = cfg
+        self.events = events
+        self.out = out
+        self.guard = guard
+        self.pool = pool
+        self.control_port = control_port
+        self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
+        self.workers: list[WorkerProcess] = []
+        self.spares: list[WorkerProcess] = []  # warm, unassigned
+        self.selector = selectors.DefaultSelector()
+        self._attempt = 0
+        self._plan: AttemptPlan | None = None
+        self._local_rank: dict[int, int] = {}  # slot -> its local rank here
+        self._incarnations: dict[int, int] = {}  # slot -> its latest replacement's number
+        self._targets_written: dict[int, SwitchTarget] = {}  # pid -> the request it was given
+        self._spares_started = 0
+        self._spare_failures = 0
+        self._hang_quiet_until = 0.0
+        self._peer_errors_since: float | None = None
+        # A standby node runs only spares, as many as it has devices.
+        self.spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
+
+    def say(self, msg: str) -> None:
+        print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
+
+    # ---------------------------------------------------------------- starting
+    def start_attempt(self, attempt: int, plan: AttemptPlan) -> None:
+        """Start this node's workers of `plan` (none on a standby node)."""
+        self._attempt, self._plan = attempt, plan
+        self._targets_written.clear()
+        self._peer_errors_since = None
+        attempt_dir = self.node_dir / f"attempt_{attempt}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
+            if stale.suffix != ".log":
+                stale.unlink(missing_ok=True)
+        if self.cfg.standby:
+            return
+        node = plan.nodes[self.cfg.node_rank]
+        for local_rank in range(node.nproc):
+            rank = node.offset + local_rank
+            self._local_rank[rank] = local_rank
+            self._spawn_worker(rank, local_rank, f"{rank}.0", joining=False)
+
+    def start_replacement(self, slot: int) -> WorkerProcess:
+        """A fresh worker for `slot` (its previous process is dead); it joins at a step boundary."""
+        t0 = time.monotonic()
+        incarnation = self._incarnations.get(slot, 0) + 1
+        self._incarnations[slot] = incarnation
+        new = self._spawn_worker(slot, self._local_rank.get(slot, 0), f"{slot}.{incarnation}",
+                                 joining=True)
+        self.events.emit("replacement_started", slot=slot, wid=new.wid, pid=new.pid,
+                         duration=round(time.monotonic() - t0, 6))
+        return new
+
+    def _env(self, rank: int, local_rank: int, base: Path, **fields) -> dict[str, str]:  # noqa: ANN003
+        cfg, plan = self.cfg, self._plan
+        contract = WorkerEnv(
+            rank=rank, world_size=plan.world_size, local_rank=local_rank,
+            local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=cfg.nnodes,
+            attempt=self._attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
+            master_addr=cfg.master_addr, master_port=plan.worker_port,
+            run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
+            error_file=str(base.with_suffix(".error.json")),
+            torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
+            agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
+            faults=cfg.faults, in_place=cfg.on_fault != "restart",
+            recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, **fields)
+        env = dict(os.environ)
+        env.update(contract.to_environ())
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscription
+        return env
+
+    def _watch(self, proc: subprocess.Popen, rank: int, local_rank: int, base: Path,
+               wid: str, register: bool = True) -> WorkerProcess:
+        cfg = self.cfg
+        w = WorkerProcess(rank=rank, local_rank=local_rank, proc=proc,
+                          heartbeat=HeartbeatReader(base.with_suffix(".hb")),
+                          hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
+                          error_file=base.with_suffix(".error.json"), wid=wid)
+        w.pidfd = open_pidfd(proc.pid)
+        if w.pidfd is not None and register:
+            self.selector.register(w.pidfd, selectors.EVENT_READ, w)
+        return w
+
+    def _spawn_worker(self, rank: int, local_rank: int, wid: str, joining: bool) -> WorkerProcess:
+        """Start one worker (from a warm standby when there is one) and watch it."""
+        cfg = self.cfg
+        incarnation = wid.split(".")[1]
+        name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
+        base = self.node_dir / f"attempt_{self._attempt}" / name
+        env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining)
+        log = base.with_suffix(".log") if cfg.redirect else None
+        argv = script_argv(cfg.script, cfg.script_args, cfg.module)
+        proc = self.pool.take(env, argv, log) if self.pool is not None else None
+        if proc is None:
+            proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python),
+                         env, log)
+            self.guard.watch(proc.pid)  # its process group: the worker and its children
+        worker = self._watch(proc, rank, local_rank, base, wid)
+        self.workers.append(worker)
+        return worker
+
+    # ---------------------------------------------------------------- spares
+    def _spawn_spare(self) -> WorkerProcess:
+        """A hot spare: the user's script in the spare role, warming up at idle priority."""
+        cfg = self.cfg
+        self._spares_started += 1
+        wid = f"spare{cfg.node_rank}-{self._spares_started}"
+        base = self.node_dir / f"attempt_{self._attempt}" / wid
+        # On a standby node each spare has a device of its own; elsewhere spares share one.
+        taken = {p.local_rank for p in (*self.spares, *self.workers) if p.proc.poll() is None}
+        local_rank = (next((i for i in range(cfg.nproc_per_node) if i not in taken), 0)
+                      if cfg.standby else 0)
+        env = self._env(-1, local_rank, base, slot=-1, worker_id=wid, joining=True,
+                        role=Role.SPARE)
+        log = base.with_suffix(".log") if cfg.redirect else None
+        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env, log)
+        self.guard.watch(proc.pid)
+        _idle_priority(proc.pid)
+        spare = self._watch(proc, -1, local_rank, base, wid, register=False)  # until promoted
+        self.spares.append(spare)
+        self.events.emit("spare_started", wid=wid, pid=proc.pid)
+        return spare
+
+    def tend_spares(self, training: bool) -> None:
+        """Replace spares that died; keep the pool at its size once training runs."""
+        for spare in [s for s in self.spares if s.proc.poll() is not None]:
+            self.spares.remove(spare)
+            self.guard.forget(spare.pid)
+            error = read_error(spare.error_file)
+            detail = (f"{error['type']}: {error['message']}" if error
+                      else describe_exit(spare.proc.returncode)[1])
+            self.events.emit("spare_lost", wid=spare.wid, exit_code=spare.proc.returncode,
+                             detail=detail)
+            self.say(f"spare {spare.wid} failed ({detail})")
+            spare.close()
+            self._spare_failures += 1
+        if not training or len(self.spares) >= self.spare_target:
+            return
+        if self._spare_failures > 3 * max(1, self.spare_target):
+            return  # a script that cannot warm up as a spare: stop trying (said above)
+        while len(self.spares) < self.spare_target:
+            self._spawn_spare()
+
+    def ready_spares(self) -> list[WorkerProcess]:
+        return [s for s in self.spares if s.proc.poll() is None
+                and (b := s.heartbeat.read()) is not None and b.phase == PHASE_SPARE_READY]
+
+    def promote(self, spare: WorkerProcess, slot: int, by: str) -> None:
+        """Put a ready spare into a slot: the same rank, so nothing else moves."""
+        self.spares.remove(spare)
+        normal_priority(spare.pid)
+        spare.rank = slot
+        spare.hang = HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout)
+        spare.heartbeat.promote(slot)
+        self.workers.append(spare)
+        if spare.pidfd is not None:
+            self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
+        self.events.emit("spare_promoted", wid=spare.wid, slot=slot, pid=spare.pid, by=by)
+
+    def fill_pool(self, spawned_at: float) -> None:
+        """Warm the next attempt's workers once this attempt is training, not in its start-up."""
+        pool = self.pool
+        if pool is None or pool.full:
+            return
+        training = all(w.hang.timed_steps > 0 for w in self.workers)
+        no_heartbeats = all(w.hang.last_beat is None for w in self.workers)
+        if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
+            started = pool.fill()
+            if started:
+                self.events.emit("standbys_started", count=started)
+
+    # ---------------------------------------------------------------- watching
+    def wait(self, timeout: float) -> None:
+        """Sleep until a watched process exits, or `timeout`."""
+        self.selector.select(timeout=timeout)
+
+    def _unwatch(self, w: WorkerProcess) -> None:
+        if w.pidfd is not None and w.pidfd in self.selector.get_map():
+            self.selector.unregister(w.pidfd)
+
+    def exited(self) -> list[WorkerProcess]:
+        """Workers that failed since the last look (exited non-zero, or reported an error)."""
+        failed = []
+        for w in list(self.workers):
+            rc = w.proc.poll()
+            if rc == 0:
+                self._unwatch(w)
+            elif rc is not None or w.error_file.exists():
+                self._unwatch(w)  # or select() spins during the grace
+                if w not in failed:
+                    failed.append(w)
+        return failed
+
+    def reap(self, w: WorkerProcess) -> Fault:
+        """A dead worker, recovered from in place: kill its group, forget it, describe it."""
+        # It raised and is on its way out, or it is already dead: either way, don't wait.
+        signal_group(w.proc, signal.SIGKILL)
+        try:
+            w.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass  # stuck in the kernel; the orphan guard still holds its group
+        fault = w.fault or self.exit_fault([w])
+        fault.wid, fault.slot, fault.in_place = w.wid, w.rank, True
+        self.workers.remove(w)
+        self.guard.forget(w.pid)
+        w.close()
+        return fault
+
+    def attempt_failure(self, failed: list[WorkerProcess]) -> Fault | None:
+        """Without in-place recovery: the fault that ends the attempt, once its root cause
+        had a moment to show (a peer's death reaches survivors' sockets before the kernel lets
+        us reap the dead process)."""
+        if not failed:
+            return None
+        if all(_blame(w) == _PEER_ERROR for w in failed):
+            self._peer_errors_since = self._peer_errors_since or time.monotonic()
+            if time.monotonic() - self._peer_errors_since < _ROOT_CAUSE_GRACE:
+                return None
+        return self.exit_fault(failed)
+
+    def exit_fault(self, failed: list[WorkerProcess]) -> Fault:
+        """Describe the most likely culprit among workers that exited non-zero together."""
+        w = min(failed, key=_blame)
+        code = w.proc.returncode
+        kind, detail = describe_exit(code) if code is not None else ("exception", "raised")
+        fault = Fault(kind=FaultKind(kind), rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
+                      exit_code=code, detail=detail)
+        error = read_error(w.error_file)
+        if error:
+            fault.kind = FaultKind.EXCEPTION
+            fault.detail = f"{error['type']}: {error['message']}"
+            fault.traceback = error["traceback"][-4000:]
+        beat = w.heartbeat.read()
+        if beat is not None:
+            fault.step = beat.step
+        return fault
+
+    def find_hang(self) -> Fault | None:
+        """Kill the hung worker, if one is overdue; its death is then seen like any other."""
+        now = time.monotonic()
+        if now < self._hang_quiet_until:
+            return None  # peers of a worker just killed for hanging are still unblocking
+        beating, overdue = [], []
+        for w in self.workers:
+            if w.proc.returncode is not None:
+                continue
+            beat = w.heartbeat.read()
+            if beat is None:
+                continue
+            w.hang.observe(beat)
+            beating.append(w)
+            if w.hang.overdue(now) is not None:
+                overdue.append(w)
+        if not overdue:
+            return None
+        # Once anyone is overdue, its peers are usually blocked on the culprit. A stopped
+        # process is the culprit; otherwise the overdue worker silent the longest.
+        stopped = [w for w in beating if _is_stopped(w.pid)]
+        w = stopped[0] if stopped else min(overdue, key=lambda w: w.hang.last_beat.monotonic)
+        timeout = w.hang.overdue(now) or w.hang.step_timeout()
+        beat = w.hang.last_beat
+        os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
+        self._hang_quiet_until = now + _HANG_QUIET
+        silent = now - beat.monotonic
+        w.fault = Fault(kind=FaultKind.HANG, rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
+                        step=beat.step, silent_for=round(silent, 3),
+                        hang_started=round(time.time() - silent, 6), timeout=round(timeout, 3),
+                        detail=f"no heartbeat for {silent:.1f}s (timeout {timeout:.1f}s); killed")
+        return w.fault
+
+    def mirror_target(self, target: SwitchTarget) -> None:
+        """Hand the leader's switch request to the workers through their heartbeat pages."""
+        for w in self.workers:
+            if self._targets_written.get(w.pid) == target:
+                continue
+            beat = w.heartbeat.read()
+            # Not yet in a generation (a replacement, a promoted spare that has not read its
+            # slot from this very field): it joins by plan, and gets the request once it is in.
+            if beat is not None and beat.generation >= 0:
+                w.heartbeat.set_target(target.gen, target.step)
+                self._targets_written[w.pid] = target
+
+    # ---------------------------------------------------------------- what the workers say
+    def training(self) -> bool:
+        """Every worker is stepping (not starting or recovering): spares may warm up now."""
+        if self.cfg.standby and not self.workers:
+            return True  # nothing of the job's runs here
+        beats = [w.heartbeat.read() for w in self.workers if w.proc.returncode is None]
+        return bool(beats) and all(b is not None and b.phase == PHASE_TRAINING and b.step >= 0
+                                   for b in beats)
+
+    def all_resilient(self) -> bool:
+        """Every worker runs the resilient loop (its heartbeat names a generation)."""
+        beats = [w.heartbeat.read() for w in self.workers]
+        return bool(beats) and all(b is not None and b.generation >= 0 for b in beats)
+
+    def max_step(self) -> int:
+        steps = [b.step for w in self.workers
+                 if w.proc.returncode is None and (b := w.heartbeat.read()) is not None]
+        return max(steps, default=0)
+
+    def all_exited_ok(self) -> bool:
+        """Every worker this node runs has exited 0 (vacuously true with none)."""
+        return all(w.proc.returncode == 0 for w in self.workers)
+
+    def finished_ranks(self) -> list[int]:
+        return sorted(w.rank for w in self.workers if w.proc.returncode == 0)
+
+    def switched_past(self, gen: int) -> bool:
+        """Every worker trains in a generation newer than `gen`."""
+        beats = [w.heartbeat.read() for w in self.workers]
+        return all(b is not None and b.generation > gen and b.phase != PHASE_RECOVERY
+                   for b in beats)
+
+    # ---------------------------------------------------------------- stopping
+    def stop_all(self) -> None:
+        for group in (self.workers, self.spares):
+            if group:
+                stop_workers(group, self.cfg.kill_grace)
+                for w in group:
+                    self._unwatch(w)
+                    self.guard.forget(w.pid)
+                    w.close()
+        self.workers, self.spares = [], []
+
+    def close(self) -> None:
+        self.stop_all()
+        self.selector.close()
+
+
+def _idle_priority(pid: int) -> None:
+    """A spare warms up on CPU that training leaves idle (SCHED_IDLE; needs root)."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # not permitted: it warms up at normal priority
+
+
+def _blame(w: WorkerProcess) -> int:
+    """0: killed by a signal (a root cause); 1: its own error; 2: an error caused by a peer."""
+    if w.proc.returncode is not None and w.proc.returncode < 0:
+        return 0
+    error = read_error(w.error_file)
+    if error is None:
+        return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
+    tb = error.get("traceback", "")
+    return _PEER_ERROR if any(m in tb for m in PEER_ERROR_MARKERS) else 1
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")

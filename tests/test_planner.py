@@ -1,0 +1,286 @@
+"""The leader's planner as a pure function: scenarios in, commands out. No processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.control.codec import decode, encode
+from unbroken.control.messages import (
+    Departure,
+    DrainKind,
+    DrainRequest,
+    Fault,
+    FaultKind,
+    Joiner,
+    LeaveReason,
+    OrderKind,
+    SwitchTarget,
+)
+from unbroken.launch.budget import RestartBudget
+from unbroken.launch.planner import (
+    AnswerDrain,
+    EndAction,
+    EndAttempt,
+    Inbox,
+    MarkDrained,
+    MarkFinished,
+    Order,
+    Phase,
+    PlannerConfig,
+    PlannerState,
+    Policy,
+    Record,
+    WritePlan,
+    WriteTarget,
+    decide,
+    initial_state,
+)
+
+SHRINK = PlannerConfig(policy=Policy.SHRINK)
+WAIT = PlannerConfig(policy=Policy.WAIT)
+
+
+def fresh(world=4, budget=3, nodes=(0, 1)) -> PlannerState:
+    return initial_state(0, world, list(nodes), RestartBudget(budget))
+
+
+def death(slot, node=None, spare=None, wid=None, attempt=0, kind=FaultKind.CRASH) -> Fault:
+    return Fault(kind=kind, rank=slot, slot=slot, wid=wid or f"{slot}.0", attempt=attempt,
+                 node=node if node is not None else slot // 2, spare=spare, in_place=True)
+
+
+def left(wid, gen=0, step=10, holds=True, reason=LeaveReason.PEER, error=None) -> Departure:
+    return Departure(wid=wid, gen=gen, step=step, holds_state=holds, reason=reason, t=0.0,
+                     error=error)
+
+
+def of(commands, kind):
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def events(commands) -> list[str]:
+    return [c.event for c in of(commands, Record)]
+
+
+def run(state, config=SHRINK, **inbox):
+    inbox.setdefault("now", 100.0)
+    return decide(state, Inbox(**inbox), config)
+
+
+def all_left(state, except_dead=(), **kw):
+    return {m: left(m, gen=state.gen, **kw) for m in state.members if m not in except_dead}
+
+
+def test_decide_is_pure():
+    s = fresh()
+    before = encode(s)
+    run(s, deaths=[death(1)])
+    assert encode(s) == before
+
+
+def test_the_state_is_a_serialisable_value():
+    s, _ = run(fresh(), deaths=[death(1, spare="spare0-1")])
+    assert decode(PlannerState, encode(s)) == s
+
+
+def test_nothing_new_means_nothing_to_do():
+    s, out = run(fresh())
+    assert out == [] and s.phase == Phase.RUNNING
+
+
+def test_crash_with_a_spare_ready_waits_for_the_spare_and_keeps_the_world_size():
+    s, out = run(fresh(), deaths=[death(1, node=0, spare="spare0-1")])
+    assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=1, step=0))]
+    assert s.phase == Phase.BROKEN and s.budget.spent == 1 and s.promised == {1: "spare0-1"}
+    # Every survivor has left, the spare has not registered yet: wait for it.
+    s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=101)
+    assert of(out, WritePlan) == []
+    s, out = run(s, joiners=[Joiner("spare0-1", 1)], now=101.01)
+    (plan,) = of(out, WritePlan)
+    assert plan.plan.members == ["0.0", "spare0-1", "2.0", "3.0"]
+    assert not of(out, Order)  # the spare's own agent promoted it; no replacement either
+    s, out = run(s, nup=4, now=101.2)
+    assert s.phase == Phase.RUNNING and events(out) == ["gen_up"] and s.recovered == 1
+
+
+def test_crash_without_a_spare_shrinks_then_orders_a_replacement_from_its_node():
+    s, out = run(fresh(), deaths=[death(3, node=1)])
+    s, out = run(s, nleft=3, departures=all_left(s, except_dead={"3.0"}), now=100.05)
+    (plan,) = of(out, WritePlan)
+    assert plan.plan.members == ["0.0", "1.0", "2.0"]
+    assert not of(out, Order)  # survivors switch first: a start-up beside it would slow it
+    s, out = run(s, nup=3, now=100.1)
+    assert of(out, Order)[0].node == 1
+    assert of(out, Order)[0].order.kind == OrderKind.REPLACE and of(out, Order)[0].order.slot == 3
+    # The replacement registers: grow back at a step boundary.
+    s, out = run(s, joiners=[Joiner("3.1", 3)], max_step=40, now=103)
+    assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=2, step=42))]
+
+
+def test_crash_on_a_node_without_spares_takes_a_ready_spare_from_another_node():
+    s, out = run(fresh(nodes=(0, 1)), deaths=[death(1, node=0)],
+                 ready_spares=[(1, "spare1-1"), (2, "spare2-1")], standby_nodes=[2])
+    (order,) = of(out, Order)
+    assert order.node == 2 and order.order.kind == OrderKind.PROMOTE  # standby nodes first
+    assert order.order.spare == "spare2-1" and order.order.slot == 1
+    assert s.promised == {1: "spare2-1"} and "spare2-1" in s.assigned
+
+
+def test_two_faults_in_one_step_are_one_recovery_charged_twice():
+    s, out = run(fresh(), deaths=[death(1), death(2)])
+    assert s.budget.spent == 2 and len(of(out, WriteTarget)) == 1
+    s, out = run(s, nleft=2, departures=all_left(s, except_dead={"1.0", "2.0"}))
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "3.0"]
+    s, out = run(s, nup=2, now=101)
+    (up,) = [c for c in of(out, Record) if c.event == "gen_up"]
+    assert up.fields["faults"] == ["crash", "crash"] and s.recovered == 2
+
+
+def test_a_fault_during_a_recovery_replans_without_the_new_victim():
+    s, _ = run(fresh(), deaths=[death(1)])
+    s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}))
+    assert s.phase == Phase.FORMING and s.gen == 1
+    # Rank 2 dies while generation 1 forms: the others leave it, a generation 2 follows.
+    s, out = run(s, deaths=[death(2)], now=100.1)
+    assert s.phase == Phase.BROKEN and of(out, WriteTarget)[0].target.gen == 2
+    s, out = run(s, nleft=2, departures=all_left(s, except_dead={"2.0"}), now=100.2)
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "3.0"]
+    assert [f.slot for f in s.recovery.faults] == [1, 2] and s.budget.spent == 2
+
+
+def test_an_exception_is_a_fault_charged_once_and_recovered_in_place():
+    s = fresh()
+    deps = all_left(s)
+    deps["2.0"] = left("2.0", reason=LeaveReason.EXCEPTION, error="ValueError: bad batch")
+    s, out = run(s, nleft=4, departures=deps)
+    assert events(out) == ["fault", "gen_plan"] and s.budget.spent == 1
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "1.0", "2.0", "3.0"]
+
+
+def test_a_node_lost_with_enough_spares_elsewhere_moves_its_ranks_in_place():
+    hosted = {1: {"2.0": 2, "3.0": 3}}
+    s, out = run(fresh(), lost_nodes=[1], hosted=hosted, standby_nodes=[2],
+                 ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
+    orders = of(out, Order)
+    assert [(o.node, o.order.slot, o.order.spare) for o in orders] == [
+        (2, 2, "spare2-1"), (2, 3, "spare2-2")]
+    assert set(s.dead) == {"2.0", "3.0"} and s.phase == Phase.BROKEN and s.budget.spent == 2
+    assert not of(out, EndAttempt)
+
+
+def test_a_node_lost_without_spares_ends_the_attempt_for_a_full_restart():
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}})
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.RESTART and end.fault.kind == FaultKind.NODE_LOST
+    assert end.fault.node == 1
+
+
+def test_a_drain_promotes_a_spare_and_switches_once_it_has_joined():
+    s, out = run(fresh(), drains=[DrainRequest(DrainKind.RANK, 1)],
+                 ready_spares=[(0, "spare0-1")])
+    assert [(o.node, o.order.spare, o.order.slot) for o in of(out, Order)] == [(0, "spare0-1", 1)]
+    assert events(out) == ["spare_assigned", "drain_started"]
+    s, out = run(s, joiners=[Joiner("spare0-1", 1)], max_step=20)
+    assert of(out, WriteTarget)[0].target == SwitchTarget(gen=1, step=22)
+    s, out = run(s, nleft=4, departures=all_left(s, reason=LeaveReason.SWITCH))
+    assert of(out, MarkDrained) == [MarkDrained("1.0")]
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "spare0-1", "2.0", "3.0"]
+    s, out = run(s, nup=4, now=100.1)
+    (answer,) = of(out, AnswerDrain)
+    assert answer.index == 0 and answer.outcome.ok and answer.outcome.moves[0]["to"] == "spare0-1"
+    assert s.budget.spent == 0  # a drain is no fault
+
+
+def test_a_drain_without_ready_spares_is_refused_with_a_reason():
+    s, out = run(fresh(), drains=[DrainRequest(DrainKind.NODE, 1)], hosted={1: {"2.0": 2}})
+    (answer,) = of(out, AnswerDrain)
+    assert not answer.outcome.ok and "0 ready spare(s)" in answer.outcome.error
+    s, out = run(s, drains=[DrainRequest(DrainKind.NODE, 0)])
+    assert "node 0 hosts the control store" in of(out, AnswerDrain)[0].outcome.error
+    assert of(out, AnswerDrain)[0].index == 1
+
+
+@pytest.mark.parametrize("config", [SHRINK, WAIT])
+def test_a_fault_with_the_budget_spent_gives_up_at_once(config):
+    s, out = run(fresh(budget=0), config, deaths=[death(0)])
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.GIVE_UP and "restart budget of 0 is spent" in end.reason
+    assert end.fault.slot == 0 and not of(out, WriteTarget)  # nobody waits for departures
+
+
+def test_the_budget_is_shared_by_members_and_replacements():
+    s, _ = run(fresh(budget=2), WAIT, deaths=[death(1, node=0)])
+    assert s.awaited and s.budget.left == 1  # under wait the replacement is ordered at once
+    s, _ = run(s, WAIT, deaths=[death(1, node=0, wid="1.1")])  # the replacement crashed
+    assert s.budget.left == 0 and s.awaited  # paid for: ordered again
+    s, out = run(s, WAIT, deaths=[death(1, node=0, wid="1.2")])
+    assert of(out, EndAttempt)[0].action == EndAction.GIVE_UP
+
+
+def test_under_wait_a_slot_nothing_can_refill_ends_the_job_without_waiting():
+    # A standby node's rank dies: standby nodes start no fresh workers and no spare is ready.
+    s = fresh()
+    s.standby_nodes = [2]
+    s, out = run(s, WAIT, deaths=[death(1, node=2)])
+    s, out = run(s, WAIT, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=100.1)
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.GIVE_UP and "rank(s) [1] cannot be refilled" in end.reason
+
+
+def test_under_wait_a_slow_replacement_is_waited_for_then_the_job_shrinks():
+    s, _ = run(fresh(), WAIT, deaths=[death(1, node=0)])
+    s, out = run(s, WAIT, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=101)
+    assert not of(out, WritePlan)
+    s, out = run(s, WAIT, now=100 + WAIT.join_timeout + 1)
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "2.0", "3.0"]
+
+
+def test_a_hang_reported_by_one_node_is_one_death_charged_once():
+    hang = death(2, node=1, kind=FaultKind.HANG)
+    s, out = run(fresh(), deaths=[hang])
+    s, out = run(s, deaths=[hang])  # the same death read again (a re-delivered message)
+    assert s.budget.spent == 1 and list(s.dead) == ["2.0"]
+
+
+def test_a_stale_death_from_an_older_attempt_is_ignored():
+    s = initial_state(1, 4, [0, 1], RestartBudget(3))
+    s, out = run(s, deaths=[death(1, attempt=0)])
+    assert out == [] and s.phase == Phase.RUNNING and s.budget.spent == 0
+
+
+def test_a_stale_departure_from_an_older_generation_does_not_count():
+    s, _ = run(fresh(), deaths=[death(1)])
+    s, _ = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}))
+    assert s.gen == 1
+    s, out = run(s, nleft=1, departures={"0.0": left("0.0", gen=0)}, now=100.1)
+    assert "0.0" not in s.departed
+
+
+def test_a_replacement_that_registers_while_a_generation_forms_is_placed_once_it_is_up():
+    """Regression: a joiner seen in the look that found the generation up was never placed."""
+    s, _ = run(fresh(world=2), deaths=[death(1, node=0)])
+    s, _ = run(s, nleft=1, departures=all_left(s, except_dead={"1.0"}))
+    s, out = run(s, joiners=[Joiner("1.1", 1)], nup=1, max_step=12, now=100.5)
+    assert events(out)[0] == "gen_up"
+    assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=2, step=14))]
+
+
+def test_a_recovery_that_does_not_form_in_time_falls_back_to_a_restart():
+    s, _ = run(fresh(), deaths=[death(1)])
+    s, _ = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}))
+    s, out = run(s, now=100 + SHRINK.recovery_timeout + 1)
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.FALLBACK and "did not form" in end.reason
+
+
+def test_no_holder_of_the_state_falls_back_to_a_restart():
+    s, _ = run(fresh(world=2), deaths=[death(0)])
+    s, out = run(s, nleft=1, departures={"1.0": left("1.0", holds=False)})
+    assert of(out, EndAttempt)[0].action == EndAction.FALLBACK
+
+
+def test_finished_only_when_every_member_of_the_final_generation_is_done():
+    s, out = run(fresh(), ndone=3)
+    assert not of(out, MarkFinished) and not s.finished
+    s, out = run(s, ndone=4)
+    assert of(out, MarkFinished) and s.finished
