@@ -147,7 +147,7 @@ def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
                    "--fault", "exception:rank=1,step=3",
                    args=["--steps", "6", *TINY])
     assert first.code == 1
-    assert (run_dir / "node_0" / "attempt_0" / "rank_1.error.json").exists()
+    assert (run_dir / "node_0" / "attempt_0" / "rank_1.error.json").exists(), first.output
     second = launch(run_dir, "--nproc-per-node", "2", args=["--steps", "6", *TINY])
     assert second.code == 0, second.output
     assert len(second.events("fault")) == 1  # only the first run's

@@ -67,6 +67,12 @@ def fault_claim(name: str) -> Counter:
     return Counter(f"claim/fault/{name}", "workers: an injected fault fires once per job")
 
 
+def torchrun_restart_prefix(restart: int) -> str:
+    """Under plain torchrun, where a restart's workers rendezvous in torchrun's agent store
+    (not a control-store key: torchrun reuses one store for every restart)."""
+    return f"unbroken/restart_{restart}/"
+
+
 # ---------------------------------------------------------------- one attempt
 @dataclass(frozen=True)
 class AttemptKeys:

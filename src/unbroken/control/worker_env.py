@@ -60,6 +60,8 @@ class WorkerEnv:
     role: Role = Role.WORKER
     shadow_steps: int = 3
     """A spare's warm-up iterations."""
+    agent_store: bool = False
+    """torchrun's TORCHELASTIC_USE_AGENT_STORE: workers rendezvous in the agent's store."""
 
     @property
     def under_agent(self) -> bool:
@@ -77,7 +79,7 @@ class WorkerEnv:
             "TORCHELASTIC_RESTART_COUNT": self.attempt,
             "TORCHELASTIC_MAX_RESTARTS": self.max_restarts, "TORCHELASTIC_RUN_ID": self.run_id,
             # Workers connect to the agent's per-attempt store as clients; no worker hosts it.
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_USE_AGENT_STORE": "True" if self.agent_store else None,
             "TORCHELASTIC_ERROR_FILE": self.torchelastic_error_file,
             "UNBROKEN_RUN_ID": self.run_id, "UNBROKEN_RUN_DIR": self.run_dir,
             "UNBROKEN_NODE_RANK": self.node_rank, "UNBROKEN_ATTEMPT": self.attempt,
@@ -91,6 +93,13 @@ class WorkerEnv:
             "UNBROKEN_JOIN": "1" if self.joining else "0", "UNBROKEN_ROLE": self.role.value,
             "UNBROKEN_SHADOW_STEPS": self.shadow_steps,
         }
+        return {k: str(v) for k, v in env.items() if v is not None}
+
+    def standby_environ(self) -> dict[str, str]:
+        """What a warm standby (`runtime/bootstrap.py --standby`) starts with: where to log
+        and whose child it is, no rank and no attempt (it gets `to_environ()` when taken)."""
+        env = {"UNBROKEN_AGENT_PID": self.agent_pid, "UNBROKEN_RUN_DIR": self.run_dir,
+               "UNBROKEN_NODE_RANK": self.node_rank}
         return {k: str(v) for k, v in env.items() if v is not None}
 
     @classmethod
@@ -125,4 +134,5 @@ class WorkerEnv:
             joining=env.get("UNBROKEN_JOIN") == "1",
             role=Role(env.get("UNBROKEN_ROLE", Role.WORKER.value)),
             shadow_steps=num("UNBROKEN_SHADOW_STEPS", 3),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )

@@ -24,6 +24,7 @@ from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
 from unbroken.control.schema import agent_lease
 from unbroken.control.tcp import TcpBackend, connect_store, serve_store
+from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import ControlPlaneError
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
@@ -170,9 +171,8 @@ class Agent:
     def _standby_env(self) -> dict[str, str]:
         """What a standby imports torch under: the workers' environment without rank or attempt."""
         env = dict(os.environ)
-        env["UNBROKEN_AGENT_PID"] = str(os.getpid())
-        env["UNBROKEN_RUN_DIR"] = str(Path(self.cfg.run_dir).resolve())
-        env["UNBROKEN_NODE_RANK"] = str(self.cfg.node_rank)
+        env.update(WorkerEnv(agent_pid=os.getpid(), run_dir=str(Path(self.cfg.run_dir).resolve()),
+                             node_rank=self.cfg.node_rank).standby_environ())
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if self.cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TextIO
 
@@ -68,7 +68,8 @@ class AttemptWatch:
 
     def publish_fault(self, fault: Fault, attempt: int) -> Fault:
         """Publish the fault that ends the attempt; the first one published wins."""
-        fault.attempt, fault.t, fault.reported_by = attempt, time.time(), self.cfg.node_rank
+        fault = replace(fault, attempt=attempt, t=time.time(), reported_by=self.cfg.node_rank,
+                        in_place=None)  # it ends the attempt: not recovered in place
         won = self.channel.first(self.keys.fault, fault)
         if won.t == fault.t and won.reported_by == fault.reported_by:
             self.events.emit("fault", **won.event_fields())

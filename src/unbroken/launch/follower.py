@@ -8,30 +8,15 @@ import signal
 import time
 from typing import Any
 
-from unbroken.control.channel import Channel
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, Status
 from unbroken.control.schema import CURRENT, RESULT, AttemptKeys, ack
 from unbroken.errors import ControlPlaneError, ExitCode
-from unbroken.launch.attempt import AttemptWatch, Ending, Finished, Outcome
-from unbroken.launch.config import LaunchConfig
+from unbroken.launch.attempt import Ending, Finished, Outcome
+from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
-from unbroken.telemetry.events import EventLog
 
 
-class Follower:
-    def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
-                 events: EventLog, instance: str, sleep: Any, report_failure: Any) -> None:
-        self.cfg = cfg
-        self.channel = channel
-        self.watch = watch
-        self.events = events
-        self.instance = instance
-        self._sleep = sleep
-        self._report_failure = report_failure
-
-    def say(self, msg: str) -> None:
-        self.watch.say(msg)
-
+class Follower(Role):
     def run(self) -> int:
         seen = -1
         try:

@@ -9,7 +9,6 @@ import os
 import time
 from typing import Any
 
-from unbroken.control.channel import Channel
 from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import (
     AttemptPlan,
@@ -23,26 +22,19 @@ from unbroken.control.messages import (
 from unbroken.control.schema import CURRENT, RESULT, AttemptKeys, ack, agent_lease
 from unbroken.control.tcp import serve_store
 from unbroken.errors import ControlPlaneError, ExitCode
-from unbroken.launch.attempt import AttemptWatch, Ending, Outcome
+from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
-from unbroken.launch.config import LaunchConfig
 from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner import EndAction, PlannerConfig, Policy, initial_state
-from unbroken.telemetry.events import EventLog
+from unbroken.launch.role import Role
 
 
-class Leader:
-    def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
-                 events: EventLog, instance: str, sleep: Any, report_failure: Any) -> None:
-        self.cfg = cfg
-        self.channel = channel
-        self.watch = watch
-        self.events = events
-        self.instance = instance
-        self._sleep = sleep
-        self._report_failure = report_failure
+class Leader(Role):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        cfg = self.cfg
         self.budget = RestartBudget(cfg.max_restarts)  # the job's one restart budget
-        self.leases = LeaseWatch(channel.backend)
+        self.leases = LeaseWatch(self.channel.backend)
         self.plan: AttemptPlan | None = None
         self._worker_store: Any = None  # the attempt's worker store; dropping it closes it
         self._executor: PlanExecutor | None = None
@@ -50,9 +42,6 @@ class Leader:
         self._standbys_seen = 0
         self._lost: set[int] = set()
         self._released: set[int] = set()
-
-    def say(self, msg: str) -> None:
-        self.watch.say(msg)
 
     def run(self) -> int:
         cfg, ch = self.cfg, self.channel

@@ -119,7 +119,8 @@ class NodeSupervisor:
             torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
             agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
             faults=cfg.faults, in_place=cfg.on_fault != "restart",
-            recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, **fields)
+            recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, agent_store=True,
+            **fields)
         env = dict(os.environ)
         env.update(contract.to_environ())
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -20,6 +20,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from unbroken.control.worker_env import WorkerEnv
 from unbroken.exiting import exit_without_teardown
 
 _PR_SET_PDEATHSIG = 1
@@ -27,7 +28,7 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_agent() -> None:
     """Ask the kernel to SIGKILL us when the agent dies, then close the fork/prctl race."""
-    agent_pid = os.environ.get("UNBROKEN_AGENT_PID")
+    agent_pid = WorkerEnv.from_environ().agent_pid
     if not agent_pid or not sys.platform.startswith("linux"):
         return
     try:
@@ -39,7 +40,7 @@ def _die_with_agent() -> None:
 
 
 def _write_error(exc: BaseException) -> None:
-    path = os.environ.get("UNBROKEN_ERROR_FILE")
+    path = WorkerEnv.from_environ().error_file
     if not path:
         return
     record = {
@@ -84,9 +85,9 @@ def _await_assignment() -> list[str] | None:
     import unbroken.runtime.session  # noqa: F401
     from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
-    run_dir = os.environ.get("UNBROKEN_RUN_DIR")
-    log = EventLog(os.path.join(run_dir, EVENTS_FILE) if run_dir else None, source="standby",
-                   node=int(os.environ.get("UNBROKEN_NODE_RANK", 0)))
+    env = WorkerEnv.from_environ()
+    log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
+                   source="standby", node=env.node_rank)
     log.emit("standby_ready", pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
     log.close()
     line = sys.stdin.readline()

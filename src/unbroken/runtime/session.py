@@ -37,7 +37,7 @@ from unbroken.checkpoint.checkpointer import Checkpointer
 from unbroken.checkpoint.interval import Schedule
 from unbroken.control.channel import Channel
 from unbroken.control.messages import LeaveReason
-from unbroken.control.schema import fault_claim
+from unbroken.control.schema import fault_claim, torchrun_restart_prefix
 from unbroken.control.tcp import TcpBackend
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError, first_line, is_peer_error
@@ -73,7 +73,7 @@ def _process_start_time() -> float | None:
 _JOIN_TIMEOUT = 3.0
 
 
-def _torchrun_rendezvous(rank: int, world_size: int, timeout: float) -> dict[str, Any]:
+def _torchrun_rendezvous(env: WorkerEnv, timeout: float) -> dict[str, Any]:
     """Under torchrun, rendezvous under a prefix of our own per restart.
 
     torchrun (torch 2.13) hands every restart the same agent store with no per-restart prefix
@@ -81,13 +81,12 @@ def _torchrun_rendezvous(rank: int, world_size: int, timeout: float) -> dict[str
     addresses and fail or hang in `init_process_group`. Under `unbroken run` each attempt
     gets a fresh store, and nothing needs doing.
     """
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "UNBROKEN_RUN_ID" in env:
+    if not env.agent_store or env.run_dir is not None:
         return {}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False,
+    store = dist.TCPStore(env.master_addr, env.master_port, None, False,
                           timedelta(seconds=timeout))
-    prefix = f"unbroken/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world_size}
+    return {"store": dist.PrefixStore(torchrun_restart_prefix(env.attempt), store),
+            "rank": env.rank, "world_size": env.world_size}
 
 
 class Run:
@@ -148,7 +147,7 @@ class Run:
         with self._groups.recording():
             if self.world_size > 1 and not dist.is_initialized() and not self.joining:
                 dist.init_process_group(backend=self.backend, timeout=timedelta(seconds=timeout),
-                                        **_torchrun_rendezvous(self.rank, self.world_size, timeout))
+                                        **_torchrun_rendezvous(env, timeout))
                 self._groups.backend = self.backend
                 self._owns_group = True
             # Checkpoint collectives get groups of their own, never the training one.

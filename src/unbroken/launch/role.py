@@ -1,0 +1,35 @@
+"""What both agent roles (`leader.Leader`, `follower.Follower`) are given."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from unbroken.control.channel import Channel
+from unbroken.control.messages import Fault
+from unbroken.launch.attempt import AttemptWatch
+from unbroken.launch.config import LaunchConfig
+from unbroken.telemetry.events import EventLog
+
+
+class Role:
+    """An agent's role: `run()` returns the exit code; `interrupted(signum)` tells the others."""
+
+    def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
+                 events: EventLog, instance: str, sleep: Callable[[], None],
+                 report_failure: Callable[[Fault | None, str | None], None]) -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.watch = watch  # this node's processes, attempt by attempt
+        self.events = events
+        self.instance = instance  # this agent's id: a restarted agent is a new instance
+        self._sleep = sleep  # a short sleep that raises on SIGINT/SIGTERM
+        self._report_failure = report_failure
+
+    def say(self, msg: str) -> None:
+        self.watch.say(msg)
+
+    def run(self) -> int:
+        raise NotImplementedError
+
+    def interrupted(self, signum: int) -> None:
+        raise NotImplementedError

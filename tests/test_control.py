@@ -1,0 +1,131 @@
+"""The control package: typed messages over a real TCPStore on loopback, and the rules that
+keep the protocol in one place (no key built outside the schema, no arrow running back up)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from unbroken.control.channel import Channel
+from unbroken.control.codec import decode
+from unbroken.control.messages import (
+    AttemptPlan,
+    Fault,
+    FaultKind,
+    Joiner,
+    NodeLayout,
+    Result,
+    Status,
+)
+from unbroken.control.schema import RESULT, AttemptKeys
+from unbroken.control.tcp import TcpBackend, serve_store
+from unbroken.control.worker_env import Role, WorkerEnv
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "unbroken"
+
+
+@pytest.fixture
+def channel():
+    store, port = serve_store("127.0.0.1", 0, 10.0)
+    yield Channel(TcpBackend(store, "run", "127.0.0.1", port))
+    del store
+
+
+def test_messages_round_trip_through_the_store_with_their_types(channel):
+    keys = AttemptKeys(3)
+    plan = AttemptPlan(attempt=3, world_size=4, worker_port=1234,
+                       nodes={0: NodeLayout(0, 2, "a"), 1: NodeLayout(2, 2, "b")})
+    channel.write(keys.plan, plan)
+    assert channel.read(keys.plan) == plan  # int node keys and nested dataclasses come back
+    fault = Fault(kind=FaultKind.HANG, rank=2, node=1, silent_for=1.5)
+    channel.write(RESULT, Result(Status.FAILED, fault=fault, reason="why"))
+    back = channel.read(RESULT)
+    assert back.status is Status.FAILED and back.fault.kind is FaultKind.HANG and back.reason == "why"
+    assert channel.read(keys.fault) is None
+
+
+def test_compare_and_set_keeps_the_first_writer(channel):
+    keys = AttemptKeys(0)
+    first = channel.first(keys.fault, Fault(kind=FaultKind.CRASH, rank=1))
+    second = channel.first(keys.fault, Fault(kind=FaultKind.EXIT, rank=2))
+    assert first == second and second.rank == 1
+
+
+def test_a_queue_append_is_read_in_order_and_notifies_the_planner(channel):
+    keys = AttemptKeys(0)
+    assert channel.count(keys.news) == 0
+    for i in range(3):
+        assert channel.append(keys.joiners, Joiner(f"{i}.1", i)) == i
+    assert channel.count(keys.news) == 3  # one bump per notifying write, after it
+    assert [j.slot for j in channel.entries(keys.joiners, 1)] == [1, 2]
+    channel.bump(keys.gen(0).nready)  # not a notifying counter
+    channel.bump(keys.gen(0).nup)
+    assert channel.count(keys.news) == 4
+
+
+def test_an_entry_counted_but_not_yet_written_ends_the_read(channel):
+    keys = AttemptKeys(0)
+    channel.backend.add(keys.deaths.count.key, 1)  # a writer between its add and its set
+    assert channel.entries(keys.deaths, 0) == []
+
+
+def test_decoding_builds_only_declared_types():
+    text = '{"kind": "crash", "rank": 1, "__class__": "os.system", "unknown": [1]}'
+    fault = decode(Fault, text)
+    assert fault == Fault(kind=FaultKind.CRASH, rank=1)
+    with pytest.raises(ValueError):
+        decode(Fault, '{"kind": "rm -rf"}')
+
+
+def test_the_worker_environment_round_trips():
+    env = WorkerEnv(rank=3, world_size=4, local_rank=1, attempt=2, control_addr="127.0.0.1",
+                    control_port=4000, in_place=True, slot=3, worker_id="3.1", joining=True,
+                    role=Role.SPARE, run_dir="/tmp/x", heartbeat_file="/tmp/x/hb", agent_store=True)
+    back = WorkerEnv.from_environ(env.to_environ())
+    assert back == env
+    plain = WorkerEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "1"})
+    assert (plain.rank, plain.node_rank, plain.under_agent, plain.in_place) == (1, 1, False, False)
+
+
+def _python_files(*packages: str) -> list[Path]:
+    return [p for pkg in packages for p in (SRC / pkg).rglob("*.py")]
+
+
+def test_no_store_key_is_built_outside_the_schema():
+    key_shape = re.compile(r"""f?["'](a/|g/|unbroken/|claim/|lease/|ack/|news|current|result)""")
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if path.parent.name == "control":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in (
+                    "get", "set", "add", "check", "compare_set", "wait"):
+                for arg in node.args[:1]:
+                    if isinstance(arg, (ast.Constant, ast.JoinedStr)) and key_shape.match(
+                            ast.unparse(arg)):
+                        offenders.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert offenders == []
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("runtime", ("unbroken.launch",)),
+    ("checkpoint", ("unbroken.launch", "unbroken.runtime")),
+    ("control", ("unbroken.launch", "unbroken.runtime", "unbroken.checkpoint")),
+])
+def test_no_import_arrow_runs_back_up(package, forbidden):
+    bad = [(p.name, m) for p in _python_files(package) for m in _imports(p)
+           if m.startswith(forbidden)]
+    assert bad == []
