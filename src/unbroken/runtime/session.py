@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unbroken.checkpoint.checkpointer import Checkpointer
-from unbroken.checkpoint.interval import Schedule
 from unbroken.control.channel import Channel
 from unbroken.control.messages import LeaveReason
 from unbroken.control.schema import fault_claim, torchrun_restart_prefix
@@ -43,11 +42,11 @@ from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError, first_line, is_peer_error
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
+from unbroken.runtime.config import RunConfig
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
     PHASE_RECOVERY,
-    PHASE_SPARE_READY,
     PHASE_STARTING,
     PHASE_TRAINING,
     HeartbeatWriter,
@@ -55,6 +54,7 @@ from unbroken.runtime.heartbeat import (
 from unbroken.runtime.membership import Drained, JobFinished, Membership
 from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
 from unbroken.runtime.recovery import Generations
+from unbroken.runtime.spare import await_promotion
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -92,24 +92,10 @@ def _torchrun_rendezvous(env: WorkerEnv, timeout: float) -> dict[str, Any]:
 class Run:
     """One worker's view of the job; create it with `unbroken.init()`."""
 
-    def __init__(
-        self,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3,
-        backend: str | None = None,
-        timeout: float = 1800.0,
-        seed: int | None = 0,
-        checkpoint_every_seconds: float | None = None,
-        checkpoint_mtbf_hours: float | None = None,
-        keep_every: int | None = None,
-        checkpoint_timeout: float = 600.0,
-    ) -> None:
-        schedule = Schedule(checkpoint_every, checkpoint_every_seconds, checkpoint_mtbf_hours)
-        if keep_checkpoints < 1:
-            raise UserError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
-        if keep_every is not None and keep_every < 1:
-            raise UserError(f"keep_every must be at least 1, got {keep_every}")
+    def __init__(self, config: RunConfig | None = None, **options: Any) -> None:
+        """`config`, or the options of `unbroken.init()` (see `RunConfig`)."""
+        self.config = config = config or RunConfig(**options)
+        backend, timeout, seed = config.backend, config.timeout, config.seed
         self.env = env = WorkerEnv.from_environ()
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.attempt = env.attempt
@@ -166,12 +152,13 @@ class Run:
         )
         groups = self._ckpt_groups
         self._checkpointer = (
-            Checkpointer(checkpoint_dir, group=groups and groups.writes,
-                         control_group=groups and groups.control, keep=keep_checkpoints,
-                         keep_every=keep_every, attempt=self.attempt, record=self.events.emit,
-                         clean_stale=not self.joining, persist_timeout=checkpoint_timeout,
-                         schedule=schedule, fault_point=self._faults.at_point)
-            if checkpoint_dir else None
+            Checkpointer(config.checkpoint_dir, group=groups and groups.writes,
+                         control_group=groups and groups.control, keep=config.keep_checkpoints,
+                         keep_every=config.keep_every, attempt=self.attempt,
+                         record=self.events.emit, clean_stale=not self.joining,
+                         persist_timeout=config.checkpoint_timeout, schedule=config.schedule(),
+                         fault_point=self._faults.at_point)
+            if config.checkpoint_dir else None
         )
         self._step_time: float | None = None  # moving average, for time-based intervals
         self._control: Channel | None = None
@@ -405,22 +392,14 @@ class Run:
                          duration=round(time.monotonic() - t0, 6))
 
     def _await_promotion(self) -> None:
-        """Wait until the agent assigns us a slot through the heartbeat page (shared memory:
-        an idle spare costs no system call and no store round trip), or the job ends."""
+        """Wait until the agent assigns us a slot, or exit 0 if the job ends first."""
         if self._heartbeat is None:
-            raise UserError("a spare needs its agent (UNBROKEN_HEARTBEAT_FILE is not set)")
-        membership = self._generations.membership
-        self._stamp(-1, PHASE_SPARE_READY)
-        checked = time.monotonic()
-        while (slot := self._heartbeat.promotion()) is None:
-            time.sleep(0.002)
-            if time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                self._stamp(-1, PHASE_SPARE_READY)
-                if membership.finished():
-                    self.events.emit("joiner_unused", wid=self.wid)
-                    self.close()
-                    sys.exit(0)
+            raise UserError("a spare needs its agent: run the script under `unbroken run --spares N`")
+        slot = await_promotion(self._heartbeat, self._generations.membership.finished)
+        if slot is None:
+            self.events.emit("joiner_unused", wid=self.wid)
+            self.close()
+            sys.exit(0)
         self.slot = self.rank = slot
         self.events.context["slot"] = self.slot
         self.events.context["rank"] = self.slot
@@ -567,7 +546,7 @@ def init(
     `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
     redone or run by a replacement draws the same numbers; None leaves the RNG alone.
     """
-    return Run(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed,
-               checkpoint_every_seconds=checkpoint_every_seconds,
-               checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
-               checkpoint_timeout=checkpoint_timeout)
+    return Run(RunConfig(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed,
+                         checkpoint_every_seconds=checkpoint_every_seconds,
+                         checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
+                         checkpoint_timeout=checkpoint_timeout))

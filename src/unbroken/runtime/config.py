@@ -1,0 +1,44 @@
+"""The worker's typed configuration: what `unbroken.init()` is given, checked once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from unbroken.checkpoint.interval import Schedule
+from unbroken.errors import UserError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    """Where checkpoints go; None: no checkpoints."""
+    checkpoint_every: int | None = None
+    """Save every N steps (aligned multiples)."""
+    keep_checkpoints: int = 3
+    """The newest K checkpoints are kept."""
+    backend: str | None = None
+    """The process-group backend; None: NCCL on GPU, gloo on CPU."""
+    timeout: float = 1800.0
+    """Collectives' timeout, in seconds."""
+    seed: int | None = 0
+    """`train()` seeds torch's RNG from (seed, step, slot) before each step; None: untouched."""
+    checkpoint_every_seconds: float | None = None
+    """Save every T seconds (turned into steps the ranks agree on)."""
+    checkpoint_mtbf_hours: float | None = None
+    """Save at the Young/Daly interval for this mean time between failures."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    checkpoint_timeout: float = 600.0
+    """A save not committed within this is reported and skipped over."""
+
+    def __post_init__(self) -> None:
+        if self.keep_checkpoints < 1:
+            raise UserError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise UserError(f"keep_every must be at least 1, got {self.keep_every}")
+        self.schedule()  # a bad interval is a clear error now, not at the first step
+
+    def schedule(self) -> Schedule:
+        return Schedule(self.checkpoint_every, self.checkpoint_every_seconds,
+                        self.checkpoint_mtbf_hours)
