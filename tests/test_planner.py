@@ -175,6 +175,24 @@ def test_a_node_lost_without_spares_ends_the_attempt_for_a_full_restart():
     assert end.fault.node == 1
 
 
+def test_a_lost_node_that_ran_no_rank_changes_nothing():
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: {}})
+    assert not of(out, EndAttempt) and s.phase == Phase.RUNNING and s.lost_nodes == [1]
+
+
+def test_a_lost_node_that_never_said_what_it_ran_restarts_the_job():
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})
+    assert of(out, EndAttempt)[0].action == EndAction.RESTART
+
+
+def test_a_promised_spare_left_out_of_a_plan_is_no_longer_waited_for():
+    s, _ = run(fresh(), deaths=[death(1, node=0, spare="spare0-1")])
+    s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}),
+                 now=100 + SHRINK.spare_wait + 1)
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "2.0", "3.0"]
+    assert s.promised == {} and 1 in s.awaited  # it may still join, like a replacement
+
+
 def test_a_drain_promotes_a_spare_and_switches_once_it_has_joined():
     s, out = run(fresh(), drains=[DrainRequest(DrainKind.RANK, 1)],
                  ready_spares=[(0, "spare0-1")])
@@ -217,14 +235,14 @@ def test_the_budget_is_shared_by_members_and_replacements():
     assert of(out, EndAttempt)[0].action == EndAction.GIVE_UP
 
 
-def test_under_wait_a_slot_nothing_can_refill_ends_the_job_without_waiting():
+def test_under_wait_a_slot_nothing_can_refill_restarts_without_waiting():
     # A standby node's rank dies: standby nodes start no fresh workers and no spare is ready.
     s = fresh()
     s.standby_nodes = [2]
     s, out = run(s, WAIT, deaths=[death(1, node=2)])
     s, out = run(s, WAIT, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=100.1)
     (end,) = of(out, EndAttempt)
-    assert end.action == EndAction.GIVE_UP and "rank(s) [1] cannot be refilled" in end.reason
+    assert end.action == EndAction.RESTART and "rank(s) [1] cannot be refilled" in end.reason
 
 
 def test_under_wait_a_slow_replacement_is_waited_for_then_the_job_shrinks():
@@ -271,6 +289,14 @@ def test_a_recovery_that_does_not_form_in_time_falls_back_to_a_restart():
     s, out = run(s, now=100 + SHRINK.recovery_timeout + 1)
     (end,) = of(out, EndAttempt)
     assert end.action == EndAction.FALLBACK and "did not form" in end.reason
+
+
+def test_a_fallback_with_no_fault_paid_for_is_a_restart_the_leader_charges():
+    s = fresh()
+    s, out = run(s, nleft=4, departures=all_left(s), now=100)  # every member left on errors
+    s, out = run(s, now=100 + SHRINK.recovery_timeout + 1)
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.RESTART and end.fault.kind == FaultKind.RECOVERY_FAILED
 
 
 def test_no_holder_of_the_state_falls_back_to_a_restart():

@@ -86,12 +86,12 @@ class Agent:
             self.events.emit("agent_exit", code=int(exc.exit_code))
             raise
         finally:
+            self._lease_stop.set()  # first: a lease refresh racing shutdown would look lost
             if sup is not None:
                 sup.close()
             if pool is not None:
                 pool.close()
             guard.close()
-            self._lease_stop.set()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self.events.emit("agent_exit", code=int(code))
@@ -150,7 +150,8 @@ class Agent:
             while not self._lease_stop.wait(period):
                 backend.refresh_lease(lease.key)
         except ControlPlaneError as exc:
-            self.events.emit("lease_lost", error=str(exc))
+            if not self._lease_stop.is_set():  # not the job's own end
+                self.events.emit("lease_lost", error=str(exc))
 
     def _publish_interrupt(self, signum: int) -> None:
         if self.role is None:

@@ -91,6 +91,7 @@ class AttemptWatch:
             ranks = [w.rank for w in sup.workers]
             self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan.world_size}")
         self.resilient = cfg.standby  # latched once every worker runs the resilient loop
+        self.busy = False
         board = SpareBoard(ch, keys, cfg.node_rank) if self.in_place else None
         orders_seen = 0
         done_posted = False
@@ -102,6 +103,10 @@ class AttemptWatch:
             failed = sup.exited()
             if self.resilient:
                 for w in failed:
+                    if sup.finished_training(w):  # trained to the end, then failed to exit
+                        fault = sup.reap(w)
+                        self.events.emit("exit_after_done", **fault.event_fields())
+                        continue
                     self._death(attempt, sup.reap(w))
             else:
                 fault = sup.attempt_failure(failed)

@@ -170,9 +170,13 @@ class Leader(Role):
         """Done only when every rank of the world has trained to the end: every member of
         the final generation reported done (in place), or every rank's worker exited 0."""
         ex = self._executor
-        nodes = set(self.plan.nodes) | (set(self._standbys) if ex is not None else set())
+        # A standby node is waited for only once it runs ranks of the job.
+        hosting = {k for k in self._standbys if self.channel.read(keys.hosted(k))}
         ranks: set[int] = set()
-        for k in nodes - self._lost - self._released:
+        for k in (set(self.plan.nodes) | hosting) - self._lost - self._released:
+            if k != self.cfg.node_rank and self.channel.read(keys.node_released(k)):
+                self._released.add(k)  # drained, and left
+                continue
             done = self.channel.read(keys.node_done(k))
             if done is None:
                 return False

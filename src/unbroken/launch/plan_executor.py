@@ -57,7 +57,7 @@ class PlanExecutor:
     def _gather(self, max_step: int, lost: list[int], standby: list[int]) -> Inbox:
         s, ch, keys = self.state, self.channel, self.keys
         g = keys.gen(s.gen)
-        inbox = Inbox(now=time.time(), max_step=max_step, lost_nodes=lost, standby_nodes=standby,
+        inbox = Inbox(now=time.monotonic(), max_step=max_step, lost_nodes=lost, standby_nodes=standby,
                       deaths=ch.entries(keys.deaths, s.deaths_seen),
                       joiners=ch.entries(keys.joiners, s.joiners_seen),
                       drains=ch.entries(keys.drains, s.drains_seen),
@@ -71,7 +71,7 @@ class PlanExecutor:
             for node in nodes:
                 inbox.ready_spares += [(node, w) for w in ch.read(keys.ready_spares(node)) or []]
         if lost or inbox.drains:
-            inbox.hosted = {node: ch.read(keys.hosted(node)) or {} for node in nodes}
+            inbox.hosted = {node: ch.read(keys.hosted(node)) for node in nodes}
         return inbox
 
     def _apply(self, commands: list[Command]) -> EndAttempt | None:

@@ -136,7 +136,7 @@ def initial_state(attempt: int, world_size: int, nodes: list[int],
 class Inbox:
     """What the store said since the last look (read by the executor)."""
 
-    now: float  # wall-clock seconds
+    now: float  # seconds, monotonic (the leader's clock)
     max_step: int = 0  # the furthest step a member has reached
     deaths: list[Fault] = field(default_factory=list)  # new entries of the death queue
     joiners: list[Joiner] = field(default_factory=list)
@@ -146,7 +146,8 @@ class Inbox:
     ndone: int = 0
     departures: dict[str, Departure] = field(default_factory=dict)  # current generation's
     ready_spares: list[tuple[int, str]] = field(default_factory=list)  # (node, wid)
-    hosted: dict[int, dict[str, int]] = field(default_factory=dict)  # node -> {wid: slot}
+    # node -> {wid: slot} it runs; None: the node never said (its agent died before it did)
+    hosted: dict[int, dict[str, int] | None] = field(default_factory=dict)
     lost_nodes: list[int] = field(default_factory=list)  # agents whose lease expired
     standby_nodes: list[int] = field(default_factory=list)  # standby nodes that joined
 
@@ -298,14 +299,17 @@ class _Decision:
         """A lost node's ranks go to ready spares elsewhere, in place; else a full restart."""
         s = self.s
         s.lost_nodes.append(node)
-        hosted = {w: slot for w, slot in self.inbox.hosted.get(node, {}).items()
+        said = self.inbox.hosted.get(node)
+        hosted = {w: slot for w, slot in (said or {}).items()
                   if w in s.members and w not in s.dead}
         detail = f"agent of node {node} silent past --node-timeout"
+        if not hosted and (said is not None or node in s.standby_nodes):
+            self.say(f"node {node} lost; it ran no rank of the job")
+            return
         spares = self._free_spares(avoid={node})
-        if len(spares) < len(hosted) or not hosted:
+        if said is None or len(spares) < len(hosted):
             fault = Fault(kind=FaultKind.NODE_LOST, node=node, attempt=s.attempt, detail=detail)
-            if hosted or node not in s.standby_nodes:
-                self.end(EndAction.RESTART, fault, f"node {node} lost and no spares for its ranks")
+            self.end(EndAction.RESTART, fault, f"node {node} lost and no spares for its ranks")
             return
         self.say(f"node {node} lost: its rank(s) {sorted(hosted.values())} go to spares in place")
         for (wid, slot), (spare_node, spare) in zip(sorted(hosted.items(), key=lambda i: i[1]),
@@ -485,13 +489,13 @@ class _Decision:
         if config.policy == Policy.WAIT and missing - filled:
             coming = set(s.promised) | set(s.awaited) | {r.slot for r in s.refills}
             hopeless = sorted(missing - filled - coming)
-            if hopeless:
+            if hopeless:  # e.g. a standby node's rank: it starts no fresh worker
                 fault = next(s.dead[m] for m in s.members
                              if m in s.dead and s.slot_of[m] == hopeless[0])
-                why = (f"rank(s) {hopeless} cannot be refilled: no spare is ready and "
-                       f"the restart budget of {s.budget.limit} is spent")
+                why = (f"rank(s) {hopeless} cannot be refilled in place (no ready spare, and "
+                       "no node to start a replacement): restarting every worker")
                 self.say(why)
-                return self.end(EndAction.GIVE_UP, fault, why)
+                return self.end(EndAction.RESTART, fault, why)
             if self.now - rec.started < config.join_timeout:
                 return  # wait for the replacements to take the failed slots
         # A drained member gives its slot to its spare once the spare is here; it left
@@ -513,6 +517,12 @@ class _Decision:
                     duration=round(self.now - s.recovery.started, 6) if s.recovery else None)
         s.gen, s.members = gen, members
         s.departed = {}
+        # A promised spare not in this plan may still join later (it is then awaited like a
+        # replacement); it is no reason to wait `spare_wait` in the next recovery.
+        for slot, spare in list(s.promised.items()):
+            if spare not in members:
+                s.awaited[slot] = self.now
+                del s.promised[slot]
         s.phase = Phase.FORMING
         s.planned_at = self.now
 
@@ -542,11 +552,14 @@ class _Decision:
         s.moved = []
 
     def _fallback(self, why: str) -> None:
+        """Restart every worker from the checkpoint. Paid for by the recovery's faults; a
+        recovery with none (members left on peer errors, a switch that did not form) is a
+        fault of its own, which the leader charges (`RESTART`)."""
         s = self.s
-        fault = (s.recovery.faults[0] if s.recovery and s.recovery.faults
-                 else Fault(kind=FaultKind.RECOVERY_FAILED, attempt=s.attempt))
-        fault = copy.copy(fault)
+        paid = bool(s.recovery and s.recovery.faults)
+        fault = copy.copy(s.recovery.faults[0] if paid
+                          else Fault(kind=FaultKind.RECOVERY_FAILED, attempt=s.attempt))
         fault.detail = f"{fault.detail} ({why})".strip()
         self.record("recovery_fallback", gen=s.gen, reason=why)
         self.say(f"in-place recovery impossible ({why}): restarting every worker")
-        self.end(EndAction.FALLBACK, fault, why)
+        self.end(EndAction.FALLBACK if paid else EndAction.RESTART, fault, why)

@@ -35,6 +35,7 @@ from unbroken.launch.worker_process import (
     worker_command,
 )
 from unbroken.runtime.heartbeat import (
+    PHASE_DONE,
     PHASE_RECOVERY,
     PHASE_SPARE_READY,
     PHASE_TRAINING,
@@ -118,6 +119,7 @@ class NodeSupervisor:
             error_file=str(base.with_suffix(".error.json")),
             torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
             agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
+            shadow_steps=WorkerEnv.from_environ().shadow_steps,  # a user's setting is kept
             faults=cfg.faults, in_place=cfg.on_fault != "restart",
             recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, agent_store=True,
             **fields)
@@ -249,6 +251,11 @@ class NodeSupervisor:
                 if w not in failed:
                     failed.append(w)
         return failed
+
+    def finished_training(self, w: WorkerProcess) -> bool:
+        """Its heartbeat says it had finished training (and, in place, reported done)."""
+        beat = w.heartbeat.read()
+        return beat is not None and beat.phase == PHASE_DONE
 
     def reap(self, w: WorkerProcess) -> Fault:
         """A dead worker, recovered from in place: kill its group, forget it, describe it."""

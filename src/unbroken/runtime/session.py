@@ -363,10 +363,10 @@ class Run:
                 if not (self.in_place and is_peer_error(exc)):
                     raise
                 self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
+        if self.in_place:  # first: a done heartbeat means the leader counts this member done
+            self._generations.membership.report_done(self.gen)
         self._stamp(self.step, PHASE_DONE)
         self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
-        if self.in_place:
-            self._generations.membership.report_done(self.gen)
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
