@@ -171,3 +171,27 @@ def test_warm_standbys_become_the_restarted_workers(tmp_path):
     assert resumed[0]["step"] % 20 == 0  # resumed at a checkpoint boundary
     proc.send_signal(signal.SIGTERM)
     assert finish(proc, run_dir, timeout=30).code == 143
+
+
+def test_the_worker_api_under_torchrun_resumes_after_a_restart(tmp_path):
+    """Under plain torchrun (its one agent store for every restart), `unbroken.init()`
+    rendezvouses under a prefix of its own per restart, even with UNBROKEN_RUN_DIR set for
+    events (regression: a restart read the dead workers' addresses and hung)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.1",
+           str(EXAMPLE), "--steps", "400", *TINY]
+    env = {**os.environ, "UNBROKEN_RUN_DIR": str(run_dir)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=REPO, start_new_session=True)
+    try:
+        wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120,
+                 "training to reach step 5")
+        victim = next(e["pid"] for e in events_of(run_dir, "worker_start") if e["rank"] == 1)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: any(e["attempt"] == 1 for e in events_of(run_dir, "step")), 120,
+                 "the restarted workers to train")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

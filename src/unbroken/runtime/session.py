@@ -81,7 +81,7 @@ def _torchrun_rendezvous(env: WorkerEnv, timeout: float) -> dict[str, Any]:
     addresses and fail or hang in `init_process_group`. Under `unbroken run` each attempt
     gets a fresh store, and nothing needs doing.
     """
-    if not env.agent_store or env.run_dir is not None:
+    if not env.agent_store or env.under_agent:
         return {}
     store = dist.TCPStore(env.master_addr, env.master_port, None, False,
                           timedelta(seconds=timeout))
