@@ -43,6 +43,7 @@ from unbroken.checkpoint.loader import choose, describe_dcp_failure, load_into
 from unbroken.checkpoint.persist import CheckpointWriteError, Committed, exchange_json, persist
 from unbroken.checkpoint.snapshot import Snapshot, Staged, local_tensor
 from unbroken.errors import first_line
+from unbroken.telemetry.event_names import Event
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "committed_checkpoints"]
 
@@ -143,7 +144,7 @@ class Checkpointer:
             save.abandoned = True
             self._save = None
             self._snapshot = Snapshot()  # its writer may still read the old buffers
-            self.record("checkpoint_failed", step=save.step, stall=round(save.stall, 6),
+            self.record(Event.CHECKPOINT_FAILED, step=save.step, stall=round(save.stall, 6),
                         duration=round(time.monotonic() - save.started, 6),
                         error=f"abandoned: generation {generation} formed while it was written")
 
@@ -214,13 +215,13 @@ class Checkpointer:
         if anyone_busy:
             self._deferrals += 1
             self.schedule.deferred(step, self._deferrals)
-            self.record("checkpoint_deferred", step=step, retry_at=self.schedule.next_due,
+            self.record(Event.CHECKPOINT_DEFERRED, step=step, retry_at=self.schedule.next_due,
                         writing=self._save.step if busy else None)
             return False
         changed = interval != self.schedule.interval or self._last is None
         self.schedule.reset(step, interval)
         if changed and self.rank == 0:
-            self.record("checkpoint_interval", steps=interval, reason=self.schedule.reason)
+            self.record(Event.CHECKPOINT_INTERVAL, steps=interval, reason=self.schedule.reason)
         self._deferrals = 0
         stage_error = None
         try:
@@ -241,7 +242,7 @@ class Checkpointer:
     def _report_stuck(self, save: _Save, now: float) -> None:
         if not save.stuck_reported and now - save.started > self.persist_timeout:
             save.stuck_reported = True
-            self.record("checkpoint_stuck", step=save.step, seconds=round(now - save.started, 3),
+            self.record(Event.CHECKPOINT_STUCK, step=save.step, seconds=round(now - save.started, 3),
                         timeout=self.persist_timeout)
 
     def _background(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
@@ -301,12 +302,12 @@ class Checkpointer:
             if save.committed is not None:
                 c = save.committed
                 durable = (c.committed_at or end) - save.started  # retention's deletes after
-                self.record("checkpoint_saved", step=save.step, path=str(c.path), bytes=c.bytes,
+                self.record(Event.CHECKPOINT_SAVED, step=save.step, path=str(c.path), bytes=c.bytes,
                             stall=round(save.stall, 6), snapshot=round(t1 - t0, 6),
                             persist=round(end - t1, 6), durable=round(durable, 6),
                             deleted=c.deleted or None, retention_error=c.retention_error)
             else:
-                self.record("checkpoint_failed", step=save.step, error=save.error,
+                self.record(Event.CHECKPOINT_FAILED, step=save.step, error=save.error,
                             stall=round(save.stall, 6), duration=round(end - save.started, 6))
         except Exception as exc:  # noqa: BLE001 -- the event log is gone (closed, disk full)
             print(f"unbroken: checkpoint of step {save.step}: could not record the outcome "
@@ -346,7 +347,7 @@ class Checkpointer:
         if not anyone_lacks:
             return True
         if anyone_busy:
-            self.record("checkpoint_failed", step=step, final=True,
+            self.record(Event.CHECKPOINT_FAILED, step=step, final=True,
                         error="the previous save was still being written after checkpoint_timeout")
             return False
         if not self.start(state, step):
@@ -376,6 +377,6 @@ class Checkpointer:
         step = int(path.name.removeprefix("step_"))
         self.schedule.reset(step)
         self._loaded_step = step
-        self.record("checkpoint_loaded", step=step, path=str(path),
+        self.record(Event.CHECKPOINT_LOADED, step=step, path=str(path),
                     duration=round(time.monotonic() - t0, 6))
         return step

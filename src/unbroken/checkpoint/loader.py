@@ -27,6 +27,7 @@ from unbroken.checkpoint.safe_reader import (
     load_metadata,
 )
 from unbroken.errors import CheckpointMismatch, first_line
+from unbroken.telemetry.event_names import Event
 
 
 def dcp_failures(exc: CheckpointException) -> dict[int, BaseException]:
@@ -86,7 +87,7 @@ def choose(directory: Path, rank: int, group: dist.ProcessGroup | None,
             if reason is None:
                 choice[0] = step
                 break
-            record("checkpoint_invalid", step=step, path=str(path), reason=reason)
+            record(Event.CHECKPOINT_INVALID, step=step, path=str(path), reason=reason)
     if dist.is_initialized():
         dist.broadcast(choice, group=group, group_src=0)
     step = int(choice[0])

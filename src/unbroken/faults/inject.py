@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from unbroken.faults.spec import FaultSpec
+from unbroken.telemetry.event_names import Event
 
 
 class InjectedFault(RuntimeError):
@@ -50,7 +51,7 @@ class FaultInjector:
         for fault in faults:
             if not self._claim(fault.key):
                 continue
-            self._record("fault_injected", fault=str(fault), kind=fault.kind, step=step, at=fault.at)
+            self._record(Event.FAULT_INJECTED, fault=str(fault), kind=fault.kind, step=step, at=fault.at)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":

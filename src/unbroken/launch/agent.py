@@ -34,6 +34,7 @@ from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.supervisor import NodeSupervisor
 from unbroken.launch.warm_pool import WarmPool
+from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -57,7 +58,7 @@ class Agent:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         cfg = self.cfg
         self.events.emit(
-            "agent_start", run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
+            Event.AGENT_START, run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
             nproc_per_node=cfg.nproc_per_node, max_restarts=cfg.max_restarts,
             script=cfg.script, args=cfg.script_args, faults=cfg.faults, instance=self.instance,
         )
@@ -82,8 +83,8 @@ class Agent:
         except ControlPlaneError as exc:
             if sup is not None:
                 sup.stop_all()
-            self.events.emit("agent_error", error=str(exc))
-            self.events.emit("agent_exit", code=int(exc.exit_code))
+            self.events.emit(Event.AGENT_ERROR, error=str(exc))
+            self.events.emit(Event.AGENT_EXIT, code=int(exc.exit_code))
             raise
         finally:
             self._lease_stop.set()  # first: a lease refresh racing shutdown would look lost
@@ -94,7 +95,7 @@ class Agent:
             guard.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        self.events.emit("agent_exit", code=int(code))
+        self.events.emit(Event.AGENT_EXIT, code=int(code))
         self.events.close()
         return int(code)
 
@@ -151,7 +152,7 @@ class Agent:
                 backend.refresh_lease(lease.key)
         except ControlPlaneError as exc:
             if not self._lease_stop.is_set():  # not the job's own end
-                self.events.emit("lease_lost", error=str(exc))
+                self.events.emit(Event.LEASE_LOST, error=str(exc))
 
     def _publish_interrupt(self, signum: int) -> None:
         if self.role is None:

@@ -23,6 +23,7 @@ from unbroken.launch.config import LaunchConfig
 from unbroken.launch.planner import EndAttempt
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.launch.supervisor import NodeSupervisor
+from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EventLog
 
 
@@ -72,7 +73,7 @@ class AttemptWatch:
                         in_place=None)  # it ends the attempt: not recovered in place
         won = self.channel.first(self.keys.fault, fault)
         if won.t == fault.t and won.reported_by == fault.reported_by:
-            self.events.emit("fault", **won.event_fields())
+            self.events.emit(Event.FAULT, **won.event_fields())
             self.say(f"fault: {won.where()} {won.kind.value}: {won.detail}")
         return won
 
@@ -82,7 +83,7 @@ class AttemptWatch:
         self.keys = keys = AttemptKeys(attempt)
         t0 = time.monotonic()
         sup.start_attempt(attempt, plan)
-        self.events.emit("workers_started", attempt=attempt,
+        self.events.emit(Event.WORKERS_STARTED, attempt=attempt,
                          duration=round(time.monotonic() - t0, 6),
                          pids={w.rank: w.pid for w in sup.workers})
         if cfg.standby:
@@ -105,7 +106,7 @@ class AttemptWatch:
                 for w in failed:
                     if sup.finished_training(w):  # trained to the end, then failed to exit
                         fault = sup.reap(w)
-                        self.events.emit("exit_after_done", **fault.event_fields())
+                        self.events.emit(Event.EXIT_AFTER_DONE, **fault.event_fields())
                         continue
                     self._death(attempt, sup.reap(w))
             else:
@@ -138,7 +139,7 @@ class AttemptWatch:
                 return outcome
             if not done_posted and self._node_done(keys):
                 ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
-                self.events.emit("workers_done", attempt=attempt)
+                self.events.emit(Event.WORKERS_DONE, attempt=attempt)
                 done_posted = True
             sup.fill_pool(t0)
 
@@ -158,7 +159,7 @@ class AttemptWatch:
             self.sup.promote(ready[0], fault.slot, by="agent")
         fault.attempt, fault.t = attempt, time.time()
         self.channel.append(self.keys.deaths, fault)
-        self.events.emit("fault", **fault.event_fields())
+        self.events.emit(Event.FAULT, **fault.event_fields())
         self.say(f"fault: rank {fault.rank} {fault.kind.value}: {fault.detail} (recovering in place)")
 
     def _obey(self, order) -> None:  # noqa: ANN001
@@ -170,7 +171,7 @@ class AttemptWatch:
             return
         spare = next((s for s in sup.ready_spares() if s.wid == order.spare), None)
         if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
-            self.events.emit("spare_request_declined", wid=order.spare, slot=order.slot)
+            self.events.emit(Event.SPARE_REQUEST_DECLINED, wid=order.spare, slot=order.slot)
             return
         sup.promote(spare, order.slot, by="leader")
 
@@ -179,5 +180,5 @@ class AttemptWatch:
         t0 = time.monotonic()
         self.sup.stop_all()
         self.channel.write(AttemptKeys(attempt).node_stopped(self.cfg.node_rank), True)
-        self.events.emit("workers_stopped", attempt=attempt, duration=round(time.monotonic() - t0, 6),
+        self.events.emit(Event.WORKERS_STOPPED, attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          reason=fault.kind.value if fault else None)

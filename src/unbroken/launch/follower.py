@@ -14,6 +14,7 @@ from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
+from unbroken.telemetry.event_names import Event
 
 
 class Follower(Role):
@@ -56,7 +57,7 @@ class Follower(Role):
         if not all(self.channel.read(keys.drained(w.wid)) for w in sup.workers):
             return None
         self.channel.write(keys.node_released(self.cfg.node_rank), True)
-        self.events.emit("node_drained", attempt=attempt)
+        self.events.emit(Event.NODE_DRAINED, attempt=attempt)
         self.say("every rank of this node moved to spares: leaving the job")
         sup.stop_all()
         return Outcome(Ending.RELEASED)

@@ -27,6 +27,7 @@ from unbroken.launch.budget import RestartBudget
 from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner import EndAction, PlannerConfig, Policy, initial_state
 from unbroken.launch.role import Role
+from unbroken.telemetry.event_names import Event
 
 
 class Leader(Role):
@@ -55,7 +56,7 @@ class Leader(Role):
                 host=os.uname().nodename))
             plan = self._make_plan(attempt, self._wait_joined(attempt))
             ch.write(keys.plan, plan)
-            self.events.emit("rendezvous", attempt=attempt, world_size=plan.world_size,
+            self.events.emit(Event.RENDEZVOUS, attempt=attempt, world_size=plan.world_size,
                              duration=round(time.monotonic() - t0, 6), worker_port=plan.worker_port)
             outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
             if self._executor is not None:
@@ -74,7 +75,7 @@ class Leader(Role):
                     and not self.budget.spend():
                 return self._fail(fault, f"the restart budget of {cfg.max_restarts} is spent")
             attempt += 1
-            self.events.emit("restart", attempt=attempt, restarts_left=self.budget.left,
+            self.events.emit(Event.RESTART, attempt=attempt, restarts_left=self.budget.left,
                              reason=fault.kind.value if fault else None)
             self.say(f"restarting all workers: attempt {attempt} of at most {cfg.max_restarts + 1}")
 
@@ -161,7 +162,7 @@ class Leader(Role):
                 continue
             self._lost.add(k)
             detail = f"agent of node {k} silent for {silent:.1f}s"
-            self.events.emit("node_lost", attempt=attempt, lost_node=k, detail=detail)
+            self.events.emit(Event.NODE_LOST, attempt=attempt, lost_node=k, detail=detail)
             self.say(f"node {k} lost: {detail}")
             first = first or Fault(kind=FaultKind.NODE_LOST, node=k, detail=detail)
         return first

@@ -41,6 +41,7 @@ from unbroken.control.messages import (
     SwitchTarget,
 )
 from unbroken.launch.budget import RestartBudget
+from unbroken.telemetry.event_names import Event
 
 
 class Policy(StrEnum):
@@ -187,7 +188,7 @@ class MarkFinished:
 
 @dataclass
 class Record:
-    event: str
+    event: Event
     fields: dict[str, Any]
 
 
@@ -237,7 +238,7 @@ class _Decision:
     def ended(self) -> bool:
         return any(isinstance(c, EndAttempt) for c in self.out)
 
-    def record(self, event: str, **fields: Any) -> None:
+    def record(self, event: Event, **fields: Any) -> None:
         self.out.append(Record(event, fields))
 
     def say(self, text: str) -> None:
@@ -282,7 +283,7 @@ class _Decision:
     def _assign(self, node: int, spare: str, slot: int) -> str:
         self.s.assigned.append(spare)
         self.out.append(Order(node, NodeOrder(OrderKind.PROMOTE, slot=slot, spare=spare)))
-        self.record("spare_assigned", wid=spare, slot=slot, spare_node=node)
+        self.record(Event.SPARE_ASSIGNED, wid=spare, slot=slot, spare_node=node)
         return spare
 
     # ------------------------------------------------------------ faults
@@ -317,7 +318,7 @@ class _Decision:
             death = Fault(kind=FaultKind.NODE_LOST, node=node, rank=slot, slot=slot, wid=wid,
                           attempt=s.attempt, in_place=True, detail=detail,
                           spare=self._assign(spare_node, spare, slot))
-            self.record("fault", **death.event_fields())
+            self.record(Event.FAULT, **death.event_fields())
             self._death(death)
             if self.ended:
                 return
@@ -380,7 +381,7 @@ class _Decision:
 
         def refuse(why: str) -> None:
             self.out.append(AnswerDrain(index, DrainOutcome(ok=False, error=why)))
-            self.record("drain_refused", request=request.as_event(), reason=why)
+            self.record(Event.DRAIN_REFUSED, request=request.as_event(), reason=why)
             self.say(f"drain refused: {why}")
 
         if s.phase != Phase.RUNNING or s.switch_requested:
@@ -406,7 +407,7 @@ class _Decision:
         for m, (spare_node, spare) in zip(movers, found, strict=False):
             s.draining[m] = (self._assign(spare_node, spare, s.slot_of[m]), index)
             moves[s.slot_of[m]] = spare
-        self.record("drain_started", request=request.as_event(), moves=moves)
+        self.record(Event.DRAIN_STARTED, request=request.as_event(), moves=moves)
         self.say(f"draining rank(s) {sorted(moves)} onto spare(s) {list(moves.values())}")
 
     # ------------------------------------------------------------ the generations
@@ -470,7 +471,7 @@ class _Decision:
             if any(f.wid == m and f.kind == FaultKind.EXCEPTION for f in rec.faults):
                 continue
             rec.faults.append(fault)
-            self.record("fault", **fault.event_fields())
+            self.record(Event.FAULT, **fault.event_fields())
             self.say(f"fault: rank {fault.rank} exception: {fault.detail} (recovering in place)")
             if not self._charge(fault):
                 return
@@ -513,7 +514,7 @@ class _Decision:
         s = self.s
         gen = s.gen + 1
         self.out.append(WritePlan(GenPlan(gen=gen, members=members)))
-        self.record("gen_plan", gen=gen, world_size=len(members), members=members,
+        self.record(Event.GEN_PLAN, gen=gen, world_size=len(members), members=members,
                     duration=round(self.now - s.recovery.started, 6) if s.recovery else None)
         s.gen, s.members = gen, members
         s.departed = {}
@@ -530,7 +531,7 @@ class _Decision:
         s = self.s
         s.phase = Phase.RUNNING
         rec = s.recovery
-        self.record("gen_up", gen=s.gen, world_size=len(s.members),
+        self.record(Event.GEN_UP, gen=s.gen, world_size=len(s.members),
                     duration=round(self.now - rec.started, 6) if rec else None,
                     faults=[f.kind.value for f in rec.faults] if rec else [])
         if rec and rec.faults:
@@ -542,7 +543,7 @@ class _Decision:
         for member, spare, index in s.moved:
             move = {"rank": s.slot_of[spare], "from": member, "to": spare}
             s.moves.setdefault(index, []).append(move)
-            self.record("drained", **move, gen=s.gen, switch_s=switch_s)
+            self.record(Event.DRAINED, **move, gen=s.gen, switch_s=switch_s)
             self.say(f"drained rank {move['rank']}: {member} -> {spare}, generation {s.gen} "
                      f"up {switch_s}s after the switch began")
         for index in sorted({index for _, _, index in s.moved}):
@@ -560,6 +561,6 @@ class _Decision:
         fault = copy.copy(s.recovery.faults[0] if paid
                           else Fault(kind=FaultKind.RECOVERY_FAILED, attempt=s.attempt))
         fault.detail = f"{fault.detail} ({why})".strip()
-        self.record("recovery_fallback", gen=s.gen, reason=why)
+        self.record(Event.RECOVERY_FALLBACK, gen=s.gen, reason=why)
         self.say(f"in-place recovery impossible ({why}): restarting every worker")
         self.end(EndAction.FALLBACK if paid else EndAction.RESTART, fault, why)

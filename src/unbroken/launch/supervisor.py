@@ -41,6 +41,7 @@ from unbroken.runtime.heartbeat import (
     PHASE_TRAINING,
     HeartbeatReader,
 )
+from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EventLog
 
 _HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
@@ -104,7 +105,7 @@ class NodeSupervisor:
         self._incarnations[slot] = incarnation
         new = self._spawn_worker(slot, self._local_rank.get(slot, 0), f"{slot}.{incarnation}",
                                  joining=True)
-        self.events.emit("replacement_started", slot=slot, wid=new.wid, pid=new.pid,
+        self.events.emit(Event.REPLACEMENT_STARTED, slot=slot, wid=new.wid, pid=new.pid,
                          duration=round(time.monotonic() - t0, 6))
         return new
 
@@ -179,7 +180,7 @@ class NodeSupervisor:
         _idle_priority(proc.pid)
         spare = self._watch(proc, -1, local_rank, base, wid, register=False)  # until promoted
         self.spares.append(spare)
-        self.events.emit("spare_started", wid=wid, pid=proc.pid)
+        self.events.emit(Event.SPARE_STARTED, wid=wid, pid=proc.pid)
         return spare
 
     def tend_spares(self, training: bool) -> None:
@@ -190,7 +191,7 @@ class NodeSupervisor:
             error = read_error(spare.error_file)
             detail = (f"{error['type']}: {error['message']}" if error
                       else describe_exit(spare.proc.returncode)[1])
-            self.events.emit("spare_lost", wid=spare.wid, exit_code=spare.proc.returncode,
+            self.events.emit(Event.SPARE_LOST, wid=spare.wid, exit_code=spare.proc.returncode,
                              detail=detail)
             self.say(f"spare {spare.wid} failed ({detail})")
             spare.close()
@@ -216,7 +217,7 @@ class NodeSupervisor:
         self.workers.append(spare)
         if spare.pidfd is not None:
             self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
-        self.events.emit("spare_promoted", wid=spare.wid, slot=slot, pid=spare.pid, by=by)
+        self.events.emit(Event.SPARE_PROMOTED, wid=spare.wid, slot=slot, pid=spare.pid, by=by)
 
     def fill_pool(self, spawned_at: float) -> None:
         """Warm the next attempt's workers once this attempt is training, not in its start-up."""
@@ -228,7 +229,7 @@ class NodeSupervisor:
         if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
             started = pool.fill()
             if started:
-                self.events.emit("standbys_started", count=started)
+                self.events.emit(Event.STANDBYS_STARTED, count=started)
 
     # ---------------------------------------------------------------- watching
     def wait(self, timeout: float) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.exiting import exit_without_teardown
+from unbroken.telemetry.event_names import Event
 
 _PR_SET_PDEATHSIG = 1
 
@@ -88,7 +89,7 @@ def _await_assignment() -> list[str] | None:
     env = WorkerEnv.from_environ()
     log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
                    source="standby", node=env.node_rank)
-    log.emit("standby_ready", pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
+    log.emit(Event.STANDBY_READY, pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
     log.close()
     line = sys.stdin.readline()
     if not line:

@@ -22,6 +22,7 @@ from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
+from unbroken.telemetry.event_names import Event
 
 
 @dataclass
@@ -100,13 +101,13 @@ class Generations:
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
-                self.record("switch_failed", gen=plan.gen, error=first_line(exc))
+                self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
                 self.leave(committed_step, holds_state, LeaveReason.NO_STATE)
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise
-                self.record("switch_failed", gen=plan.gen, error=first_line(exc))
+                self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
                 committed_step, holds_state = position()
                 self.leave(committed_step, holds_state, LeaveReason.PEER, error=first_line(exc))
                 joining = joining and not holds_state

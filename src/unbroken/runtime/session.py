@@ -55,6 +55,7 @@ from unbroken.runtime.membership import Drained, JobFinished, Membership
 from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.spare import await_promotion
+from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -127,7 +128,7 @@ class Run:
             # The script formed the group itself: we cannot abort it from the inside, so a
             # leaving worker could not unblock its peers. Faults restart every worker.
             self.in_place = False
-            self.events.emit("in_place_unavailable", reason="process group initialised by the script")
+            self.events.emit(Event.IN_PLACE_UNAVAILABLE, reason="process group initialised by the script")
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
         with self._groups.recording():
@@ -142,7 +143,7 @@ class Run:
         pg_seconds = time.monotonic() - t0
         started = _process_start_time()
         self.events.emit(
-            "worker_start", pid=os.getpid(), world_size=self.world_size,
+            Event.WORKER_START, pid=os.getpid(), world_size=self.world_size,
             startup=round(time.time() - started, 6) if started else None,
             process_group=round(pg_seconds, 6), wid=self.wid, joining=self.joining,
         )
@@ -278,7 +279,7 @@ class Run:
         if self._checkpointer is not None and self._model is None:
             raise UserError("call run.track(model, optimizer) before run.steps() to checkpoint")
         self._resume()
-        self.events.emit("resume", step=self.step, total=total)
+        self.events.emit(Event.RESUME, step=self.step, total=total)
         while self.step < total:
             step = self.step
             self._stamp(step, PHASE_TRAINING)
@@ -288,11 +289,11 @@ class Run:
             yield step
             duration = time.perf_counter() - t0
             self.step = step + 1  # the body returned: the step is committed
-            self.events.emit("step", step=step, duration=round(duration, 6), **self._metrics)
+            self.events.emit(Event.STEP, step=step, duration=round(duration, 6), **self._metrics)
             self._after_step(duration)
         self._finish_checkpoints()
         self._stamp(self.step, PHASE_DONE)
-        self.events.emit("training_done", step=self.step)
+        self.events.emit(Event.TRAINING_DONE, step=self.step)
 
     # ------------------------------------------------------------------ the resilient loop
     def train(
@@ -328,7 +329,7 @@ class Run:
         else:
             self._resume()
             self._view = self._build_view()
-        self.events.emit("resume", step=self.step, total=steps, gen=self.gen)
+        self.events.emit(Event.RESUME, step=self.step, total=steps, gen=self.gen)
         if self._heartbeat is not None and self.in_place:
             self._heartbeat.set_generation(self.gen)
         while self.step < steps:
@@ -353,7 +354,7 @@ class Run:
             self._commit()
             duration = time.perf_counter() - t0
             self.step = step + 1
-            self.events.emit("step", step=step, duration=round(duration, 6), gen=self.gen,
+            self.events.emit(Event.STEP, step=step, duration=round(duration, 6), gen=self.gen,
                              **self._metrics)
             try:
                 self._after_step(duration)
@@ -366,7 +367,7 @@ class Run:
         if self.in_place:  # first: a done heartbeat means the leader counts this member done
             self._generations.membership.report_done(self.gen)
         self._stamp(self.step, PHASE_DONE)
-        self.events.emit("training_done", step=self.step, gen=self.gen, pid=os.getpid())
+        self.events.emit(Event.TRAINING_DONE, step=self.step, gen=self.gen, pid=os.getpid())
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
@@ -388,7 +389,7 @@ class Run:
         finally:
             dist.destroy_process_group()
         self._holds_state = False
-        self.events.emit("spare_ready", wid=self.wid, shadow_steps=steps,
+        self.events.emit(Event.SPARE_READY, wid=self.wid, shadow_steps=steps,
                          duration=round(time.monotonic() - t0, 6))
 
     def _await_promotion(self) -> None:
@@ -397,13 +398,13 @@ class Run:
             raise UserError("a spare needs its agent: run the script under `unbroken run --spares N`")
         slot = await_promotion(self._heartbeat, self._generations.membership.finished)
         if slot is None:
-            self.events.emit("joiner_unused", wid=self.wid)
+            self.events.emit(Event.JOINER_UNUSED, wid=self.wid)
             self.close()
             sys.exit(0)
         self.slot = self.rank = slot
         self.events.context["slot"] = self.slot
         self.events.context["rank"] = self.slot
-        self.events.emit("spare_promoted", wid=self.wid, slot=self.slot)
+        self.events.emit(Event.SPARE_PROMOTED, wid=self.wid, slot=self.slot)
 
     def _seed_step(self, step: int) -> None:
         """Seed the RNGs from (seed, step, slot). Not torch.manual_seed: it costs ~80 us."""
@@ -445,7 +446,7 @@ class Run:
             return
         error = f"{type(exc).__name__}: {exc}"
         tb = "".join(traceback.format_exception(exc))[-4000:]
-        self.events.emit("step_failed", step=step, gen=self.gen, error=error, traceback=tb)
+        self.events.emit(Event.STEP_FAILED, step=step, gen=self.gen, error=error, traceback=tb)
         self._leave_and_join(LeaveReason.EXCEPTION, error=error, traceback=tb)
 
     def _leave_and_join(self, reason: LeaveReason, **detail: Any) -> None:
@@ -453,7 +454,7 @@ class Run:
         self._stamp(self.step, PHASE_RECOVERY)
         self._view = None
         self._generations.leave(self.step, self._holds_state, reason, **detail)
-        self.events.emit("gen_leave", gen=self.gen, step=self.step, reason=reason.value,
+        self.events.emit(Event.GEN_LEAVE, gen=self.gen, step=self.step, reason=reason.value,
                          holds_state=self._holds_state, duration=round(time.monotonic() - t0, 6))
         self._join(reason.value)
 
@@ -470,11 +471,11 @@ class Run:
                                self._restore, self._build_view, joining=self.joining,
                                formed=self._checkpoints_formed)
         except JobFinished:
-            self.events.emit("joiner_unused", slot=self.slot)
+            self.events.emit(Event.JOINER_UNUSED, slot=self.slot)
             self.close()
             sys.exit(0)  # the job ended before this replacement was needed
         except Drained:
-            self.events.emit("drained", slot=self.slot, step=self.step, pid=os.getpid())
+            self.events.emit(Event.DRAINED, slot=self.slot, step=self.step, pid=os.getpid())
             self.close()
             sys.exit(0)  # a spare took over this rank, with the state it left with
         self.joining = False
@@ -488,7 +489,7 @@ class Run:
         self._stamp(self.step, PHASE_TRAINING)
         if self._heartbeat is not None:
             self._heartbeat.set_generation(self.gen)
-        self.events.emit("gen_switch", gen=self.gen, reason=reason, step=self.step,
+        self.events.emit(Event.GEN_SWITCH, gen=self.gen, reason=reason, step=self.step,
                          world_size=self.world_size, state_from=switch.sync.source,
                          received_bytes=switch.sync.received_bytes, tries=switch.tries,
                          duration=round(time.monotonic() - t0, 6),

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unbroken.telemetry.event_names import Event
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -26,7 +28,7 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
         record = {"t": round(time.time(), 6), "event": event, **self.context, **fields}
         if self._fd is not None:
             line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
