@@ -57,3 +57,16 @@ def test_a_slot_nothing_can_refill_under_wait_fails_at_once(tmp_path):
     events = read_events(results[0].run_dir / "events.jsonl")
     replacements = [e for e in events if e["event"] == "replacement_started"]
     assert len(replacements) == 2, replacements  # the budget paid for two; the third fault ends it
+
+
+def test_a_worker_that_fails_after_training_to_the_end_is_no_fault(tmp_path):
+    """Every rank trained to the end and reported done; one then exits non-zero (a crash in
+    its teardown). The job succeeded: nothing to recover, no budget spent."""
+    from conftest import launch
+
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "0",
+                    script=SCRIPTS / "ckpt_train.py",
+                    args=["--steps", "10", "--exit-code-after-training", "3"])
+    assert result.code == 0, result.output
+    assert [e["slot"] for e in result.events("exit_after_done")] == [1]
+    assert not result.events("fault")

@@ -6,6 +6,7 @@ optimizer state there at the end, to compare runs of different world sizes.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -24,6 +25,8 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--full-state", default=None)
 p.add_argument("--exact", action="store_true", help="sum gradients in rank order (bit-identical)")
+p.add_argument("--exit-code-after-training", type=int, default=0,
+               help="rank 1 exits with this code after training (a crash in teardown)")
 p.add_argument("--replacements-crash", action="store_true",
                help="a replacement worker raises before it can join (a crash loop)")
 args = p.parse_args()
@@ -69,3 +72,5 @@ if args.full_state:
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"model": model_sd, "optim": optim_sd["state"]}, args.full_state)
 run.close()
+if args.exit_code_after_training and run.slot == 1:
+    os._exit(args.exit_code_after_training)
