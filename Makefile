@@ -10,8 +10,17 @@ $(BIN)/unbroken: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)" -e ".[dev]"
 	@touch $@
 
+# The etcd backend's tests start an etcd server of their own: Debian's etcd-server.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+ETCD := $(shell command -v etcd || echo /usr/bin/etcd)
+
+$(ETCD):
+	@command -v apt-get >/dev/null || { echo "install etcd 3.4+ (the etcd backend's tests need it)"; exit 1; }
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends etcd-server
+
 .PHONY: install demo test lint
-install: $(BIN)/unbroken
+install: $(BIN)/unbroken $(ETCD)
 
 demo: install
 	$(BIN)/unbroken demo

@@ -161,3 +161,40 @@ def no_process_outlives_its_test(tmp_path):
             except ProcessLookupError:
                 pass
         raise AssertionError(f"processes outlived the test: {leaked}") from None
+
+
+@pytest.fixture
+def etcd_endpoint(tmp_path):
+    """A real etcd server on loopback for one test (installed by `make install`); its
+    client endpoint, HOST:PORT. Stopped, and its data removed, when the test ends."""
+    import shutil
+    import urllib.request
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise AssertionError("etcd is not installed: run `make install` (it installs "
+                             "Debian's etcd-server) or `apt-get install etcd-server`")
+    client, peer = free_port(), free_port()
+    proc = subprocess.Popen(
+        [binary, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                return b"true" in r.read()
+        except OSError:
+            return proc.poll() is not None and (_ for _ in ()).throw(
+                AssertionError(f"etcd exited with {proc.returncode}"))
+
+    try:
+        wait_for(healthy, 30, "etcd to serve")
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.kill()
+        proc.wait()

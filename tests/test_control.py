@@ -11,6 +11,7 @@ import pytest
 
 from unbroken.control.channel import Channel
 from unbroken.control.codec import decode
+from unbroken.control.etcd import EtcdBackend
 from unbroken.control.messages import (
     AttemptPlan,
     Fault,
@@ -27,8 +28,12 @@ from unbroken.control.worker_env import Role, WorkerEnv
 SRC = Path(__file__).resolve().parents[1] / "src" / "unbroken"
 
 
-@pytest.fixture
-def channel():
+@pytest.fixture(params=["tcpstore", "etcd"])
+def channel(request):
+    """The same protocol over each backend: the embedded TCPStore and a real etcd."""
+    if request.param == "etcd":
+        yield Channel(EtcdBackend([request.getfixturevalue("etcd_endpoint")], "run"))
+        return
     store, port = serve_store("127.0.0.1", 0, 10.0)
     yield Channel(TcpBackend(store, "run", "127.0.0.1", port))
     del store
@@ -70,6 +75,51 @@ def test_an_entry_counted_but_not_yet_written_ends_the_read(channel):
     keys = AttemptKeys(0)
     channel.backend.add(keys.deaths.count.key, 1)  # a writer between its add and its set
     assert channel.entries(keys.deaths, 0) == []
+
+
+def test_concurrent_adds_are_atomic(channel):
+    from concurrent.futures import ThreadPoolExecutor
+
+    counter = AttemptKeys(0).gen(0).nready
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: channel.bump(counter), range(40)))
+    assert channel.count(counter) == 40
+
+
+def test_a_process_group_forms_over_the_backends_rendezvous_store(channel, tmp_path):
+    """Two processes rendezvous a gloo group through `rendezvous_store` and all-reduce."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    backend = channel.backend
+    spec = (f"EtcdBackend({backend.endpoints!r}, 'run')" if isinstance(backend, EtcdBackend)
+            else f"TcpBackend.connect('127.0.0.1', {backend.port}, 'run', 10)")
+    code = f"""
+import sys, torch, torch.distributed as dist
+from unbroken.control.etcd import EtcdBackend
+from unbroken.control.tcp import TcpBackend
+rank = int(sys.argv[1])
+store = {spec}.rendezvous_store("g/1/pg/", 30)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+t = torch.tensor([rank + 1.0]); dist.all_reduce(t); print(int(t.item()))
+dist.destroy_process_group()
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE,
+                              text=True, cwd=REPO) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs == ["3", "3"]
+
+
+def test_an_unreachable_etcd_is_one_clear_error():
+    from conftest import free_port
+
+    from unbroken.control.backend import StoreUnavailable
+
+    backend = EtcdBackend([f"127.0.0.1:{free_port()}"], "run", timeout=1.0)
+    with pytest.raises(StoreUnavailable, match="cannot reach etcd at .*is etcd running"):
+        backend.get("current")
 
 
 def test_decoding_builds_only_declared_types():
