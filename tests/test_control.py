@@ -16,10 +16,12 @@ from unbroken.control.messages import (
     AttemptPlan,
     Fault,
     FaultKind,
+    GenPlan,
     Joiner,
     NodeLayout,
     Result,
     Status,
+    SwitchTarget,
 )
 from unbroken.control.schema import RESULT, AttemptKeys
 from unbroken.control.tcp import TcpBackend, serve_store
@@ -194,3 +196,27 @@ def test_every_event_name_is_declared_once_and_documented():
     assert documented == {e.value for e in Event}
     literal = re.compile(r"""\b(emit|record)\(\s*["']""")
     assert [p.name for p in SRC.rglob("*.py") if literal.search(p.read_text())] == []
+
+
+def test_signed_messages_reject_forgeries_and_replays(channel):
+    from unbroken.control.signing import Signer
+
+    keys = AttemptKeys(0)
+    reported = []
+    signed = Channel(channel.backend, Signer(b"k" * 32), lambda key, why: reported.append(key))
+    signed.write(keys.target, SwitchTarget(gen=1, step=5))
+    assert signed.read(keys.target) == SwitchTarget(gen=1, step=5)
+    channel.write(keys.target, SwitchTarget(gen=9, step=0))  # unsigned: a forger's
+    assert signed.read(keys.target) is None and signed.read(keys.target) is None
+    assert reported == [keys.target.key]  # reported once, not at every look
+    other = Channel(channel.backend, Signer(b"x" * 32))  # the wrong secret
+    other.write(keys.target, SwitchTarget(gen=2, step=0))
+    assert signed.read(keys.target) is None
+    # A validly signed message copied to another key is rejected there too.
+    signed.write(keys.gen(1).plan, GenPlan(gen=1, members=["0.0"]))
+    channel.backend.set(keys.gen(2).plan.key, channel.backend.get(keys.gen(1).plan.key))
+    assert signed.read(keys.gen(2).plan) is None
+    # A forged entry in a queue stands as None, so that readers move past it.
+    channel.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0))
+    signed.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=1))
+    assert [d and d.rank for d in signed.entries(keys.deaths, 0)] == [None, 1]

@@ -195,3 +195,34 @@ def test_the_worker_api_under_torchrun_resumes_after_a_restart(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_forged_control_messages_are_rejected_and_reported(tmp_path):
+    """Someone who can reach the store but has not the job's secret writes a death and the
+    plan of the next generation. Both are rejected and reported: the leader's planner does
+    not act on the death, and when a real fault comes, the survivors never follow the forged
+    plan (which would have excluded rank 0)."""
+    from unbroken.control.channel import Channel
+    from unbroken.control.messages import Fault, FaultKind, GenPlan
+    from unbroken.control.schema import AttemptKeys
+    from unbroken.control.tcp import TcpBackend
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "3",
+                 "--fault", "crash:rank=1,step=60", args=["--steps", "100", *TINY])
+    wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120, "step 5")
+    control = json.loads((run_dir / "control.json").read_text())
+    forger = Channel(TcpBackend.connect(control["addr"], control["port"], control["run_id"], 5))
+    keys = AttemptKeys(0)
+    forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0", node=0,
+                                     attempt=0, in_place=True, detail="forged"))
+    forger.write(keys.gen(1).plan, GenPlan(gen=1, members=["1.0"]))
+    forger.write(keys.latest_gen, 1)
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    forged = {e["key"] for e in result.events("forged_message")}
+    assert {"a/0/death/0", "a/0/gen"} <= forged, forged
+    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
+    assert result.events("gen_plan")[0]["members"] == ["0.0"]
+    first = next(e["pid"] for e in result.events("worker_start") if e["slot"] == 0)
+    assert any(e["slot"] == 0 and e["pid"] == first for e in result.events("training_done"))

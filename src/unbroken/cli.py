@@ -121,6 +121,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
     p.add_argument("--no-warm-restarts", dest="warm_restarts", action="store_false",
                    help="do not keep torch-imported standbys for restarts (see README)")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="the job's secret, in hex, that signs every control message (default: "
+                        "UNBROKEN_SECRET, else RUN_DIR/secret, made by node 0 if absent)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true",
                    help="run SCRIPT as an executable, not through python")
@@ -149,6 +152,8 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--master-addr", default=None)
     drain.add_argument("--master-port", type=_port, default=None)
     drain.add_argument("--rdzv-id", dest="run_id", default=None)
+    drain.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="the job's secret (default: UNBROKEN_SECRET, else RUN_DIR/secret)")
     drain.add_argument("--timeout", type=_seconds, default=120.0,
                        help="seconds to wait for the move (default 120)")
     return parser
@@ -223,7 +228,7 @@ def config_from_args(args: argparse.Namespace):
         hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
         warm_restarts=args.warm_restarts, on_fault=args.on_fault, spares=args.spares,
-        recovery_timeout=args.recovery_timeout, standby=args.standby,
+        recovery_timeout=args.recovery_timeout, standby=args.standby, secret_file=args.secret_file,
     )
 
 
@@ -253,7 +258,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     from unbroken.launch.drain import drain
 
     moved = drain(args.run_dir, args.master_addr, args.master_port, args.run_id,
-                  args.rank, args.node, args.timeout)
+                  args.rank, args.node, args.timeout, args.secret_file)
     for move in moved.moves:
         print(f"moved rank {move['rank']} from worker {move['from']} to spare {move['to']}")
     print(f"generation {moved.gen} was up {moved.switch_s:.3f}s after the switch began")

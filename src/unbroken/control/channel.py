@@ -1,35 +1,64 @@
 """Typed reads and writes of the schema's keys over a backend.
 
-The one place where messages become store values, where queues are appended to, and where
-a notifying write bumps the attempt's news counter (after the write, so that the planner
-woken by it finds what it was woken for).
+The one place where messages become store values, where queues are appended to, where a
+notifying write bumps the attempt's news counter (after the write, so that the planner woken
+by it finds what it was woken for), and where messages are signed and checked (`signing`).
+A message that fails its check is reported through `on_forged` and read as absent: nothing
+acts on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 from unbroken.control.backend import Backend
 from unbroken.control.codec import decode, encode
 from unbroken.control.schema import Counter, Queue, Slot
+from unbroken.control.signing import ForgedMessage, Signer
 
 T = TypeVar("T")
 
 
 class Channel:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, signer: Signer | None = None,
+                 on_forged: Callable[[str, str], None] | None = None) -> None:
         self.backend = backend
+        self.signer = signer
+        self.on_forged = on_forged or (lambda key, why: None)
+        self._reported: set[tuple[str, str]] = set()
+
+    def _seal(self, key: str, message: object) -> str:
+        text = encode(message)
+        return self.signer.seal(key, text) if self.signer is not None else text
+
+    def _open(self, slot: Slot[T], raw: str) -> T | None:
+        if self.signer is not None:
+            try:
+                raw = self.signer.open(slot.key, raw)
+            except ForgedMessage as exc:
+                if (slot.key, raw) not in self._reported:  # once per forged value
+                    self._reported.add((slot.key, raw))
+                    self.on_forged(slot.key, str(exc))
+                return None
+        return decode(slot.type, raw)
 
     def read(self, slot: Slot[T]) -> T | None:
         raw = self.backend.get(slot.key)
-        return None if raw is None else decode(slot.type, raw)
+        return None if raw is None else self._open(slot, raw)
 
     def write(self, slot: Slot[T], message: T) -> None:
-        self.backend.set(slot.key, encode(message))
+        self.backend.set(slot.key, self._seal(slot.key, message))
 
-    def first(self, slot: Slot[T], message: T) -> T:
-        """Write `message` unless the slot is set already; return the message that won."""
-        return decode(slot.type, self.backend.compare_set(slot.key, None, encode(message)))
+    def first(self, slot: Slot[T], message: T) -> T | None:
+        """Write `message` unless the slot is set already; return the message that won.
+        A forged value squatting the slot is reported and overwritten."""
+        sealed = self._seal(slot.key, message)
+        won = self._open(slot, self.backend.compare_set(slot.key, None, sealed))
+        if won is None:
+            self.backend.set(slot.key, sealed)
+            return message
+        return won
 
     def count(self, counter: Counter) -> int:
         return self.backend.add(counter.key, 0)
@@ -43,17 +72,20 @@ class Channel:
     def append(self, queue: Queue[T], message: T) -> int:
         """Add an entry; returns its index."""
         index = self.backend.add(queue.count.key, 1) - 1
-        self.backend.set(queue.entry(index).key, encode(message))
+        entry = queue.entry(index)
+        self.backend.set(entry.key, self._seal(entry.key, message))
         if queue.notifies:
             self.backend.add(queue.notifies, 1)
         return index
 
-    def entries(self, queue: Queue[T], start: int) -> list[T]:
-        """Entries from `start` on, up to the first counted but not yet written."""
-        found = []
+    def entries(self, queue: Queue[T], start: int) -> list[T | None]:
+        """Entries from `start` on, up to the first counted but not yet written. A forged
+        entry is reported and stands as None, so that the reader's cursor moves past it."""
+        found: list[T | None] = []
         for index in range(start, self.count(queue.count)):
-            entry = self.read(queue.entry(index))
-            if entry is None:
+            entry = queue.entry(index)
+            raw = self.backend.get(entry.key)
+            if raw is None:
                 break
-            found.append(entry)
+            found.append(self._open(entry, raw))
         return found

@@ -60,6 +60,8 @@ class WorkerEnv:
     role: Role = Role.WORKER
     shadow_steps: int = 3
     """A spare's warm-up iterations."""
+    secret: str | None = None
+    """The job's secret, in hex: signs and checks control messages."""
     agent_store: bool = False
     """torchrun's TORCHELASTIC_USE_AGENT_STORE: workers rendezvous in the agent's store."""
 
@@ -91,7 +93,7 @@ class WorkerEnv:
             "UNBROKEN_RECOVERY_TIMEOUT": self.recovery_timeout,
             "UNBROKEN_SLOT": self.slot, "UNBROKEN_WORKER_ID": self.worker_id,
             "UNBROKEN_JOIN": "1" if self.joining else "0", "UNBROKEN_ROLE": self.role.value,
-            "UNBROKEN_SHADOW_STEPS": self.shadow_steps,
+            "UNBROKEN_SHADOW_STEPS": self.shadow_steps, "UNBROKEN_SECRET": self.secret,
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -135,4 +137,5 @@ class WorkerEnv:
             role=Role(env.get("UNBROKEN_ROLE", Role.WORKER.value)),
             shadow_steps=num("UNBROKEN_SHADOW_STEPS", 3),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            secret=env.get("UNBROKEN_SECRET"),
         )

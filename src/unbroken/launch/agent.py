@@ -23,6 +23,7 @@ from unbroken.control.backend import StoreUnavailable
 from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
 from unbroken.control.schema import agent_lease
+from unbroken.control.signing import SECRET_FILE, Signer, load_secret
 from unbroken.control.tcp import TcpBackend, connect_store, serve_store
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import ControlPlaneError
@@ -53,6 +54,7 @@ class Agent:
         self._signal: int | None = None
         self._lease_stop = threading.Event()
         self.role: Leader | Follower | None = None
+        self._secret: bytes | None = None
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -68,7 +70,8 @@ class Agent:
             if cfg.warm_restarts and not cfg.no_python:
                 pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
             channel, port = self._connect()
-            sup = NodeSupervisor(cfg, self.events, self.out, guard, pool, port)
+            sup = NodeSupervisor(cfg, self.events, self.out, guard, pool, port,
+                                 self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.out, self._check_signal)
             role_cls = Leader if cfg.is_leader else Follower
             self.role = role_cls(cfg, channel, watch, self.events, self.instance, self._sleep,
@@ -114,9 +117,28 @@ class Agent:
         self._check_signal()
 
     # ---------------------------------------------------------------- control plane
+    def _forged(self, key: str, why: str) -> None:
+        """A control message that fails its signature check: rejected, and reported."""
+        self.events.emit(Event.FORGED_MESSAGE, key=key, reason=why)
+        self.say(f"rejected a forged control message at {key} ({why})")
+
+    def _job_secret(self) -> bytes:
+        """The leader's (made if none is given); a follower waits for the leader's file."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while (secret := load_secret(cfg.run_dir, cfg.secret_file, create=cfg.is_leader)) is None:
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"no job secret after {cfg.rdzv_timeout:g}s: give --secret-file or "
+                    f"UNBROKEN_SECRET (node 0 writes it to {Path(cfg.run_dir) / SECRET_FILE})")
+            self._sleep(0.05)
+        return secret
+
     def _connect(self) -> tuple[Channel, int]:
         """The control channel, and the port the control store listens on."""
         cfg = self.cfg
+        self._secret = self._job_secret()
+        signer = Signer(self._secret)
         if cfg.is_leader:
             store, port = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
             backend = TcpBackend(store, cfg.run_id, cfg.master_addr, port)
@@ -126,7 +148,7 @@ class Agent:
             tmp = control.with_suffix(".tmp")
             tmp.write_text(json.dumps({"addr": cfg.master_addr, "port": port, "run_id": cfg.run_id}))
             tmp.replace(control)
-            return Channel(backend), port
+            return Channel(backend, signer, self._forged), port
         deadline = time.monotonic() + cfg.rdzv_timeout
         while True:
             self._check_signal()
@@ -137,7 +159,7 @@ class Agent:
                 if time.monotonic() > deadline:
                     raise
         threading.Thread(target=self._keep_lease, daemon=True, name="agent-lease").start()
-        return Channel(backend), cfg.master_port
+        return Channel(backend, signer, self._forged), cfg.master_port
 
     def _keep_lease(self) -> None:
         """Proves this agent alive to the leader, on a connection of its own, so that a busy

@@ -119,7 +119,7 @@ class AttemptWatch:
             if self.resilient:
                 orders = ch.entries(keys.orders(cfg.node_rank), orders_seen)
                 orders_seen += len(orders)
-                for order in orders:
+                for order in filter(None, orders):  # None: forged, rejected
                     self._obey(order)
                 target = ch.read(keys.target)
                 if target is not None:

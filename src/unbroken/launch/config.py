@@ -34,6 +34,7 @@ class LaunchConfig:
     join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
     spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
     standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
+    secret_file: str | None = None  # the job's secret (hex); else UNBROKEN_SECRET, else RUN_DIR/secret
 
     @property
     def is_leader(self) -> bool:

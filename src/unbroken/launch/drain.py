@@ -18,6 +18,7 @@ from unbroken.control.backend import StoreUnavailable
 from unbroken.control.channel import Channel
 from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
 from unbroken.control.schema import CURRENT, RESULT, AttemptKeys
+from unbroken.control.signing import Signer, load_secret
 from unbroken.control.tcp import TcpBackend
 from unbroken.errors import ControlPlaneError, UserError
 
@@ -64,7 +65,8 @@ def request_drain(channel: Channel, request: DrainRequest, timeout: float) -> Dr
 
 
 def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str | None,
-          rank: int | None, node: int | None, timeout: float) -> DrainOutcome:
+          rank: int | None, node: int | None, timeout: float,
+          secret_file: str | None = None) -> DrainOutcome:
     if (rank is None) == (node is None):
         raise UserError("give exactly one of --rank R or --node K")
     if (rank if rank is not None else node) < 0:
@@ -75,7 +77,11 @@ def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str |
     except OSError as exc:
         raise ControlPlaneError(f"cannot reach the job's control store at {host}:{port} "
                                 f"({exc.strerror or exc}); is the job running?") from None
-    channel = Channel(TcpBackend.connect(host, port, run_id, timeout=5.0))
+    secret = load_secret(run_dir, secret_file)
+    if secret is None:
+        raise UserError("no job secret: give --secret-file, or set UNBROKEN_SECRET (node 0 wrote "
+                        "it to RUN_DIR/secret on its host)")
+    channel = Channel(TcpBackend.connect(host, port, run_id, timeout=5.0), Signer(secret))
     request = (DrainRequest(DrainKind.RANK, rank) if rank is not None
                else DrainRequest(DrainKind.NODE, node))
     try:

@@ -127,8 +127,9 @@ class Leader(Role):
         """The leader's part of each look: standby nodes, leases, the planner, the end."""
         ch, keys, watch = self.channel, AttemptKeys(attempt), self.watch
         for join in ch.entries(keys.standbys, self._standbys_seen):
-            self._standbys[join.node] = join.instance
             self._standbys_seen += 1
+            if join is not None:  # None: forged, rejected
+                self._standbys[join.node] = join.instance
         lost = self._check_leases(attempt)
         ex = self._executor
         if ex is not None and watch.resilient:

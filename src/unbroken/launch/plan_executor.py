@@ -67,10 +67,10 @@ class PlanExecutor:
                 if m not in s.departed and (d := ch.read(g.left(m))) is not None:
                     inbox.departures[m] = d
         nodes = [*s.standby_nodes, *standby, *s.nodes]
-        if lost or inbox.drains or any(d.spare is None for d in inbox.deaths):
+        if lost or any(inbox.drains) or any(d is not None and d.spare is None for d in inbox.deaths):
             for node in nodes:
                 inbox.ready_spares += [(node, w) for w in ch.read(keys.ready_spares(node)) or []]
-        if lost or inbox.drains:
+        if lost or any(inbox.drains):
             inbox.hosted = {node: ch.read(keys.hosted(node)) for node in nodes}
         return inbox
 

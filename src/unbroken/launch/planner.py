@@ -139,9 +139,10 @@ class Inbox:
 
     now: float  # seconds, monotonic (the leader's clock)
     max_step: int = 0  # the furthest step a member has reached
-    deaths: list[Fault] = field(default_factory=list)  # new entries of the death queue
-    joiners: list[Joiner] = field(default_factory=list)
-    drains: list[DrainRequest] = field(default_factory=list)
+    # New entries of the queues; None stands for a forged entry (rejected, reported).
+    deaths: list[Fault | None] = field(default_factory=list)
+    joiners: list[Joiner | None] = field(default_factory=list)
+    drains: list[DrainRequest | None] = field(default_factory=list)
     nleft: int = 0  # of the current generation
     nup: int = 0
     ndone: int = 0
@@ -258,14 +259,15 @@ class _Decision:
                 self._node_lost(node)
                 if self.ended:
                     return
-        for death in inbox.deaths:
+        for death in filter(None, inbox.deaths):
             self._death(death)
             if self.ended:
                 return
-        for joiner in inbox.joiners:
+        for joiner in filter(None, inbox.joiners):
             self._joiner(joiner)
         for i, request in enumerate(inbox.drains):
-            self._drain(first_drain + i, request)
+            if request is not None:
+                self._drain(first_drain + i, request)
         s.departed.update({w: d for w, d in inbox.departures.items()
                            if w in s.members and d.gen == s.gen})
         self._step()

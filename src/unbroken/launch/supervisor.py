@@ -53,13 +53,14 @@ class NodeSupervisor:
     """This node's processes for one attempt at a time: workers, replacements, spares."""
 
     def __init__(self, cfg: LaunchConfig, events: EventLog, out: TextIO, guard: OrphanGuard,
-                 pool: WarmPool | None, control_port: int) -> None:
+                 pool: WarmPool | None, control_port: int, secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.events = events
         self.out = out
         self.guard = guard
         self.pool = pool
         self.control_port = control_port
+        self.secret = secret  # handed to the workers: they sign and check control messages
         self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm, unassigned
@@ -121,6 +122,7 @@ class NodeSupervisor:
             torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
             agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
             shadow_steps=WorkerEnv.from_environ().shadow_steps,  # a user's setting is kept
+            secret=self.secret.hex() if self.secret else None,
             faults=cfg.faults, in_place=cfg.on_fault != "restart",
             recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, agent_store=True,
             **fields)

@@ -37,6 +37,7 @@ from unbroken.checkpoint.checkpointer import Checkpointer
 from unbroken.control.channel import Channel
 from unbroken.control.messages import LeaveReason
 from unbroken.control.schema import fault_claim, torchrun_restart_prefix
+from unbroken.control.signing import Signer
 from unbroken.control.tcp import TcpBackend
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError, first_line, is_peer_error
@@ -181,9 +182,14 @@ class Run:
         """The control channel (under `unbroken run`), connected once, lazily."""
         if self._control is None:
             env = self.env
+            signer = Signer(bytes.fromhex(env.secret)) if env.secret else None
             self._control = Channel(TcpBackend.connect(env.control_addr, env.control_port,
-                                                       env.run_id, 30.0))
+                                                       env.run_id, 30.0), signer,
+                                    on_forged=self._forged)
         return self._control
+
+    def _forged(self, key: str, why: str) -> None:
+        self.events.emit(Event.FORGED_MESSAGE, key=key, reason=why)
 
     def _claim_fault(self, key: str) -> bool:
         """A fault fires once per job: claimed in the control store, or per process without one."""

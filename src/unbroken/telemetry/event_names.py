@@ -26,6 +26,7 @@ class Event(StrEnum):
     EXIT_AFTER_DONE = "exit_after_done"
     FAULT = "fault"
     FAULT_INJECTED = "fault_injected"
+    FORGED_MESSAGE = "forged_message"
     GEN_LEAVE = "gen_leave"
     GEN_PLAN = "gen_plan"
     GEN_SWITCH = "gen_switch"
