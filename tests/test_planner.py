@@ -180,8 +180,13 @@ def test_a_lost_node_that_ran_no_rank_changes_nothing():
     assert not of(out, EndAttempt) and s.phase == Phase.RUNNING and s.lost_nodes == [1]
 
 
-def test_a_lost_node_that_never_said_what_it_ran_restarts_the_job():
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})
+def test_a_lost_node_that_never_said_what_it_ran_is_taken_to_run_what_it_started():
+    s = initial_state(0, 4, {0: [0, 1], 1: [2, 3]}, RestartBudget(3))
+    s, out = run(s, lost_nodes=[1], hosted={1: None}, standby_nodes=[2],
+                 ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
+    assert [(o.order.slot, o.order.spare) for o in of(out, Order)] == [
+        (2, "spare2-1"), (3, "spare2-2")]
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})  # no layout, no spares
     assert of(out, EndAttempt)[0].action == EndAction.RESTART
 
 

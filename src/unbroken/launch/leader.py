@@ -116,7 +116,8 @@ class Leader(Role):
         cfg = self.cfg
         self._executor = None
         if self.watch.in_place:
-            state = initial_state(attempt, offset, list(layout), self.budget)
+            slots = {k: list(range(n.offset, n.offset + n.nproc)) for k, n in layout.items()}
+            state = initial_state(attempt, offset, slots, self.budget)
             config = PlannerConfig(policy=Policy(cfg.on_fault), recovery_timeout=cfg.recovery_timeout,
                                    join_timeout=cfg.join_timeout)
             self._executor = PlanExecutor(self.channel, state, config, self.events.emit, self.say)

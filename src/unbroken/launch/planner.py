@@ -95,6 +95,7 @@ class PlannerState:
     members: list[str]  # the current generation's, in rank order
     slot_of: dict[str, int]  # worker id -> logical slot
     nodes: list[int]  # the attempt's planned nodes
+    layout: dict[int, list[int]] = field(default_factory=dict)  # node -> its slots at the start
     gen: int = 0
     phase: Phase = Phase.RUNNING
     recovery: Recovery | None = None
@@ -126,11 +127,14 @@ class PlannerState:
         return self.phase != Phase.RUNNING or self.switch_requested or bool(self.refills)
 
 
-def initial_state(attempt: int, world_size: int, nodes: list[int],
+def initial_state(attempt: int, world_size: int, nodes: list[int] | dict[int, list[int]],
                   budget: RestartBudget) -> PlannerState:
+    """Generation 0 of an attempt: every slot's first worker. `nodes` maps each node to the
+    slots it starts with (or lists the nodes, when no layout is known)."""
     slots = {f"{r}.0": r for r in range(world_size)}
+    layout = dict(nodes) if isinstance(nodes, dict) else {}
     return PlannerState(attempt=attempt, budget=budget, members=list(slots), slot_of=slots,
-                        nodes=list(nodes))
+                        nodes=list(nodes), layout=layout)
 
 
 @dataclass
@@ -303,6 +307,8 @@ class _Decision:
         s = self.s
         s.lost_nodes.append(node)
         said = self.inbox.hosted.get(node)
+        if said is None and node in s.layout:  # it died before it said: it ran what it started
+            said = {f"{slot}.0": slot for slot in s.layout[node]}
         hosted = {w: slot for w, slot in (said or {}).items()
                   if w in s.members and w not in s.dead}
         detail = f"agent of node {node} silent past --node-timeout"
