@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.control.backend import StoreUnavailable
 from unbroken.errors import ControlPlaneError
 
+T = TypeVar("T")
 _STORE_ERRORS = (RuntimeError, OSError)  # what a TCPStore call raises when the server is gone
 
 
@@ -89,7 +92,7 @@ class TcpBackend:
     def describe(self) -> str:
         return f"the control store at {self.addr}:{self.port}"
 
-    def _call(self, fn, *args):  # noqa: ANN001, ANN202
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
         try:
             return fn(*args)
         except _STORE_ERRORS as exc:

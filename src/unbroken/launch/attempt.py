@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import TextIO
 
 from unbroken.control.channel import Channel
-from unbroken.control.messages import AttemptPlan, Fault, NodeDone, OrderKind, Result
+from unbroken.control.messages import AttemptPlan, Fault, NodeDone, NodeOrder, OrderKind, Result
 from unbroken.control.schema import RESULT, AttemptKeys
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.planner import EndAttempt
@@ -162,7 +162,8 @@ class AttemptWatch:
         self.events.emit(Event.FAULT, **fault.event_fields())
         self.say(f"fault: rank {fault.rank} {fault.kind.value}: {fault.detail} (recovering in place)")
 
-    def _obey(self, order) -> None:  # noqa: ANN001
+    def _obey(self, order: NodeOrder) -> None:
+        """Carry out one of the leader's orders to this node."""
         sup = self.sup
         if order.kind == OrderKind.REPLACE:
             if self.cfg.standby:
