@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from unbroken.control.codec import to_plain
+
 
 class FaultKind(StrEnum):
     """What went wrong."""
@@ -54,8 +56,6 @@ class Fault:
 
     def event_fields(self) -> dict[str, Any]:
         """The fields of its `fault` event (docs/events.md): set ones, `t` left out."""
-        from unbroken.control.codec import to_plain
-
         plain = to_plain(self)
         return {k: v for k, v in plain.items()
                 if k != "t" and (v is not None or k in ("rank", "node"))}

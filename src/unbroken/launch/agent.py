@@ -70,9 +70,9 @@ class Agent:
             if cfg.warm_restarts and not cfg.no_python:
                 pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
             channel, port = self._connect()
-            sup = NodeSupervisor(cfg, self.events, self.out, guard, pool, port,
+            sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, port,
                                  self._secret)
-            watch = AttemptWatch(cfg, channel, sup, self.events, self.out, self._check_signal)
+            watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
             role_cls = Leader if cfg.is_leader else Follower
             self.role = role_cls(cfg, channel, watch, self.events, self.instance, self._sleep,
                                  self._report_failure)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TextIO
 
 from unbroken.control.channel import Channel
 from unbroken.control.messages import AttemptPlan, Fault, NodeDone, NodeOrder, OrderKind, Result
@@ -52,20 +51,19 @@ class AttemptWatch:
     """The per-node loop of one attempt (see the module docstring)."""
 
     def __init__(self, cfg: LaunchConfig, channel: Channel, supervisor: NodeSupervisor,
-                 events: EventLog, out: TextIO, check_signal: Callable[[], None]) -> None:
+                 events: EventLog, say: Callable[[str], None],
+                 check_signal: Callable[[], None]) -> None:
         self.cfg = cfg
         self.channel = channel
         self.sup = supervisor
         self.events = events
-        self.out = out
+        self.say = say  # the agent's one line to the user
         self.check_signal = check_signal
         self.in_place = cfg.on_fault != "restart" and not cfg.no_python
         self.resilient = False
         self.busy = False  # the leader asks for fast looks while it recovers
         self.keys: AttemptKeys | None = None
-
-    def say(self, msg: str) -> None:
-        print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
+        self.done_posted = False  # this node's NodeDone is written, for this attempt
 
     def publish_fault(self, fault: Fault, attempt: int) -> Fault:
         """Publish the fault that ends the attempt; the first one published wins."""
@@ -95,7 +93,7 @@ class AttemptWatch:
         self.busy = False
         board = SpareBoard(ch, keys, cfg.node_rank) if self.in_place else None
         orders_seen = 0
-        done_posted = False
+        self.done_posted = False
         while True:
             sup.wait(0.002 if self.busy else cfg.monitor_interval)
             self.check_signal()
@@ -137,10 +135,10 @@ class AttemptWatch:
             outcome = duties()
             if outcome is not None:
                 return outcome
-            if not done_posted and self._node_done(keys):
+            if not self.done_posted and self._node_done(keys):
                 ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
                 self.events.emit(Event.WORKERS_DONE, attempt=attempt)
-                done_posted = True
+                self.done_posted = True
             sup.fill_pool(t0)
 
     def _node_done(self, keys: AttemptKeys) -> bool:

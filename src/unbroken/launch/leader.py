@@ -140,7 +140,9 @@ class Leader(Role):
                 return Outcome(Ending.FAULT, watch.publish_fault(end.fault, attempt), end)
         elif lost is not None:
             return Outcome(Ending.FAULT, watch.publish_fault(lost, attempt))
-        if self._all_done(keys):
+        # Only once this node is done: until then no attempt can be, and reading every
+        # node's key at every look would cost the idle leader N reads per look.
+        if watch.done_posted and self._all_done(keys):
             return Outcome(Ending.DONE)
         return None
 

@@ -13,8 +13,8 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
 from unbroken.control.worker_env import Role, WorkerEnv
@@ -52,16 +52,18 @@ _PEER_ERROR = 2
 class NodeSupervisor:
     """This node's processes for one attempt at a time: workers, replacements, spares."""
 
-    def __init__(self, cfg: LaunchConfig, events: EventLog, out: TextIO, guard: OrphanGuard,
-                 pool: WarmPool | None, control_port: int, secret: bytes | None = None) -> None:
+    def __init__(self, cfg: LaunchConfig, events: EventLog, say: Callable[[str], None],
+                 guard: OrphanGuard, pool: WarmPool | None, control_port: int,
+                 secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.events = events
-        self.out = out
+        self.say = say  # the agent's one line to the user
         self.guard = guard
         self.pool = pool
         self.control_port = control_port
         self.secret = secret  # handed to the workers: they sign and check control messages
         self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
+        self._shadow_steps = WorkerEnv.from_environ().shadow_steps  # a user's setting is kept
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm, unassigned
         self.selector = selectors.DefaultSelector()
@@ -76,9 +78,6 @@ class NodeSupervisor:
         self._peer_errors_since: float | None = None
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
-
-    def say(self, msg: str) -> None:
-        print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
 
     # ---------------------------------------------------------------- starting
     def start_attempt(self, attempt: int, plan: AttemptPlan) -> None:
@@ -121,7 +120,7 @@ class NodeSupervisor:
             error_file=str(base.with_suffix(".error.json")),
             torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
             agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
-            shadow_steps=WorkerEnv.from_environ().shadow_steps,  # a user's setting is kept
+            shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
             faults=cfg.faults, in_place=cfg.on_fault != "restart",
             recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, agent_store=True,
