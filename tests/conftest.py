@@ -7,11 +7,13 @@ its run is still alive (an agent, a worker, or a worker's child).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,38 +165,85 @@ def no_process_outlives_its_test(tmp_path):
         raise AssertionError(f"processes outlived the test: {leaked}") from None
 
 
-@pytest.fixture
-def etcd_endpoint(tmp_path):
-    """A real etcd server on loopback for one test (installed by `make install`); its
-    client endpoint, HOST:PORT. Stopped, and its data removed, when the test ends."""
-    import shutil
-    import urllib.request
+@dataclass
+class Etcd:
+    endpoint: str  # HOST:PORT, on the address it was started for
+    proc: subprocess.Popen
+    log: Path
 
+    def answers(self) -> bool:
+        """Whether its v3 JSON gateway serves a read; AssertionError if etcd has exited."""
+        request = urllib.request.Request(f"http://{self.endpoint}/v3/kv/range",
+                                         data=b'{"key": "Zm9v"}', method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"etcd exited with {self.proc.returncode}:\n"
+                                     f"{self.log.read_text(errors='replace')[-2000:]}") from None
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def start_etcd(listen_addr: str, data_dir: Path) -> Etcd:
+    """A one-member etcd (installed by `make install`) serving clients on listen_addr and on
+    loopback, at one free port, and answering reads when this returns (within 20 s). Its
+    output goes to data_dir.log. The v3 JSON gateway the etcd backend speaks is on by
+    default from etcd 3.4 (3.4's `--help` does not even list `--enable-grpc-gateway`)."""
     binary = shutil.which("etcd")
     if binary is None:
         raise AssertionError("etcd is not installed: run `make install` (it installs "
                              "Debian's etcd-server) or `apt-get install etcd-server`")
     client, peer = free_port(), free_port()
-    proc = subprocess.Popen(
-        [binary, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}",
-         "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return proc.poll() is not None and (_ for _ in ()).throw(
-                AssertionError(f"etcd exited with {proc.returncode}"))
-
+    name = f"etcd-{client}"
+    clients = ",".join(f"http://{a}:{client}" for a in dict.fromkeys([listen_addr, "127.0.0.1"]))
+    log = data_dir.with_suffix(".log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [binary, "--name", name, "--data-dir", str(data_dir),
+             "--listen-client-urls", clients,
+             "--advertise-client-urls", f"http://{listen_addr}:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"{name}=http://127.0.0.1:{peer}", "--log-level", "error"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    etcd = Etcd(f"{listen_addr}:{client}", proc, log)
     try:
-        wait_for(healthy, 30, "etcd to serve")
-        yield f"127.0.0.1:{client}"
+        wait_for(etcd.answers, 20, "etcd to serve")
+    except BaseException:
+        etcd.stop()
+        raise
+    return etcd
+
+
+@pytest.fixture
+def etcd_endpoint(tmp_path):
+    """A real etcd server on loopback for one test; its client endpoint, HOST:PORT.
+    Stopped, and its data removed, when the test ends."""
+    etcd = start_etcd("127.0.0.1", tmp_path / "etcd")
+    try:
+        yield etcd.endpoint
     finally:
-        proc.kill()
-        proc.wait()
+        etcd.stop()
+
+
+@pytest.fixture
+def netns_hosts(tmp_path):
+    """Three hosts on one bridge (tests/netns.py), with an etcd in the root namespace on the
+    bridge address as `hosts.etcd`. Skipped where network namespaces cannot be made."""
+    from netns import Hosts, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Hosts() as hosts:
+        hosts.etcd = start_etcd(hosts.bridge_addr, tmp_path / "etcd")
+        try:
+            yield hosts
+        finally:
+            hosts.etcd.stop()

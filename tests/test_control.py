@@ -133,8 +133,8 @@ def test_decoding_builds_only_declared_types():
 
 
 def test_the_worker_environment_round_trips():
-    env = WorkerEnv(rank=3, world_size=4, local_rank=1, attempt=2, control_addr="127.0.0.1",
-                    control_port=4000, in_place=True, slot=3, worker_id="3.1", joining=True,
+    env = WorkerEnv(rank=3, world_size=4, local_rank=1, attempt=2, control="tcp://127.0.0.1:4000",
+                    in_place=True, slot=3, worker_id="3.1", joining=True,
                     role=Role.SPARE, run_dir="/tmp/x", heartbeat_file="/tmp/x/hb", agent_store=True)
     back = WorkerEnv.from_environ(env.to_environ())
     assert back == env

@@ -202,17 +202,17 @@ def test_forged_control_messages_are_rejected_and_reported(tmp_path):
     plan of the next generation. Both are rejected and reported: the leader's planner does
     not act on the death, and when a real fault comes, the survivors never follow the forged
     plan (which would have excluded rank 0)."""
+    from unbroken.control.address import ControlAddress, open_backend
     from unbroken.control.channel import Channel
     from unbroken.control.messages import Fault, FaultKind, GenPlan
     from unbroken.control.schema import AttemptKeys
-    from unbroken.control.tcp import TcpBackend
 
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "3",
                  "--fault", "crash:rank=1,step=60", args=["--steps", "100", *TINY])
     wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120, "step 5")
     control = json.loads((run_dir / "control.json").read_text())
-    forger = Channel(TcpBackend.connect(control["addr"], control["port"], control["run_id"], 5))
+    forger = Channel(open_backend(ControlAddress.parse(control["control"]), control["run_id"]))
     keys = AttemptKeys(0)
     forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0", node=0,
                                      attempt=0, in_place=True, detail="forged"))

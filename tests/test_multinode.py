@@ -43,7 +43,10 @@ def test_two_nodes_recover_in_place_from_a_worker_kill_on_node_1(tmp_path):
     assert s["steps"] == 40 and s["final_loss"] < s["first_loss"] - 0.5
 
 
-def test_lost_node_is_detected_and_a_restarted_agent_rejoins(tmp_path):
+def test_lost_node_is_detected_the_job_shrinks_and_a_restarted_agent_ends_with_it(tmp_path):
+    """The leader declares the node lost and the survivors go on without its ranks (shrink).
+    A restarted agent for the node finds the attempt running without it: it waits, and exits
+    0 with the job. (Admitting it at a step boundary is elastic growth, issue 12.)"""
     port = free_port()
     run_dir = tmp_path / "run"
     leader = _node(tmp_path, port, 0, steps=400)
@@ -62,26 +65,31 @@ def test_lost_node_is_detected_and_a_restarted_agent_rejoins(tmp_path):
     r0, r1 = finish(leader, run_dir, timeout=300), finish(replacement, run_dir, timeout=60)
     assert r0.code == 0, r0.output
     assert r1.code == 0, r1.output
+    assert "job finished" in r1.output
+    assert [e["world_size"] for e in r0.events("gen_plan")] == [2]
     assert summarize(run_dir)["steps"] == 400
 
 
-def _endless_two_node_job(tmp_path):
+def _endless_two_node_job(tmp_path, *extra):
     """Leader, follower and run dir of a job that trains until it is stopped."""
     port = free_port()
-    leader = _node(tmp_path, port, 0, steps=100000)
-    follower = _node(tmp_path, port, 1, steps=100000)
+    leader = _node(tmp_path, port, 0, *extra, steps=100000)
+    follower = _node(tmp_path, port, 1, *extra, steps=100000)
     wait_for(lambda: events_of(tmp_path / "run", "step"), 120, "training to start")
     return leader, follower, tmp_path / "run"
 
 
-def test_followers_stop_when_the_leader_dies(tmp_path):
-    leader, follower, run_dir = _endless_two_node_job(tmp_path)
+def test_with_the_tcpstore_followers_stop_when_the_leader_dies(tmp_path):
+    """The TCPStore lives in the node-0 agent: it is the job's single point of failure
+    (README). A follower rides the loss out for --control-retry-window, then stops its
+    workers and exits 3. (With etcd the job goes on: tests/test_failover.py.)"""
+    leader, follower, run_dir = _endless_two_node_job(tmp_path, "--control-retry-window", "3")
     workers = [p for e in events_of(run_dir, "workers_started") for p in e["pids"].values()]
     os.kill(leader.pid, signal.SIGKILL)
     leader.wait()
     r1 = finish(follower, run_dir, timeout=60)
     assert r1.code == 3, r1.output
-    assert "lost the control store" in r1.output
+    assert "retrying for up to 3s" in r1.output and "still unreachable after 3s" in r1.output
     for pid in workers:
         wait_for(lambda pid=pid: not alive(pid), 10, f"worker {pid} to stop")
 

@@ -168,11 +168,23 @@ def test_a_node_lost_with_enough_spares_elsewhere_moves_its_ranks_in_place():
     assert not of(out, EndAttempt)
 
 
-def test_a_node_lost_without_spares_ends_the_attempt_for_a_full_restart():
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}})
+def test_a_node_lost_without_spares_under_wait_ends_the_attempt_for_a_full_restart():
+    s, out = run(fresh(), WAIT, lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}})
     (end,) = of(out, EndAttempt)
     assert end.action == EndAction.RESTART and end.fault.kind == FaultKind.NODE_LOST
     assert end.fault.node == 1
+
+
+def test_a_node_lost_without_spares_under_shrink_goes_on_without_its_ranks():
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}},
+                 standby_nodes=[2], ready_spares=[(2, "spare2-1")])
+    assert not of(out, EndAttempt)
+    # One rank to the one spare; the other is dropped: no replacement is ordered from a
+    # lost node, now or later.
+    assert [(o.node, o.order.slot) for o in of(out, Order)] == [(2, 2)]
+    assert set(s.dead) == {"2.0", "3.0"} and s.budget.spent == 2 and s.refills == []
+    s, out = run(s, nleft=2, departures=all_left(s, except_dead={"2.0", "3.0"}), now=200.0)
+    assert not [o for o in of(out, Order) if o.order.kind == OrderKind.REPLACE]
 
 
 def test_a_lost_node_that_ran_no_rank_changes_nothing():
@@ -186,7 +198,7 @@ def test_a_lost_node_that_never_said_what_it_ran_is_taken_to_run_what_it_started
                  ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
     assert [(o.order.slot, o.order.spare) for o in of(out, Order)] == [
         (2, "spare2-1"), (3, "spare2-2")]
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})  # no layout, no spares
+    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})  # no layout: what did it run?
     assert of(out, EndAttempt)[0].action == EndAction.RESTART
 
 
@@ -315,3 +327,12 @@ def test_finished_only_when_every_member_of_the_final_generation_is_done():
     assert not of(out, MarkFinished) and not s.finished
     s, out = run(s, ndone=4)
     assert of(out, MarkFinished) and s.finished
+
+
+def test_a_quarantined_node_gets_no_replacement_and_gives_no_spare():
+    s, _ = run(fresh(), deaths=[death(2, node=1)])
+    assert [r.slot for r in s.refills] == [2]  # a replacement from node 1, in a moment
+    s, out = run(s, barred_nodes=[1], ready_spares=[(1, "spare1-1")])
+    assert s.refills == [] and s.barred_nodes == [1]
+    s, out = run(s, deaths=[death(3, node=0)], ready_spares=[(1, "spare1-1")], now=200.0)
+    assert not [o for o in of(out, Order) if o.node == 1]

@@ -8,6 +8,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -81,9 +82,31 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", "--master_port", type=_port, default=None,
                    help="port of the node-0 agent's control store (default 29500)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
-                   help="HOST:PORT, the same as --master-addr/--master-port")
+                   help="c10d: HOST:PORT, the same as --master-addr/--master-port; etcd: the "
+                        "etcd cluster, HOST:PORT[,HOST:PORT...] (https://HOST:PORT for TLS)")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
-                   choices=["c10d", "static"], help="accepted for torchrun compatibility")
+                   choices=["c10d", "static", "etcd", "etcd-v2"],
+                   help="c10d/static: the node-0 agent holds the control store (node 0 is a "
+                        "single point of failure); etcd/etcd-v2: the control plane is an etcd "
+                        "v3 cluster and any agent can take over as leader")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="this node's address, where it serves the workers' store when it leads "
+                        "(default: --master-addr, or 127.0.0.1 with etcd)")
+    p.add_argument("--leader-timeout", type=_seconds, default=2.0,
+                   help="etcd: seconds of leader silence before another agent takes over")
+    p.add_argument("--control-retry-window", type=_seconds, default=30.0,
+                   help="seconds an agent retries a lost control plane before giving up")
+    p.add_argument("--quarantine-after", type=int, default=3, metavar="N",
+                   help="quarantine a node after N faults within --quarantine-window (0: never)")
+    p.add_argument("--quarantine-window", type=_seconds, default=3600.0,
+                   help="seconds over which a node's faults count towards quarantine")
+    p.add_argument("--etcd-cacert", default=None, metavar="PATH",
+                   help="CA that signed etcd's TLS certificate")
+    p.add_argument("--etcd-cert", default=None, metavar="PATH",
+                   help="client certificate, for etcd with --client-cert-auth")
+    p.add_argument("--etcd-key", default=None, metavar="PATH", help="the client certificate's key")
+    p.add_argument("--etcd-user", default=None,
+                   help="etcd user; its password is read from UNBROKEN_ETCD_PASSWORD")
     p.add_argument("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", dest="run_id", default=None,
                    help="job id, the same on every node (default: generated on one node)")
     p.add_argument("--standalone", action="store_true",
@@ -131,11 +154,28 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
+def _defaults_from_pet(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """torchrun's `PET_<FLAG>` variables (as Kubeflow's PyTorchJob sets them) give a flag's
+    default; a flag on the command line still wins."""
+    for action in p._actions:
+        name = "PET_RDZV_ID" if action.dest == "run_id" else f"PET_{action.dest.upper()}"
+        if not action.option_strings or name not in env:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = env[name].strip().lower() in ("1", "true", "yes")
+        elif isinstance(action, argparse._StoreFalseAction):
+            action.default = env[name].strip().lower() not in ("1", "true", "yes")
+        else:
+            action.default = env[name]  # a string default goes through the flag's type
+            action.required = False
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="unbroken", description="Fault-tolerant distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="launch a training script (a drop-in for torchrun)")
     _add_run_flags(run)
+    _defaults_from_pet(run, os.environ)
     demo = sub.add_parser("demo", help="train the example GPT with 4 workers through injected faults")
     demo.add_argument("--steps", type=_positive_int("--steps"), default=600)
     demo.add_argument("--workers", type=_positive_int("--workers"), default=4)
@@ -174,7 +214,9 @@ def _nnodes(text: str) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """Validate `unbroken run`'s flags into a LaunchConfig; a UserError names the bad one."""
+    from unbroken.control.address import BackendKind, ControlAddress, EtcdCredentials
     from unbroken.launch.config import LaunchConfig
+    from unbroken.launch.node_set import QuarantineRule
 
     nnodes = _nnodes(args.nnodes)
     if args.standby:
@@ -193,8 +235,26 @@ def config_from_args(args: argparse.Namespace):
     if args.spares and args.on_fault == "restart":
         raise UserError("--spares takes failed workers' ranks in place; it does not work with "
                         "--on-fault restart")
+    if args.quarantine_after < 0:
+        raise UserError(f"--quarantine-after must be 0 or more, got {args.quarantine_after}")
+    etcd = args.rdzv_backend in ("etcd", "etcd-v2")
+    endpoints: tuple[str, ...] = ()
+    if etcd:
+        if not args.rdzv_endpoint:
+            raise UserError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint "
+                            "HOST:PORT[,HOST:PORT...] naming the etcd cluster")
+        endpoints = ControlAddress.parse(f"etcd://{args.rdzv_endpoint}").endpoints
+        if args.standalone:
+            raise UserError("--standalone serves its own store; drop it or --rdzv-backend etcd")
+    if (args.etcd_cacert or args.etcd_cert or args.etcd_key or args.etcd_user) and not etcd:
+        raise UserError("--etcd-* flags need --rdzv-backend etcd")
+    for path in (args.etcd_cacert, args.etcd_cert, args.etcd_key):
+        if path and not Path(path).is_file():
+            raise UserError(f"file not found: {path}")
+    if bool(args.etcd_cert) != bool(args.etcd_key):
+        raise UserError("--etcd-cert and --etcd-key go together")
     addr, port = args.master_addr, args.master_port
-    if args.rdzv_endpoint:
+    if args.rdzv_endpoint and not etcd:
         host, _, p = args.rdzv_endpoint.rpartition(":")
         if not host or not p.isdigit():
             raise UserError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
@@ -229,6 +289,12 @@ def config_from_args(args: argparse.Namespace):
         node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout, kill_grace=args.kill_grace,
         warm_restarts=args.warm_restarts, on_fault=args.on_fault, spares=args.spares,
         recovery_timeout=args.recovery_timeout, standby=args.standby, secret_file=args.secret_file,
+        backend=BackendKind.ETCD if etcd else BackendKind.TCP, etcd_endpoints=endpoints,
+        etcd_credentials=EtcdCredentials(cacert=args.etcd_cacert, cert=args.etcd_cert,
+                                         key=args.etcd_key, user=args.etcd_user),
+        local_addr=args.local_addr, leader_timeout=args.leader_timeout,
+        retry_window=args.control_retry_window,
+        quarantine=QuarantineRule(after=args.quarantine_after, window=args.quarantine_window),
     )
 
 
@@ -236,7 +302,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from unbroken.launch.agent import Agent
 
     cfg = config_from_args(args)
-    code = Agent(cfg).run()
+    try:
+        code = Agent(cfg).run()
+    except UserError as exc:  # the control plane's errors included: one line, then out
+        print(f"unbroken run: error: {exc}", file=sys.stderr, flush=True)
+        code = exc.exit_code
     exit_without_teardown(int(code))  # the agent's store threads can abort a normal exit
 
 

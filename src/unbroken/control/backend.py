@@ -25,7 +25,14 @@ class Backend(Protocol):
     def get(self, key: str) -> str | None:
         """The value of `key`, or None if unset. Never blocks."""
 
+    def get_many(self, keys: list[str]) -> list[str | None]:
+        """The values of many keys (None where unset), in as few round trips as the store
+        allows: how the leader reads every agent's lease at once."""
+
     def set(self, key: str, value: str) -> None: ...
+
+    def delete_prefix(self) -> None:
+        """Delete every key of the run: the leader clears a finished run's keys."""
 
     def compare_set(self, key: str, expected: str | None, desired: str) -> str:
         """Set `key` to `desired` if its value is `expected` (None: unset); return the value it

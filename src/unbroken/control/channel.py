@@ -47,6 +47,12 @@ class Channel:
         raw = self.backend.get(slot.key)
         return None if raw is None else self._open(slot, raw)
 
+    def read_many(self, slots: list[Slot[T]]) -> list[T | None]:
+        """`read` of many slots in as few round trips as the backend allows."""
+        raws = self.backend.get_many([slot.key for slot in slots])
+        return [None if raw is None else self._open(slot, raw)
+                for slot, raw in zip(slots, raws, strict=True)]
+
     def write(self, slot: Slot[T], message: T) -> None:
         self.backend.set(slot.key, self._seal(slot.key, message))
 
@@ -59,6 +65,12 @@ class Channel:
             self.backend.set(slot.key, sealed)
             return message
         return won
+
+    def replace(self, slot: Slot[T], old: T, new: T) -> bool:
+        """Write `new` only if the slot still holds `old` (as this channel would have sealed
+        it): one winner among racing writers. True if this call won."""
+        sealed = self._seal(slot.key, new)
+        return self.backend.compare_set(slot.key, self._seal(slot.key, old), sealed) == sealed
 
     def count(self, counter: Counter) -> int:
         return self.backend.add(counter.key, 0)

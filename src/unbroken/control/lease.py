@@ -1,6 +1,12 @@
 """Liveness by lease: a holder refreshes its lease; an observer declares it lost when the
-lease has not moved for a timeout. With TCPStore the lease is a counter and the observer
-keeps the clock; a backend with real leases (etcd) gives the same answer."""
+lease has not moved for a timeout. The lease is a counter and the observer keeps the clock,
+so the same code serves every backend, and no two hosts' clocks are ever compared.
+
+The observer's own pauses do not count against the holders: if the observer did not look
+for longer than `pause_limit` (its host was stalled, or it rode out a blip of the control
+plane), every clock starts again from its next look, so a paused leader does not declare
+everyone lost.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,33 @@ from unbroken.control.schema import Counter
 class LeaseWatch:
     """The observer's side: how long each watched lease has been silent."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, pause_limit: float = 2.0) -> None:
         self.backend = backend
+        self.pause_limit = pause_limit
         self._seen: dict[str, tuple[int, float]] = {}  # key -> (token, when it last changed)
+        self._last_look: float | None = None
 
     def silent_for(self, lease: Counter, now: float) -> float:
         """Seconds since the lease was last seen to move (0 the first time it is looked at)."""
-        token = self.backend.lease_token(lease.key)
-        last = self._seen.get(lease.key)
-        if last is None or last[0] != token:
-            self._seen[lease.key] = (token, now)
-            return 0.0
-        return now - last[1]
+        return self.silent_many([lease], now)[0]
+
+    def silent_many(self, leases: list[Counter], now: float) -> list[float]:
+        """`silent_for` of each lease, read in one call to the store."""
+        if self._last_look is not None and now - self._last_look > self.pause_limit:
+            self._seen.clear()  # we were away: nobody's silence can be judged across it
+        self._last_look = now
+        raw = self.backend.get_many([lease.key for lease in leases])
+        silent = []
+        for lease, value in zip(leases, raw, strict=True):
+            token = int(value or 0)
+            last = self._seen.get(lease.key)
+            if last is None or last[0] != token:
+                self._seen[lease.key] = (token, now)
+                silent.append(0.0)
+            else:
+                silent.append(now - last[1])
+        return silent
 
     def reset(self) -> None:
         self._seen.clear()
+        self._last_look = None

@@ -86,6 +86,7 @@ class AttemptPlan:
     world_size: int
     nodes: dict[int, NodeLayout]
     worker_port: int
+    worker_addr: str = ""  # where the leader serves the attempt's worker store
 
 
 @dataclass
@@ -179,6 +180,7 @@ class StandbyJoin:
 class OrderKind(StrEnum):
     PROMOTE = "promote"  # put ready spare `spare` into `slot`
     REPLACE = "replace"  # start a fresh worker for `slot` (its previous process is dead)
+    LEAVE = "leave"  # stop every process of the node and leave the job (quarantine); slot -1
 
 
 @dataclass
@@ -205,3 +207,41 @@ class Result:
     fault: Fault | None = None
     reason: str | None = None  # the one line that says why it failed
     signal: int | None = None  # the leader's, when interrupted
+
+
+@dataclass
+class LeaderClaim:
+    """Who leads the job: won by compare-and-set, taken over by compare-and-set from a
+    leader whose agent lease has been silent for --leader-timeout."""
+
+    node: int
+    instance: str
+    term: int  # 0 for the first leader, +1 at each takeover
+
+
+class NodeOut(StrEnum):
+    """Why a node is no longer one of the job's nodes."""
+
+    LOST = "lost"  # its agent's lease expired
+    DRAINED = "drained"  # every rank moved to spares, and it left
+    QUARANTINED = "quarantined"  # too many faults in the window: not used again
+
+
+@dataclass
+class NodeSet:
+    """The job's nodes (`launch/node_set.py` changes it): who a full restart waits for."""
+
+    order: list[int]
+    """Nodes whose workers hold the world's ranks, in rank order."""
+    out: dict[int, NodeOut] = field(default_factory=dict)
+    faults: dict[int, list[float]] = field(default_factory=dict)
+    """Node -> wall times of the faults blamed on it (the quarantine's window)."""
+
+
+@dataclass
+class LeaderRecord:
+    """What a successor needs besides each attempt's keys; the leader rewrites it on change."""
+
+    attempt: int
+    restarts_spent: int
+    nodes: NodeSet

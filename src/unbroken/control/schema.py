@@ -53,6 +53,14 @@ class Queue(Generic[T]):
 # ---------------------------------------------------------------- the job
 CURRENT: Slot[int] = Slot("current", int, "leader: the attempt now open")
 RESULT: Slot[m.Result] = Slot("result", m.Result, "leader, once: how the job ended")
+LEADER: Slot[m.LeaderClaim] = Slot("leader", m.LeaderClaim,
+                                   "agents, by compare-and-set: who leads the job")
+LEADER_RECORD: Slot[m.LeaderRecord] = Slot("leader_record", m.LeaderRecord,
+                                           "leader, on change: budget and node set, for a successor")
+
+
+def node_out(node: int) -> Slot[m.NodeOut]:
+    return Slot(f"out/{node}", m.NodeOut, "leader: this node is out of the job, and why")
 
 
 def ack(node: int) -> Slot[bool]:
@@ -104,6 +112,12 @@ class AttemptKeys:
 
     def node_stopped(self, node: int) -> Slot[bool]:
         return Slot(self._k(f"stopped/{node}"), bool, "the node's agent: its workers are reaped")
+
+    @property
+    def planner_state(self) -> Slot[dict]:
+        """The planner's state (`launch.planner.PlannerState`, as plain values: the control
+        package does not import the launcher) with the clock it was written at."""
+        return Slot(self._k("planner"), dict, "leader: after each decision that changed it")
 
     def node_released(self, node: int) -> Slot[bool]:
         return Slot(self._k(f"released/{node}"), bool, "a follower whose ranks were all drained")

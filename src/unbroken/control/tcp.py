@@ -104,8 +104,14 @@ class TcpBackend:
             return None
         return self._call(self._kv.get, key).decode()
 
+    def get_many(self, keys: list[str]) -> list[str | None]:
+        return [self.get(k) for k in keys]  # loopback round trips: ~50 us each
+
     def set(self, key: str, value: str) -> None:
         self._call(self._kv.set, key, value)
+
+    def delete_prefix(self) -> None:
+        """Nothing to do: the store lives and dies with the job's node-0 agent."""
 
     def compare_set(self, key: str, expected: str | None, desired: str) -> str:
         return self._call(self._kv.compare_set, key, expected or "", desired).decode()

@@ -42,9 +42,9 @@ class WorkerEnv:
     error_file: str | None = None
     torchelastic_error_file: str | None = None
     agent_pid: int | None = None
-    control_addr: str | None = None
-    """The control store: set only under `unbroken run`."""
-    control_port: int | None = None
+    control: str | None = None
+    """The control plane (`address.ControlAddress.text()`): set only under `unbroken run`.
+    etcd credentials travel as `EtcdCredentials.to_environ()` beside it."""
     faults: str = ""
     """Fault injection spec (`unbroken.faults`)."""
     in_place: bool = False
@@ -59,6 +59,8 @@ class WorkerEnv:
     """A replacement: it registers as a joiner instead of starting the job."""
     role: Role = Role.WORKER
     shadow_steps: int = 3
+    retry_window: float = 30.0
+    """How long a lost control plane is retried before it is an error (`--control-retry-window`)."""
     """A spare's warm-up iterations."""
     secret: str | None = None
     """The job's secret, in hex: signs and checks control messages."""
@@ -67,7 +69,7 @@ class WorkerEnv:
 
     @property
     def under_agent(self) -> bool:
-        return self.control_port is not None
+        return self.control is not None
 
     def to_environ(self) -> dict[str, str]:
         """The variables, torchrun's and ours, for `os.environ`."""
@@ -87,13 +89,13 @@ class WorkerEnv:
             "UNBROKEN_NODE_RANK": self.node_rank, "UNBROKEN_ATTEMPT": self.attempt,
             "UNBROKEN_HEARTBEAT_FILE": self.heartbeat_file,
             "UNBROKEN_ERROR_FILE": self.error_file, "UNBROKEN_AGENT_PID": self.agent_pid,
-            "UNBROKEN_CONTROL_ADDR": self.control_addr,
-            "UNBROKEN_CONTROL_PORT": self.control_port, "UNBROKEN_FAULTS": self.faults,
+            "UNBROKEN_CONTROL": self.control, "UNBROKEN_FAULTS": self.faults,
             "UNBROKEN_IN_PLACE": "1" if self.in_place else "0",
             "UNBROKEN_RECOVERY_TIMEOUT": self.recovery_timeout,
             "UNBROKEN_SLOT": self.slot, "UNBROKEN_WORKER_ID": self.worker_id,
             "UNBROKEN_JOIN": "1" if self.joining else "0", "UNBROKEN_ROLE": self.role.value,
             "UNBROKEN_SHADOW_STEPS": self.shadow_steps, "UNBROKEN_SECRET": self.secret,
+            "UNBROKEN_RETRY_WINDOW": self.retry_window,
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -114,7 +116,7 @@ class WorkerEnv:
                     return int(env[key])
             return default
 
-        port = num("UNBROKEN_CONTROL_PORT", None)
+        control = env.get("UNBROKEN_CONTROL") or None
         return cls(
             rank=num("RANK", 0), world_size=num("WORLD_SIZE", 1),
             local_rank=num("LOCAL_RANK", 0), local_world_size=num("LOCAL_WORLD_SIZE", 1),
@@ -128,14 +130,15 @@ class WorkerEnv:
             error_file=env.get("UNBROKEN_ERROR_FILE"),
             torchelastic_error_file=env.get("TORCHELASTIC_ERROR_FILE"),
             agent_pid=num("UNBROKEN_AGENT_PID", None),
-            control_addr=env.get("UNBROKEN_CONTROL_ADDR"), control_port=port,
+            control=control,
             faults=env.get("UNBROKEN_FAULTS", ""),
-            in_place=env.get("UNBROKEN_IN_PLACE") == "1" and port is not None,
+            in_place=env.get("UNBROKEN_IN_PLACE") == "1" and control is not None,
             recovery_timeout=float(env.get("UNBROKEN_RECOVERY_TIMEOUT", 60)),
             slot=num("UNBROKEN_SLOT", None), worker_id=env.get("UNBROKEN_WORKER_ID"),
             joining=env.get("UNBROKEN_JOIN") == "1",
             role=Role(env.get("UNBROKEN_ROLE", Role.WORKER.value)),
             shadow_steps=num("UNBROKEN_SHADOW_STEPS", 3),
+            retry_window=float(env.get("UNBROKEN_RETRY_WINDOW", 30)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             secret=env.get("UNBROKEN_SECRET"),
         )

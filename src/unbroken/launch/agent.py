@@ -9,6 +9,7 @@ never imports the user's code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,17 +20,20 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.control.backend import StoreUnavailable
+from unbroken.control.address import BackendKind, ControlAddress, open_backend
+from unbroken.control.backend import Backend, StoreUnavailable
 from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
+from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import agent_lease
 from unbroken.control.signing import SECRET_FILE, Signer, load_secret
-from unbroken.control.tcp import TcpBackend, connect_store, serve_store
+from unbroken.control.tcp import TcpBackend, serve_store
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import ControlPlaneError
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
+from unbroken.launch.election import Deposed, Elected, Election
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
@@ -69,14 +73,25 @@ class Agent:
         try:
             if cfg.warm_restarts and not cfg.no_python:
                 pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
-            channel, port = self._connect()
-            sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, port,
-                                 self._secret)
+            channel, address = self._connect()
+            sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, address, self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
-            role_cls = Leader if cfg.is_leader else Follower
-            self.role = role_cls(cfg, channel, watch, self.events, self.instance, self._sleep,
-                                 self._report_failure)
-            code = self.role.run()
+            election = None
+            leads = cfg.is_leader
+            if cfg.elects:
+                election = Election(channel, cfg.node_rank, self.instance, cfg.leader_timeout)
+                leads = not cfg.standby and election.stand(first=cfg.is_leader).instance \
+                    == self.instance
+                if cfg.standby:
+                    election = None  # standby nodes never lead
+            args = (cfg, channel, watch, self.events, self.instance, self._sleep,
+                    self._report_failure, election)
+            self.role = (Leader if leads else Follower)(*args)
+            try:
+                code = self.role.run()
+            except Elected as elected:
+                self.role = Leader(*args)
+                code = self.role.run(takeover=elected)
         except _Interrupted as exc:
             self.say(f"{exc}: stopping workers")
             if sup is not None:
@@ -86,6 +101,8 @@ class Agent:
         except ControlPlaneError as exc:
             if sup is not None:
                 sup.stop_all()
+            if isinstance(exc, Deposed):
+                self.events.emit(Event.LEADER_DEPOSED, error=str(exc))
             self.events.emit(Event.AGENT_ERROR, error=str(exc))
             self.events.emit(Event.AGENT_EXIT, code=int(exc.exit_code))
             raise
@@ -134,47 +151,91 @@ class Agent:
             self._sleep(0.05)
         return secret
 
-    def _connect(self) -> tuple[Channel, int]:
-        """The control channel, and the port the control store listens on."""
+    def _connect(self) -> tuple[Channel, ControlAddress]:
+        """The control channel, and where the workers reach the control plane. The node-0
+        agent serves the TCPStore; every other agent, and every agent with etcd, connects.
+        Every agent keeps a liveness lease from here on."""
         cfg = self.cfg
         self._secret = self._job_secret()
         signer = Signer(self._secret)
-        if cfg.is_leader:
+        if cfg.elects or not cfg.is_leader:
+            address = cfg.control_address(cfg.master_port)
+            first = self._first_contact(address)
+            backend = self._retrying(address, first)
+        else:
             store, port = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+            address = cfg.control_address(port)
             backend = TcpBackend(store, cfg.run_id, cfg.master_addr, port)
-            # Where `unbroken drain RUN_DIR` finds the job.
-            control = Path(cfg.run_dir) / CONTROL_FILE
-            control.parent.mkdir(parents=True, exist_ok=True)
-            tmp = control.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"addr": cfg.master_addr, "port": port, "run_id": cfg.run_id}))
-            tmp.replace(control)
-            return Channel(backend, signer, self._forged), port
-        deadline = time.monotonic() + cfg.rdzv_timeout
+        if cfg.is_leader:
+            self._write_control_file(address)
+        threading.Thread(target=self._keep_lease, args=(address,), daemon=True,
+                         name="agent-lease").start()
+        return Channel(backend, signer, self._forged), address
+
+    def _first_contact(self, address: ControlAddress) -> Backend:
+        """The first connection: retried until --rdzv-timeout (node 0 may start later)."""
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
         while True:
             self._check_signal()
             try:
-                backend = TcpBackend.connect(cfg.master_addr, cfg.master_port, cfg.run_id, 2.0)
-                break
+                return open_backend(address, self.cfg.run_id, 2.0)
             except StoreUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-        threading.Thread(target=self._keep_lease, daemon=True, name="agent-lease").start()
-        return Channel(backend, signer, self._forged), cfg.master_port
+                if address.kind == BackendKind.ETCD or time.monotonic() > deadline:
+                    raise  # etcd is up before the job: a wrong endpoint is said at once
+                self._sleep(0.1)
 
-    def _keep_lease(self) -> None:
-        """Proves this agent alive to the leader, on a connection of its own, so that a busy
-        main loop cannot stall it. If the store is lost, the main loop sees it at its next call."""
+    def _retrying(self, address: ControlAddress, first: Backend | None = None) -> RetryingBackend:
+        """A client that rides out a blip of the control plane (--control-retry-window)."""
+        return RetryingBackend(lambda: open_backend(address, self.cfg.run_id, 2.0),
+                               window=self.cfg.retry_window, on_lost=self._control_lost,
+                               on_back=self._control_back, sleep=self._sleep, first=first)
+
+    def _control_lost(self, error: str) -> None:
+        self.events.emit(Event.CONTROL_PLANE_LOST, error=error)
+        self.say(f"lost the control plane ({error}); retrying for up to "
+                 f"{self.cfg.retry_window:g}s")
+
+    def _control_back(self, outage: float) -> None:
+        self.events.emit(Event.CONTROL_PLANE_BACK, outage=round(outage, 3))
+        self.say(f"the control plane is back after {outage:.1f}s")
+        if self.role is not None:
+            self.role.outage_ended = True
+
+    def _write_control_file(self, address: ControlAddress) -> None:
+        """Where `unbroken drain RUN_DIR` finds the job."""
+        control = Path(self.cfg.run_dir) / CONTROL_FILE
+        control.parent.mkdir(parents=True, exist_ok=True)
+        tmp = control.with_suffix(".tmp")
+        creds = {k: v for k, v in dataclasses.asdict(address.credentials).items() if v}
+        tmp.write_text(json.dumps({"control": address.text(), "run_id": self.cfg.run_id,
+                                   "etcd": creds}))
+        tmp.replace(control)
+
+    def _keep_lease(self, address: ControlAddress) -> None:
+        """Proves this agent alive, on a connection of its own, so that a busy main loop
+        cannot stall it. A lost control plane is retried for the window (a blip is an event,
+        not a death); past it, the lease is given up as an event, and the main loop, whose
+        own calls fail the same way, ends the agent."""
         cfg = self.cfg
         lease = agent_lease(cfg.node_rank, self.instance)
-        try:
-            backend = TcpBackend(connect_store(cfg.master_addr, cfg.master_port, 10.0), cfg.run_id,
-                                 cfg.master_addr, cfg.master_port)
-            period = max(0.05, min(1.0, cfg.node_timeout / 5))
-            while not self._lease_stop.wait(period):
+        backend = RetryingBackend(lambda: open_backend(address, cfg.run_id, 2.0),
+                                  window=cfg.retry_window)
+        last = 0.0
+        while not self._lease_stop.wait(0.05):
+            # The period follows the role: an agent that starts to lead refreshes faster at once.
+            if time.monotonic() - last < cfg.lease_period(self._leads()):
+                continue
+            try:
                 backend.refresh_lease(lease.key)
-        except ControlPlaneError as exc:
-            if not self._lease_stop.is_set():  # not the job's own end
-                self.events.emit(Event.LEASE_LOST, error=str(exc))
+            except ControlPlaneError as exc:
+                if not self._lease_stop.is_set():  # not the job's own end
+                    self.events.emit(Event.LEASE_LOST, error=str(exc))
+                return
+            last = time.monotonic()
+
+    def _leads(self) -> bool:
+        """Leading, or maybe about to (node 0 stands first): a leader's lease is watched closely."""
+        return isinstance(self.role, Leader) or (self.role is None and self.cfg.is_leader)
 
     def _publish_interrupt(self, signum: int) -> None:
         if self.role is None:

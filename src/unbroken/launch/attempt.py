@@ -63,6 +63,10 @@ class AttemptWatch:
         self.resilient = False
         self.busy = False  # the leader asks for fast looks while it recovers
         self.keys: AttemptKeys | None = None
+        self.attempt = -1
+        self._t0 = 0.0
+        self._board: SpareBoard | None = None
+        self._orders_seen = 0
         self.done_posted = False  # this node's NodeDone is written, for this attempt
 
     def publish_fault(self, fault: Fault, attempt: int) -> Fault:
@@ -77,23 +81,35 @@ class AttemptWatch:
 
     def run(self, attempt: int, plan: AttemptPlan,
             duties: Callable[[], Outcome | None]) -> Outcome:
-        cfg, sup, ch = self.cfg, self.sup, self.channel
-        self.keys = keys = AttemptKeys(attempt)
-        t0 = time.monotonic()
+        """Start this node's part of `attempt` and watch it until it ends."""
+        self.begin(attempt, plan)
+        return self.watch(duties)
+
+    def begin(self, attempt: int, plan: AttemptPlan) -> None:
+        cfg, sup = self.cfg, self.sup
+        self.keys = AttemptKeys(attempt)
+        self.attempt = attempt
+        self._t0 = t0 = time.monotonic()
         sup.start_attempt(attempt, plan)
         self.events.emit(Event.WORKERS_STARTED, attempt=attempt,
                          duration=round(time.monotonic() - t0, 6),
                          pids={w.rank: w.pid for w in sup.workers})
-        if cfg.standby:
+        if sup.standby:
             self.say(f"attempt {attempt}: standing by with {sup.spare_target} spare(s)")
         elif attempt == 0 or cfg.is_leader:
             ranks = [w.rank for w in sup.workers]
             self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan.world_size}")
-        self.resilient = cfg.standby  # latched once every worker runs the resilient loop
+        self.resilient = sup.standby  # latched once every worker runs the resilient loop
         self.busy = False
-        board = SpareBoard(ch, keys, cfg.node_rank) if self.in_place else None
-        orders_seen = 0
+        self._board = SpareBoard(self.channel, self.keys, cfg.node_rank) if self.in_place else None
+        self._orders_seen = 0
         self.done_posted = False
+
+    def watch(self, duties: Callable[[], Outcome | None]) -> Outcome:
+        """Watch the attempt `begin` started until it ends. A takeover of leadership leaves
+        this loop by an exception from `duties` and enters it again, with the same workers,
+        under the new role's duties."""
+        cfg, sup, ch, keys, attempt = self.cfg, self.sup, self.channel, self.keys, self.attempt
         while True:
             sup.wait(0.002 if self.busy else cfg.monitor_interval)
             self.check_signal()
@@ -115,17 +131,19 @@ class AttemptWatch:
             if hung is not None and not self.resilient:
                 return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
             if self.resilient:
-                orders = ch.entries(keys.orders(cfg.node_rank), orders_seen)
-                orders_seen += len(orders)
+                orders = ch.entries(keys.orders(cfg.node_rank), self._orders_seen)
+                self._orders_seen += len(orders)
                 for order in filter(None, orders):  # None: forged, rejected
-                    self._obey(order)
+                    if self._obey(order) is not None:
+                        return Outcome(Ending.RELEASED)
                 target = ch.read(keys.target)
                 if target is not None:
                     sup.mirror_target(target)
                 if sup.spare_target:
                     sup.tend_spares(sup.training())
-                board.offer([s.wid for s in sup.ready_spares()])
-                board.host({w.wid: w.rank for w in sup.workers if w.proc.returncode in (None, 0)})
+                self._board.offer([s.wid for s in sup.ready_spares()])
+                self._board.host({w.wid: w.rank for w in sup.workers
+                                  if w.proc.returncode in (None, 0)})
             fault = ch.read(keys.fault)
             if fault is not None:
                 return Outcome(Ending.FAULT, fault)
@@ -139,7 +157,7 @@ class AttemptWatch:
                 ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
                 self.events.emit(Event.WORKERS_DONE, attempt=attempt)
                 self.done_posted = True
-            sup.fill_pool(t0)
+            sup.fill_pool(self._t0)
 
     def _node_done(self, keys: AttemptKeys) -> bool:
         """Every worker here exited 0, and trained to the end: some rank finished here, or
@@ -160,19 +178,25 @@ class AttemptWatch:
         self.events.emit(Event.FAULT, **fault.event_fields())
         self.say(f"fault: rank {fault.rank} {fault.kind.value}: {fault.detail} (recovering in place)")
 
-    def _obey(self, order: NodeOrder) -> None:
-        """Carry out one of the leader's orders to this node."""
+    def _obey(self, order: NodeOrder) -> NodeOrder | None:
+        """Carry out one of the leader's orders to this node; returns a LEAVE order (this
+        node leaves the job: its processes are stopped, without a death published)."""
         sup = self.sup
+        if order.kind == OrderKind.LEAVE:
+            sup.stop_all()
+            self.channel.write(self.keys.node_released(self.cfg.node_rank), True)
+            return order
         if order.kind == OrderKind.REPLACE:
-            if self.cfg.standby:
-                return  # a standby node starts no fresh workers
+            if sup.standby:
+                return None  # a standby node starts no fresh workers
             sup.start_replacement(order.slot)
-            return
+            return None
         spare = next((s for s in sup.ready_spares() if s.wid == order.spare), None)
         if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
             self.events.emit(Event.SPARE_REQUEST_DECLINED, wid=order.spare, slot=order.slot)
-            return
+            return None
         sup.promote(spare, order.slot, by="leader")
+        return None
 
     def stop_workers(self, attempt: int, fault: Fault | None) -> None:
         """End this node's part of the attempt: stop and reap its processes, and say so."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unbroken.control.address import BackendKind, ControlAddress, EtcdCredentials
+from unbroken.control.retry import DEFAULT_WINDOW
+from unbroken.launch.node_set import QuarantineRule
+
 
 @dataclass
 class LaunchConfig:
@@ -35,7 +39,44 @@ class LaunchConfig:
     spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
     standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
     secret_file: str | None = None  # the job's secret (hex); else UNBROKEN_SECRET, else RUN_DIR/secret
+    backend: BackendKind = BackendKind.TCP
+    """The control plane: the node-0 agent's TCPStore, or an etcd cluster (`--rdzv-backend`)."""
+    etcd_endpoints: tuple[str, ...] = ()
+    """etcd: `--rdzv-endpoint HOST:PORT[,HOST:PORT...]`."""
+    etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
+    local_addr: str | None = None
+    """Where this agent binds what it serves (the attempt's worker store, when it leads);
+    None: --master-addr with the TCPStore, loopback with etcd."""
+    leader_timeout: float = 2.0
+    """etcd: a leader whose lease is silent this long is replaced."""
+    retry_window: float = DEFAULT_WINDOW
+    """How long an agent rides out a lost control plane before it gives up."""
+    quarantine: QuarantineRule = field(default_factory=QuarantineRule)
 
     @property
     def is_leader(self) -> bool:
+        """Node 0 leads from the start (with etcd, it stands first; any agent may take over)."""
         return self.node_rank == 0 and not self.standby
+
+    @property
+    def bind_addr(self) -> str:
+        if self.local_addr:
+            return self.local_addr
+        return self.master_addr if self.backend == BackendKind.TCP else "127.0.0.1"
+
+    def lease_period(self, leading: bool) -> float:
+        """How often an agent refreshes its lease: five times within the timeout it is
+        judged by (a leader's, --leader-timeout, when elected; else --node-timeout)."""
+        timeout = self.leader_timeout if leading and self.elects else self.node_timeout
+        return max(0.05, min(2.0, timeout / 5))
+
+    @property
+    def elects(self) -> bool:
+        """Leadership is elected (etcd), not fixed on node 0 (TCPStore)."""
+        return self.backend == BackendKind.ETCD
+
+    def control_address(self, port: int) -> ControlAddress:
+        """Where agents, workers and `unbroken drain` reach the control plane."""
+        if self.backend == BackendKind.ETCD:
+            return ControlAddress(BackendKind.ETCD, self.etcd_endpoints, self.etcd_credentials)
+        return ControlAddress(BackendKind.TCP, (f"{self.master_addr}:{port}",))

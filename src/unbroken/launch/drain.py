@@ -14,20 +14,22 @@ import socket
 import time
 from pathlib import Path
 
+from unbroken.control.address import BackendKind, ControlAddress, EtcdCredentials, open_backend
 from unbroken.control.backend import StoreUnavailable
 from unbroken.control.channel import Channel
 from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
 from unbroken.control.schema import CURRENT, RESULT, AttemptKeys
 from unbroken.control.signing import Signer, load_secret
-from unbroken.control.tcp import TcpBackend
 from unbroken.errors import ControlPlaneError, UserError
 
 CONTROL_FILE = "control.json"  # in the run dir: where the leader's store is, and the run id
 
 
 def find_store(run_dir: str | None, addr: str | None, port: int | None,
-               run_id: str | None) -> tuple[str, int, str]:
-    """The job's store address and run id, from flags or from the leader's control file."""
+               run_id: str | None) -> tuple[ControlAddress, str]:
+    """Where the job's control plane is, and its run id: from the control file that node 0
+    wrote in the run dir (TCPStore or etcd, with etcd's certificate paths), or from flags
+    (the TCPStore)."""
     if run_dir is not None:
         path = Path(run_dir) / CONTROL_FILE
         try:
@@ -37,10 +39,15 @@ def find_store(run_dir: str | None, addr: str | None, port: int | None,
                             "(or give --master-addr, --master-port and --rdzv-id)") from None
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot read {path}: {exc}") from None
-        return (addr or control["addr"], port or int(control["port"]), run_id or control["run_id"])
+        address = ControlAddress.parse(control["control"],
+                                       EtcdCredentials(**control.get("etcd", {})))
+        if addr or port:
+            address = ControlAddress.parse(f"tcp://{addr or address.tcp_host_port[0]}:"
+                                           f"{port or address.tcp_host_port[1]}")
+        return address, run_id or control["run_id"]
     if port is None or run_id is None:
         raise UserError("give the job's --run-dir, or its --master-port and --rdzv-id")
-    return addr or "127.0.0.1", port, run_id
+    return ControlAddress.parse(f"tcp://{addr or '127.0.0.1'}:{port}"), run_id
 
 
 def request_drain(channel: Channel, request: DrainRequest, timeout: float) -> DrainOutcome:
@@ -71,23 +78,25 @@ def drain(run_dir: str | None, addr: str | None, port: int | None, run_id: str |
         raise UserError("give exactly one of --rank R or --node K")
     if (rank if rank is not None else node) < 0:
         raise UserError("--rank and --node must be 0 or more")
-    host, port, run_id = find_store(run_dir, addr, port, run_id)
-    try:  # a fast, quiet answer when nothing listens (the store client retries, and logs)
-        socket.create_connection((host, port), timeout=5.0).close()
-    except OSError as exc:
-        raise ControlPlaneError(f"cannot reach the job's control store at {host}:{port} "
-                                f"({exc.strerror or exc}); is the job running?") from None
+    address, run_id = find_store(run_dir, addr, port, run_id)
+    where = ",".join(address.endpoints)
+    if address.kind == BackendKind.TCP:
+        try:  # a fast, quiet answer when nothing listens (the store client retries, and logs)
+            socket.create_connection(address.tcp_host_port, timeout=5.0).close()
+        except OSError as exc:
+            raise ControlPlaneError(f"cannot reach the job's control store at {where} "
+                                    f"({exc.strerror or exc}); is the job running?") from None
     secret = load_secret(run_dir, secret_file)
     if secret is None:
         raise UserError("no job secret: give --secret-file, or set UNBROKEN_SECRET (node 0 wrote "
                         "it to RUN_DIR/secret on its host)")
-    channel = Channel(TcpBackend.connect(host, port, run_id, timeout=5.0), Signer(secret))
+    channel = Channel(open_backend(address, run_id, timeout=5.0), Signer(secret))
     request = (DrainRequest(DrainKind.RANK, rank) if rank is not None
                else DrainRequest(DrainKind.NODE, node))
     try:
         outcome = request_drain(channel, request, timeout)
     except StoreUnavailable as exc:
-        raise ControlPlaneError(f"lost the job's control store at {host}:{port} (the job "
+        raise ControlPlaneError(f"lost the job's control store at {where} (the job "
                                 f"ended?): {exc}") from None
     if not outcome.ok:
         raise UserError(f"drain refused: {outcome.error}")

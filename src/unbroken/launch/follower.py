@@ -8,13 +8,18 @@ import signal
 import time
 from typing import Any
 
-from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, Status
-from unbroken.control.schema import CURRENT, RESULT, AttemptKeys, ack
+from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, NodeOut, Status
+from unbroken.control.retry import RetryingBackend
+from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, ack, node_out
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.telemetry.event_names import Event
+
+
+class Quarantined(Exception):  # noqa: N818 - control flow, not an error
+    """The leader took this node out of the job for repeated faults."""
 
 
 class Follower(Role):
@@ -30,12 +35,16 @@ class Follower(Role):
                     continue
                 outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
                 if outcome.ending == Ending.RELEASED:
-                    return ExitCode.SUCCESS
+                    return self._released()
                 self.watch.stop_workers(attempt, outcome.fault)
         except Finished as fin:
             return self._finish(fin.result)
+        except Quarantined:
+            return self._released()
 
     def _finish(self, result: Any) -> int:
+        if isinstance(self.channel.backend, RetryingBackend):
+            self.channel.backend.stop_retrying()
         try:
             self.channel.write(ack(self.cfg.node_rank), True)
         except ControlPlaneError:
@@ -49,8 +58,21 @@ class Follower(Role):
         self._report_failure(result.fault, result.reason)
         return ExitCode.WORKERS_FAILED
 
+    def _released(self) -> int:
+        """This node left the job on the leader's word (drained, or quarantined)."""
+        if self.channel.read(node_out(self.cfg.node_rank)) == NodeOut.QUARANTINED:
+            self.events.emit(Event.NODE_QUARANTINED, quarantined=self.cfg.node_rank)
+            self.say("this node was quarantined after repeated faults: leaving the job")
+        return ExitCode.SUCCESS
+
     def _duties(self, attempt: int) -> Outcome | None:
-        """A node whose every rank was drained onto spares leaves the job."""
+        """Watch the leader (with etcd: take over if it went silent). A node whose every rank
+        was drained onto spares leaves the job."""
+        if self.election is not None:
+            self.election.watch(attempt)
+        if self.outage_ended:
+            self.outage_ended = False
+            self._check_standing()
         sup, keys = self.watch.sup, AttemptKeys(attempt)
         if not (sup.workers and sup.all_exited_ok()):
             return None
@@ -62,14 +84,27 @@ class Follower(Role):
         sup.stop_all()
         return Outcome(Ending.RELEASED)
 
+    def _check_standing(self) -> None:
+        """After an outage of the control plane: if the leader declared this node lost
+        meanwhile, its ranks have gone to others; it must not go on beside them."""
+        record = self.channel.read(LEADER_RECORD)
+        if record is not None and record.nodes.out.get(self.cfg.node_rank) == NodeOut.LOST:
+            raise ControlPlaneError("this node was declared lost while it could not reach the "
+                                    "control plane, and the job went on without it; restart "
+                                    "its agent to rejoin")
+
     def _check_result(self) -> None:
         result = self.channel.read(RESULT)
         if result is not None:
             raise Finished(result)
 
     def _join(self, attempt: int) -> None:
+        """Join as one of the job's nodes, or as a standby node: a standby node that took
+        over a lost node's ranks is one of the job's nodes from then on (the leader's record)."""
         keys = AttemptKeys(attempt)
-        if self.cfg.standby:
+        record = self.channel.read(LEADER_RECORD)
+        member = record is not None and self.cfg.node_rank in record.nodes.order
+        if self.cfg.standby and not member:
             SpareBoard(self.channel, keys, self.cfg.node_rank).join_as_standby(self.instance)
             return
         self.channel.first(keys.node_join(self.cfg.node_rank), NodeJoin(
@@ -80,6 +115,8 @@ class Follower(Role):
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         while True:
             self._check_result()
+            if self.election is not None:
+                self.election.watch(None)
             current = self.channel.read(CURRENT)
             if current is not None and current > seen:
                 return int(current)
@@ -94,11 +131,16 @@ class Follower(Role):
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         while True:
             self._check_result()
+            if self.election is not None:
+                self.election.watch(None)
             plan = self.channel.read(keys.plan)
             if plan is not None:
-                if self.cfg.standby:
-                    return plan  # not in the plan: its spares wait to be handed a rank
                 mine = plan.nodes.get(self.cfg.node_rank)
+                if mine is None and self.cfg.standby:
+                    return plan  # not in the plan: its spares wait to be handed a rank
+                if mine is None and self.channel.read(node_out(self.cfg.node_rank)) \
+                        == NodeOut.QUARANTINED:
+                    raise Quarantined()
                 return plan if mine is not None and mine.instance == self.instance else None
             current = self.channel.read(CURRENT)
             if current is not None and current > attempt:

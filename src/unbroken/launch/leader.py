@@ -1,6 +1,12 @@
-"""The leader role (the node-0 agent): opens attempts, plans them, watches the other
-agents' leases, runs the in-place planner, spends the one restart budget, and publishes the
-job's result. Its own node's workers are watched by the same `AttemptWatch` as a follower's.
+"""The leader role: opens attempts, plans them, watches the other agents' leases, runs the
+in-place planner, spends the one restart budget, keeps the job's node set, and publishes
+the job's result. Its own node's workers are watched by the same `AttemptWatch` as a
+follower's.
+
+With the TCPStore the node-0 agent leads for the whole job. With etcd the leader is elected
+(`election.py`): a follower that takes over calls `run(takeover=...)`, which resumes the
+attempt under way from what the old leader persisted (`LeaderRecord`, the planner's state)
+and declares the old leader's node lost.
 """
 
 from __future__ import annotations
@@ -12,18 +18,34 @@ from typing import Any
 from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import (
     AttemptPlan,
+    DrainKind,
+    DrainRequest,
     Fault,
     FaultKind,
+    LeaderRecord,
     NodeJoin,
     NodeLayout,
+    NodeOrder,
+    NodeOut,
+    OrderKind,
     Result,
     Status,
 )
-from unbroken.control.schema import CURRENT, RESULT, AttemptKeys, ack, agent_lease
+from unbroken.control.schema import (
+    CURRENT,
+    LEADER_RECORD,
+    RESULT,
+    AttemptKeys,
+    ack,
+    agent_lease,
+    node_out,
+)
 from unbroken.control.tcp import serve_store
 from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.launch import node_set
 from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
+from unbroken.launch.election import Elected
 from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner import EndAction, PlannerConfig, Policy, initial_state
 from unbroken.launch.role import Role
@@ -31,11 +53,12 @@ from unbroken.telemetry.event_names import Event
 
 
 class Leader(Role):
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.budget = RestartBudget(cfg.max_restarts)  # the job's one restart budget
-        self.leases = LeaseWatch(self.channel.backend)
+        self.nodes = node_set.initial(cfg.nnodes)  # the job's nodes, for the next full restart
+        self.leases = LeaseWatch(self.channel.backend, pause_limit=cfg.node_timeout / 2)
         self.plan: AttemptPlan | None = None
         self._worker_store: Any = None  # the attempt's worker store; dropping it closes it
         self._executor: PlanExecutor | None = None
@@ -43,32 +66,27 @@ class Leader(Role):
         self._standbys_seen = 0
         self._lost: set[int] = set()
         self._released: set[int] = set()
+        self._leaving: set[int] = set()  # quarantined nodes ordered to leave
+        self._draining: set[int] = set()  # quarantined nodes whose ranks a drain moves
 
-    def run(self) -> int:
-        cfg, ch = self.cfg, self.channel
-        attempt = 0
+    def run(self, takeover: Elected | None = None) -> int:
+        cfg = self.cfg
+        attempt, outcome = 0, None
+        if takeover is not None:
+            attempt, outcome = self._take_over(takeover)
         while True:
-            t0 = time.monotonic()
-            ch.write(CURRENT, attempt)
-            keys = AttemptKeys(attempt)
-            ch.first(keys.node_join(cfg.node_rank), NodeJoin(
-                nproc=cfg.nproc_per_node, instance=self.instance, pid=os.getpid(),
-                host=os.uname().nodename))
-            plan = self._make_plan(attempt, self._wait_joined(attempt))
-            ch.write(keys.plan, plan)
-            self.events.emit(Event.RENDEZVOUS, attempt=attempt, world_size=plan.world_size,
-                             duration=round(time.monotonic() - t0, 6), worker_port=plan.worker_port)
-            outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
+            if outcome is None:
+                outcome = self._open(attempt)
             if self._executor is not None:
                 self.budget = self._executor.state.budget  # spent in place
             if outcome.ending == Ending.DONE:
-                ch.write(RESULT, Result(Status.SUCCESS, attempt=attempt))
-                self.say(f"all {plan.world_size} workers finished (attempts: {attempt + 1})")
+                self.channel.write(RESULT, Result(Status.SUCCESS, attempt=attempt))
+                self.say(f"all {self.plan.world_size} workers finished (attempts: {attempt + 1})")
                 self._wait_acks()
+                self._clear()
                 return ExitCode.SUCCESS
             self._end_attempt(attempt, outcome)
-            fault = outcome.fault
-            end = outcome.end
+            fault, end = outcome.fault, outcome.end
             if end is not None and end.action == EndAction.GIVE_UP:
                 return self._fail(fault, end.reason)
             if not (end is not None and end.action == EndAction.FALLBACK) \
@@ -78,17 +96,70 @@ class Leader(Role):
             self.events.emit(Event.RESTART, attempt=attempt, restarts_left=self.budget.left,
                              reason=fault.kind.value if fault else None)
             self.say(f"restarting all workers: attempt {attempt} of at most {cfg.max_restarts + 1}")
+            outcome = None
+
+    def _open(self, attempt: int) -> Outcome:
+        """Open `attempt`: wait for the job's nodes, plan, start this node's part, watch it."""
+        cfg, ch = self.cfg, self.channel
+        t0 = time.monotonic()
+        self._save_record(attempt)  # before `current`: joining agents read the node order
+        ch.write(CURRENT, attempt)
+        keys = AttemptKeys(attempt)
+        ch.first(keys.node_join(cfg.node_rank), NodeJoin(
+            nproc=cfg.nproc_per_node, instance=self.instance, pid=os.getpid(),
+            host=os.uname().nodename))
+        plan = self._make_plan(attempt, self._wait_joined(attempt))
+        ch.write(keys.plan, plan)
+        self.events.emit(Event.RENDEZVOUS, attempt=attempt, world_size=plan.world_size,
+                         duration=round(time.monotonic() - t0, 6), worker_port=plan.worker_port,
+                         nodes=list(plan.nodes))
+        return self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
+
+    # ---------------------------------------------------------------- taking over
+    def _take_over(self, elected: Elected) -> tuple[int, Outcome | None]:
+        """Continue the job where the old leader left it. Returns the attempt and, if this
+        node was running it, how it ended under this leader; None: open the attempt anew."""
+        ch, old = self.channel, elected.previous
+        record = ch.read(LEADER_RECORD)
+        if record is not None:
+            self.budget.spent = record.restarts_spent
+            self.nodes = record.nodes
+        current = ch.read(CURRENT)
+        attempt = current if current is not None else 0
+        self.events.emit(Event.LEADER_ELECTED, attempt=attempt, term=self.election.mine.term,
+                         previous=old.node if old else None)
+        self.say(f"leading the job from now on (term {self.election.mine.term})"
+                 + (f": node {old.node}'s agent went silent" if old else ""))
+        plan = ch.read(AttemptKeys(attempt).plan) if current is not None else None
+        running = (plan is not None and elected.attempt == attempt
+                   and ch.read(AttemptKeys(attempt).fault) is None
+                   and getattr(plan.nodes.get(self.cfg.node_rank), "instance", None) == self.instance)
+        if not running:  # between attempts, or this node has no part in it: open the next
+            if elected.attempt is not None and self.watch.keys is not None:
+                self.watch.stop_workers(elected.attempt, None)
+            if old is not None:
+                self.nodes = node_set.mark_out(self.nodes, old.node, NodeOut.LOST)
+            return (attempt + 1 if current is not None else 0), None
+        self.plan = plan
+        self._reset_attempt()
+        self._executor = self._planner(attempt, plan, resume=True)
+        if old is not None and old.node in plan.nodes:  # its workers went with its agent
+            self._declare_lost(attempt, old.node, f"the leader's agent (node {old.node}) went "
+                               f"silent for {self.cfg.leader_timeout:g}s")
+        return attempt, self.watch.watch(lambda a=attempt: self._duties(a))
 
     # ---------------------------------------------------------------- an attempt's rendezvous
     def _wait_joined(self, attempt: int) -> dict[int, NodeJoin]:
+        """Wait for every node of the node set (lost, drained and quarantined nodes are not
+        waited for); a node that comes back by then is admitted too."""
         cfg, keys = self.cfg, AttemptKeys(attempt)
         deadline = time.monotonic() + cfg.rdzv_timeout
         told = False
         while True:
-            nodes = {k: self.channel.read(keys.node_join(k)) for k in range(cfg.nnodes)}
+            nodes = {k: self.channel.read(keys.node_join(k)) for k in self.nodes.order}
             missing = [k for k, v in nodes.items() if v is None]
             if not missing:
-                return nodes
+                break
             if not told and time.monotonic() > deadline - cfg.rdzv_timeout + 3:
                 self.say(f"waiting up to {cfg.rdzv_timeout:g}s for node(s) {missing} to join")
                 told = True
@@ -98,35 +169,63 @@ class Leader(Role):
                     f"agents with --nnodes {cfg.nnodes} and the same --master-addr/--master-port/--rdzv-id"
                 )
             self._sleep()
+        for k in range(cfg.nnodes):  # out nodes whose agents came back
+            if k not in nodes and (join := self.channel.read(keys.node_join(k))) is not None:
+                self.nodes, admitted = node_set.admit(self.nodes, k)
+                if admitted:
+                    nodes[k] = join
+        return nodes
 
     def _make_plan(self, attempt: int, nodes: dict[int, NodeJoin]) -> AttemptPlan:
-        store, worker_port = serve_store(self.cfg.master_addr, 0, self.cfg.rdzv_timeout)
+        cfg = self.cfg
+        store, worker_port = serve_store(cfg.bind_addr, 0, cfg.rdzv_timeout)
         self._worker_store = store
         offset, layout = 0, {}
-        for k in range(self.cfg.nnodes):
+        for k in self.nodes.order:
             layout[k] = NodeLayout(offset=offset, nproc=nodes[k].nproc, instance=nodes[k].instance)
             offset += nodes[k].nproc
         self.plan = AttemptPlan(attempt=attempt, world_size=offset, nodes=layout,
-                                worker_port=worker_port)
+                                worker_port=worker_port, worker_addr=cfg.bind_addr)
+        self._reset_attempt()
+        self._executor = self._planner(attempt, self.plan, resume=False)
+        self._save_record(attempt)
+        self.events.emit(Event.NODE_SET, attempt=attempt, order=list(self.nodes.order),
+                         out={k: v.value for k, v in self.nodes.out.items()})
+        return self.plan
+
+    def _reset_attempt(self) -> None:
         self.leases.reset()
         self._lost.clear()
         self._released.clear()
+        self._leaving.clear()
+        self._draining.clear()
         self._standbys.clear()
         self._standbys_seen = 0
+
+    def _planner(self, attempt: int, plan: AttemptPlan, resume: bool) -> PlanExecutor | None:
+        if not self.watch.in_place:
+            return None
         cfg = self.cfg
-        self._executor = None
-        if self.watch.in_place:
-            slots = {k: list(range(n.offset, n.offset + n.nproc)) for k, n in layout.items()}
-            state = initial_state(attempt, offset, slots, self.budget)
-            config = PlannerConfig(policy=Policy(cfg.on_fault), recovery_timeout=cfg.recovery_timeout,
-                                   join_timeout=cfg.join_timeout)
-            self._executor = PlanExecutor(self.channel, state, config, self.events.emit, self.say)
-        return self.plan
+        config = PlannerConfig(policy=Policy(cfg.on_fault), recovery_timeout=cfg.recovery_timeout,
+                               join_timeout=cfg.join_timeout)
+        if resume and (ex := PlanExecutor.resume(self.channel, attempt, config, self.events.emit,
+                                                 self.say)) is not None:
+            return ex
+        slots = {k: list(range(n.offset, n.offset + n.nproc)) for k, n in plan.nodes.items()}
+        state = initial_state(attempt, plan.world_size, slots, self.budget)
+        return PlanExecutor(self.channel, state, config, self.events.emit, self.say)
+
+    def _save_record(self, attempt: int) -> None:
+        self.channel.write(LEADER_RECORD, LeaderRecord(
+            attempt=attempt, restarts_spent=self.budget.spent, nodes=self.nodes))
 
     # ---------------------------------------------------------------- each look
     def _duties(self, attempt: int) -> Outcome | None:
-        """The leader's part of each look: standby nodes, leases, the planner, the end."""
+        """The leader's part of each look: leadership, standby nodes, leases, the planner,
+        quarantines, the end."""
         ch, keys, watch = self.channel, AttemptKeys(attempt), self.watch
+        if self.election is not None:
+            self.election.check_held()
         for join in ch.entries(keys.standbys, self._standbys_seen):
             self._standbys_seen += 1
             if join is not None:  # None: forged, rejected
@@ -134,10 +233,17 @@ class Leader(Role):
         lost = self._check_leases(attempt)
         ex = self._executor
         if ex is not None and watch.resilient:
-            end = ex.look(self.watch.sup.max_step, sorted(self._lost), sorted(self._standbys))
+            quarantined = [k for k, why in self.nodes.out.items() if why == NodeOut.QUARANTINED]
+            end = ex.look(self.watch.sup.max_step, sorted(self._lost), sorted(self._standbys),
+                          quarantined)
             watch.busy = ex.state.busy
+            deaths, ex.deaths = ex.deaths, []
+            for death in deaths:
+                self._blame(attempt, death)
             if end is not None:
                 return Outcome(Ending.FAULT, watch.publish_fault(end.fault, attempt), end)
+            if not ex.state.busy:  # not while a recovery still counts on the node
+                self._send_off(attempt)
         elif lost is not None:
             return Outcome(Ending.FAULT, watch.publish_fault(lost, attempt))
         # Only once this node is done: until then no attempt can be, and reading every
@@ -154,22 +260,63 @@ class Leader(Role):
 
     def _check_leases(self, attempt: int) -> Fault | None:
         """Declare lost every agent whose lease has not moved for --node-timeout."""
-        now, keys, first = time.monotonic(), AttemptKeys(attempt), None
-        for k, instance in self._followers().items():
-            if k in self._lost or k in self._released:
-                continue
-            silent = self.leases.silent_for(agent_lease(k, instance), now)
+        watched = {k: i for k, i in self._followers().items()
+                   if k not in self._lost and k not in self._released}
+        silences = self.leases.silent_many([agent_lease(k, i) for k, i in watched.items()],
+                                           time.monotonic())
+        first = None
+        for k, silent in zip(watched, silences, strict=True):
             if silent <= self.cfg.node_timeout:
                 continue
-            if self.channel.read(keys.node_released(k)):
+            if self.channel.read(AttemptKeys(attempt).node_released(k)):
                 self._released.add(k)  # drained, then left on purpose
                 continue
-            self._lost.add(k)
-            detail = f"agent of node {k} silent for {silent:.1f}s"
-            self.events.emit(Event.NODE_LOST, attempt=attempt, lost_node=k, detail=detail)
-            self.say(f"node {k} lost: {detail}")
-            first = first or Fault(kind=FaultKind.NODE_LOST, node=k, detail=detail)
+            fault = self._declare_lost(attempt, k, f"agent of node {k} silent for {silent:.1f}s")
+            first = first or fault
         return first
+
+    def _declare_lost(self, attempt: int, node: int, detail: str) -> Fault:
+        self._lost.add(node)
+        self.nodes = node_set.mark_out(self.nodes, node, NodeOut.LOST)
+        self._save_record(attempt)
+        self.events.emit(Event.NODE_LOST, attempt=attempt, lost_node=node, detail=detail)
+        self.say(f"node {node} lost: {detail}")
+        return Fault(kind=FaultKind.NODE_LOST, node=node, detail=detail)
+
+    # ---------------------------------------------------------------- lemons
+    def _blame(self, attempt: int, fault: Fault) -> None:
+        """Count a fault against its node; quarantine the node when it has had too many."""
+        if fault.node is None or fault.kind == FaultKind.NODE_LOST:
+            return
+        self.nodes, quarantined = node_set.blame(self.nodes, fault.node, fault.t or time.time(),
+                                                 self.cfg.quarantine)
+        self._save_record(attempt)
+        if not quarantined:
+            return
+        rule = self.cfg.quarantine
+        self.channel.write(node_out(fault.node), NodeOut.QUARANTINED)
+        self.events.emit(Event.NODE_QUARANTINED, attempt=attempt, quarantined=fault.node,
+                         faults=rule.after, window=rule.window)
+        self.say(f"node {fault.node} quarantined: {rule.after} faults within {rule.window:g}s; "
+                 "its ranks go to spares, and it is not used again")
+
+    def _send_off(self, attempt: int) -> None:
+        """Each quarantined node of the attempt, once the planner is idle: its ranks are
+        drained onto ready spares (a standby node's first; if there are too few, the drain
+        is refused and the node keeps them until the next full restart, which leaves it out);
+        once it holds no rank, it is told to leave."""
+        keys = AttemptKeys(attempt)
+        for k, why in self.nodes.out.items():
+            if why != NodeOut.QUARANTINED or k in self._leaving or k == self.cfg.node_rank \
+                    or k in self._lost or k not in self._followers():
+                continue
+            if self.channel.read(keys.hosted(k)):
+                if k not in self._draining:
+                    self._draining.add(k)
+                    self.channel.append(keys.drains, DrainRequest(kind=DrainKind.NODE, target=k))
+                continue
+            self._leaving.add(k)
+            self.channel.append(keys.orders(k), NodeOrder(kind=OrderKind.LEAVE, slot=-1))
 
     def _all_done(self, keys: AttemptKeys) -> bool:
         """Done only when every rank of the world has trained to the end: every member of
@@ -191,9 +338,31 @@ class Leader(Role):
 
     # ---------------------------------------------------------------- endings
     def _end_attempt(self, attempt: int, outcome: Outcome) -> None:
+        if outcome.fault is not None and self._executor is None:
+            self._blame(attempt, outcome.fault)
         self.watch.stop_workers(attempt, outcome.fault)
         self._wait_stopped(attempt)
         self._worker_store = None  # the last reference: the store closes its port
+        self._next_node_set(attempt)
+
+    def _next_node_set(self, attempt: int) -> None:
+        """Who the next attempt waits for: drained nodes leave the order, and a standby node
+        that took over an out node's ranks takes its place."""
+        keys = AttemptKeys(attempt)
+        for k in self._released:
+            self.nodes = node_set.mark_out(self.nodes, k, NodeOut.DRAINED)
+        layout = {k: list(range(n.offset, n.offset + n.nproc)) for k, n in self.plan.nodes.items()}
+        hosted = {k: set((self.channel.read(keys.hosted(k)) or {}).values())
+                  for k in set(self.plan.nodes) | set(self._standbys)}
+        if self._executor is not None:  # a node that took a slot over is its heir, even if
+            for slot, k in self._executor.promoted.items():  # that worker died since
+                hosted.setdefault(k, set()).add(slot)
+        before = list(self.nodes.order)
+        self.nodes = node_set.after_attempt(self.nodes, layout, hosted)
+        for old, new in zip(before, self.nodes.order, strict=False):
+            if old != new and new in self._standbys:
+                self.events.emit(Event.NODE_TAKEN_OVER, attempt=attempt, out_node=old, by=new)
+        self._save_record(attempt)
 
     def _wait_stopped(self, attempt: int) -> None:
         """Wait until every live follower has stopped its workers of this attempt."""
@@ -211,7 +380,14 @@ class Leader(Role):
         self.channel.write(RESULT, Result(Status.FAILED, fault=fault, reason=reason))
         self._report_failure(fault, reason)
         self._wait_acks()
+        self._clear()
         return ExitCode.WORKERS_FAILED
+
+    def _clear(self) -> None:
+        """With etcd, the job's keys outlive it: delete them once every follower has read
+        the result (the TCPStore goes away with this agent)."""
+        if self.election is not None:
+            self.channel.backend.delete_prefix()
 
     def _wait_acks(self) -> None:
         """Keep the store up until the followers have read the result (bounded)."""

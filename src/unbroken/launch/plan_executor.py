@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from unbroken.control.channel import Channel
+from unbroken.control.codec import from_plain, to_plain
+from unbroken.control.messages import Fault, OrderKind
 from unbroken.control.schema import AttemptKeys
 from unbroken.launch.planner import (
     AnswerDrain,
@@ -26,7 +30,18 @@ from unbroken.launch.planner import (
     WritePlan,
     WriteTarget,
     decide,
+    rebase,
 )
+
+
+@dataclass
+class PersistedPlanner:
+    """The planner's state as the executor writes it: plain values, and the clocks of the
+    host that wrote it (monotonic, to move its deadlines; wall, for the time in between)."""
+
+    state: dict[str, Any]
+    monotonic: float
+    wall: float
 
 
 class PlanExecutor:
@@ -39,20 +54,51 @@ class PlanExecutor:
         self.record = record
         self.say = say
         self._news = -1
+        self.deaths: list[Fault] = []  # taken in since the leader last looked (for blame)
+        self._persisted: dict[str, Any] | None = None
+        self.promoted: dict[int, int] = {}  # slot -> the node whose spare was ordered into it
 
     def look(self, max_step: Callable[[], int], lost_nodes: list[int],
-             standby_nodes: list[int]) -> EndAttempt | None:
+             standby_nodes: list[int], barred_nodes: list[int] = ()) -> EndAttempt | None:
         """Take in what happened, decide, act; an EndAttempt ends the attempt."""
         s = self.state
         news = self.channel.count(self.keys.news)
         fresh_lost = [n for n in lost_nodes if n not in s.lost_nodes]
         fresh_standby = [n for n in standby_nodes if n not in s.standby_nodes]
-        if news == self._news and not s.busy and not fresh_lost and not fresh_standby:
+        fresh_barred = [n for n in barred_nodes if n not in s.barred_nodes]
+        if news == self._news and not s.busy and not (fresh_lost or fresh_standby or fresh_barred):
             return None  # nothing happened
         self._news = news
         inbox = self._gather(max_step(), fresh_lost, fresh_standby)
+        inbox.barred_nodes = fresh_barred
+        self.deaths += [d for d in inbox.deaths if d is not None]
         self.state, commands = decide(s, inbox, self.config)
-        return self._apply(commands)
+        end = self._apply(commands)
+        self._persist()  # after the commands: a successor may repeat some, never miss one
+        return end
+
+    def _persist(self) -> None:
+        """Write the state, with this host's clocks, for a leader that takes over; only when
+        it changed (a busy planner looks every few milliseconds)."""
+        plain = to_plain(self.state)
+        if plain == self._persisted:
+            return
+        self.channel.write(self.keys.planner_state, PersistedPlanner(
+            state=plain, monotonic=time.monotonic(), wall=time.time()))
+        self._persisted = plain
+
+    @classmethod
+    def resume(cls, channel: Channel, attempt: int, config: PlannerConfig,
+               record: Callable[..., object], say: Callable[[str], None]) -> PlanExecutor | None:
+        """The executor a new leader continues with: the persisted state, its clocks moved
+        onto this host's; None if the old leader persisted none."""
+        saved = channel.read(AttemptKeys(attempt).planner_state)
+        if saved is None:
+            return None
+        saved = from_plain(PersistedPlanner, saved)
+        shift = time.monotonic() - (time.time() - saved.wall) - saved.monotonic
+        state = rebase(from_plain(PlannerState, saved.state), shift)
+        return cls(channel, state, config, record, say)
 
     def _gather(self, max_step: int, lost: list[int], standby: list[int]) -> Inbox:
         s, ch, keys = self.state, self.channel, self.keys
@@ -63,15 +109,18 @@ class PlanExecutor:
                       drains=ch.entries(keys.drains, s.drains_seen),
                       nleft=ch.count(g.nleft), nup=ch.count(g.nup), ndone=ch.count(g.ndone))
         if inbox.nleft > len(s.departed):
-            for m in s.members:
-                if m not in s.departed and (d := ch.read(g.left(m))) is not None:
+            pending = [m for m in s.members if m not in s.departed]
+            for m, d in zip(pending, ch.read_many([g.left(m) for m in pending]), strict=True):
+                if d is not None:
                     inbox.departures[m] = d
         nodes = [*s.standby_nodes, *standby, *s.nodes]
         if lost or any(inbox.drains) or any(d is not None and d.spare is None for d in inbox.deaths):
-            for node in nodes:
-                inbox.ready_spares += [(node, w) for w in ch.read(keys.ready_spares(node)) or []]
+            offers = ch.read_many([keys.ready_spares(node) for node in nodes])
+            for node, offered in zip(nodes, offers, strict=True):
+                inbox.ready_spares += [(node, w) for w in offered or []]
         if lost or any(inbox.drains):
-            inbox.hosted = {node: ch.read(keys.hosted(node)) for node in nodes}
+            inbox.hosted = dict(zip(nodes, ch.read_many([keys.hosted(n) for n in nodes]),
+                                    strict=True))
         return inbox
 
     def _apply(self, commands: list[Command]) -> EndAttempt | None:
@@ -85,6 +134,8 @@ class PlanExecutor:
                     ch.write(keys.latest_gen, plan.gen)  # after the plan: readers find it
                 case Order(node, order):
                     ch.append(keys.orders(node), order)
+                    if order.kind == OrderKind.PROMOTE:
+                        self.promoted[order.slot] = node
                 case MarkDrained(wid):
                     ch.write(keys.drained(wid), True)
                 case AnswerDrain(index, outcome):

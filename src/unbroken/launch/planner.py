@@ -112,6 +112,7 @@ class PlannerState:
     assigned: list[str] = field(default_factory=list)  # spares handed out
     standby_nodes: list[int] = field(default_factory=list)
     lost_nodes: list[int] = field(default_factory=list)
+    barred_nodes: list[int] = field(default_factory=list)  # quarantined: no spare, no replacement
     switch_requested: bool = False
     target: SwitchTarget | None = None
     recovered: int = 0  # faults recovered in place
@@ -137,6 +138,20 @@ def initial_state(attempt: int, world_size: int, nodes: list[int] | dict[int, li
                         nodes=list(nodes), layout=layout)
 
 
+def rebase(state: PlannerState, shift: float) -> PlannerState:
+    """The state with every monotonic time moved by `shift` seconds: how a successor on
+    another host (another monotonic clock) resumes a persisted state. Deadlines keep the
+    time they had left when the state was written, plus the time it lay in the store."""
+    s = copy.deepcopy(state)
+    s.planned_at += shift
+    s.awaited = {slot: t + shift for slot, t in s.awaited.items()}
+    for refill in s.refills:
+        refill.since += shift
+    if s.recovery is not None:
+        s.recovery.started += shift
+    return s
+
+
 @dataclass
 class Inbox:
     """What the store said since the last look (read by the executor)."""
@@ -155,6 +170,7 @@ class Inbox:
     # node -> {wid: slot} it runs; None: the node never said (its agent died before it did)
     hosted: dict[int, dict[str, int] | None] = field(default_factory=dict)
     lost_nodes: list[int] = field(default_factory=list)  # agents whose lease expired
+    barred_nodes: list[int] = field(default_factory=list)  # newly quarantined nodes
     standby_nodes: list[int] = field(default_factory=list)  # standby nodes that joined
 
 
@@ -258,6 +274,10 @@ class _Decision:
         for node in inbox.standby_nodes:
             if node not in s.standby_nodes:
                 s.standby_nodes.append(node)
+        for node in inbox.barred_nodes:
+            if node not in s.barred_nodes:
+                s.barred_nodes.append(node)
+                s.refills = [r for r in s.refills if r.node != node]
         for node in inbox.lost_nodes:
             if node not in s.lost_nodes:
                 self._node_lost(node)
@@ -283,7 +303,8 @@ class _Decision:
         """Ready spares not yet handed out, standby nodes first, none on `avoid` or lost nodes."""
         s = self.s
         found = [(n, w) for n, w in self.inbox.ready_spares
-                 if w not in s.assigned and n not in avoid and n not in s.lost_nodes]
+                 if w not in s.assigned and n not in avoid and n not in s.lost_nodes
+                 and n not in s.barred_nodes]
         return sorted(found, key=lambda nw: nw[0] not in s.standby_nodes)
 
     def _assign(self, node: int, spare: str, slot: int) -> str:
@@ -303,7 +324,9 @@ class _Decision:
         return False
 
     def _node_lost(self, node: int) -> None:
-        """A lost node's ranks go to ready spares elsewhere, in place; else a full restart."""
+        """A lost node's ranks go to ready spares elsewhere, in place; ranks no spare can take
+        are dropped under `shrink` (a lost node starts no replacement); under `wait`, or if
+        nobody knows what the node ran, the attempt ends for a full restart."""
         s = self.s
         s.lost_nodes.append(node)
         said = self.inbox.hosted.get(node)
@@ -316,20 +339,31 @@ class _Decision:
             self.say(f"node {node} lost; it ran no rank of the job")
             return
         spares = self._free_spares(avoid={node})
-        if said is None or len(spares) < len(hosted):
+        short = len(spares) < len(hosted)
+        if said is None or (short and self.config.policy == Policy.WAIT):
             fault = Fault(kind=FaultKind.NODE_LOST, node=node, attempt=s.attempt, detail=detail)
             self.end(EndAction.RESTART, fault, f"node {node} lost and no spares for its ranks")
             return
-        self.say(f"node {node} lost: its rank(s) {sorted(hosted.values())} go to spares in place")
-        for (wid, slot), (spare_node, spare) in zip(sorted(hosted.items(), key=lambda i: i[1]),
-                                                    spares, strict=False):
+        ranks = sorted(hosted.values())
+        if not short:
+            self.say(f"node {node} lost: its rank(s) {ranks} go to spares in place")
+        elif spares:
+            self.say(f"node {node} lost: {len(spares)} of its rank(s) {ranks} go to spares, "
+                     "the job goes on without the others")
+        else:
+            self.say(f"node {node} lost: the job goes on without its rank(s) {ranks}")
+        taken = iter(spares)
+        for wid, slot in sorted(hosted.items(), key=lambda i: i[1]):
+            spare = next(taken, None)
             death = Fault(kind=FaultKind.NODE_LOST, node=node, rank=slot, slot=slot, wid=wid,
                           attempt=s.attempt, in_place=True, detail=detail,
-                          spare=self._assign(spare_node, spare, slot))
+                          spare=self._assign(*spare, slot) if spare is not None else None)
             self.record(Event.FAULT, **death.event_fields())
             self._death(death)
             if self.ended:
                 return
+            if spare is None:
+                s.refills = [r for r in s.refills if r.slot != slot]
 
     def _death(self, death: Fault) -> None:
         s = self.s
@@ -356,6 +390,7 @@ class _Decision:
         if death.spare is not None:
             s.promised[death.slot] = death.spare
         elif death.slot is not None and death.node is not None and death.node not in s.lost_nodes \
+                and death.node not in s.barred_nodes \
                 and death.node not in s.standby_nodes:
             s.refills.append(Refill(death.slot, death.node, s.gen, self.now))
 

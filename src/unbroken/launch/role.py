@@ -8,6 +8,7 @@ from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.election import Election
 from unbroken.telemetry.events import EventLog
 
 
@@ -16,7 +17,8 @@ class Role:
 
     def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
                  events: EventLog, instance: str, sleep: Callable[[], None],
-                 report_failure: Callable[[Fault | None, str | None], None]) -> None:
+                 report_failure: Callable[[Fault | None, str | None], None],
+                 election: Election | None = None) -> None:
         self.cfg = cfg
         self.channel = channel
         self.watch = watch  # this node's processes, attempt by attempt
@@ -24,6 +26,8 @@ class Role:
         self.instance = instance  # this agent's id: a restarted agent is a new instance
         self._sleep = sleep  # a short sleep that raises on SIGINT/SIGTERM
         self._report_failure = report_failure
+        self.election = election  # None: leadership is fixed on node 0 (TCPStore)
+        self.outage_ended = False  # set by the agent when the control plane answers again
 
     def say(self, msg: str) -> None:
         self.watch.say(msg)

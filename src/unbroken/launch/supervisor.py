@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from unbroken.control.address import ControlAddress
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import PEER_ERROR_MARKERS
@@ -53,14 +54,14 @@ class NodeSupervisor:
     """This node's processes for one attempt at a time: workers, replacements, spares."""
 
     def __init__(self, cfg: LaunchConfig, events: EventLog, say: Callable[[str], None],
-                 guard: OrphanGuard, pool: WarmPool | None, control_port: int,
+                 guard: OrphanGuard, pool: WarmPool | None, control: ControlAddress,
                  secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.events = events
         self.say = say  # the agent's one line to the user
         self.guard = guard
         self.pool = pool
-        self.control_port = control_port
+        self.control = control  # where the workers reach the control plane
         self.secret = secret  # handed to the workers: they sign and check control messages
         self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
         self._shadow_steps = WorkerEnv.from_environ().shadow_steps  # a user's setting is kept
@@ -76,13 +77,17 @@ class NodeSupervisor:
         self._spare_failures = 0
         self._hang_quiet_until = 0.0
         self._peer_errors_since: float | None = None
+        self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
 
     # ---------------------------------------------------------------- starting
     def start_attempt(self, attempt: int, plan: AttemptPlan) -> None:
-        """Start this node's workers of `plan` (none on a standby node)."""
+        """Start this node's workers of `plan` (none on a standby node: one the plan does
+        not name; a standby node that took over a lost node's ranks is named from then on)."""
         self._attempt, self._plan = attempt, plan
+        self.standby = self.cfg.node_rank not in plan.nodes
+        self.spare_target = self.cfg.nproc_per_node if self.standby else self.cfg.spares
         self._targets_written.clear()
         self._peer_errors_since = None
         attempt_dir = self.node_dir / f"attempt_{attempt}"
@@ -90,7 +95,7 @@ class NodeSupervisor:
         for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
             if stale.suffix != ".log":
                 stale.unlink(missing_ok=True)
-        if self.cfg.standby:
+        if self.standby:
             return
         node = plan.nodes[self.cfg.node_rank]
         for local_rank in range(node.nproc):
@@ -115,11 +120,11 @@ class NodeSupervisor:
             rank=rank, world_size=plan.world_size, local_rank=local_rank,
             local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=cfg.nnodes,
             attempt=self._attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
-            master_addr=cfg.master_addr, master_port=plan.worker_port,
+            master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
             run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
             error_file=str(base.with_suffix(".error.json")),
             torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
-            agent_pid=os.getpid(), control_addr=cfg.master_addr, control_port=self.control_port,
+            agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
             faults=cfg.faults, in_place=cfg.on_fault != "restart",
@@ -127,6 +132,7 @@ class NodeSupervisor:
             **fields)
         env = dict(os.environ)
         env.update(contract.to_environ())
+        env.update(self.control.credentials.to_environ())
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscription
@@ -172,7 +178,7 @@ class NodeSupervisor:
         # On a standby node each spare has a device of its own; elsewhere spares share one.
         taken = {p.local_rank for p in (*self.spares, *self.workers) if p.proc.poll() is None}
         local_rank = (next((i for i in range(cfg.nproc_per_node) if i not in taken), 0)
-                      if cfg.standby else 0)
+                      if self.standby else 0)
         env = self._env(-1, local_rank, base, slot=-1, worker_id=wid, joining=True,
                         role=Role.SPARE)
         log = base.with_suffix(".log") if cfg.redirect else None
@@ -197,11 +203,14 @@ class NodeSupervisor:
             self.say(f"spare {spare.wid} failed ({detail})")
             spare.close()
             self._spare_failures += 1
-        if not training or len(self.spares) >= self.spare_target:
+        target = self.spare_target
+        if self.standby:  # a device each: spares promoted here hold theirs as workers now
+            target -= sum(1 for w in self.workers if w.proc.poll() is None)
+        if not training or len(self.spares) >= target:
             return
         if self._spare_failures > 3 * max(1, self.spare_target):
             return  # a script that cannot warm up as a spare: stop trying (said above)
-        while len(self.spares) < self.spare_target:
+        while len(self.spares) < target:
             self._spawn_spare()
 
     def ready_spares(self) -> list[WorkerProcess]:
@@ -351,7 +360,7 @@ class NodeSupervisor:
     # ---------------------------------------------------------------- what the workers say
     def training(self) -> bool:
         """Every worker is stepping (not starting or recovering): spares may warm up now."""
-        if self.cfg.standby and not self.workers:
+        if self.standby and not self.workers:
             return True  # nothing of the job's runs here
         beats = [w.heartbeat.read() for w in self.workers if w.proc.returncode is None]
         return bool(beats) and all(b is not None and b.phase == PHASE_TRAINING and b.step >= 0

@@ -34,11 +34,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.control.address import ControlAddress, EtcdCredentials, open_backend
 from unbroken.control.channel import Channel
 from unbroken.control.messages import LeaveReason
+from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import fault_claim, torchrun_restart_prefix
 from unbroken.control.signing import Signer
-from unbroken.control.tcp import TcpBackend
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError, first_line, is_peer_error
 from unbroken.faults.inject import FaultInjector
@@ -183,10 +184,18 @@ class Run:
         if self._control is None:
             env = self.env
             signer = Signer(bytes.fromhex(env.secret)) if env.secret else None
-            self._control = Channel(TcpBackend.connect(env.control_addr, env.control_port,
-                                                       env.run_id, 30.0), signer,
-                                    on_forged=self._forged)
+            address = ControlAddress.parse(env.control, EtcdCredentials.from_environ(os.environ))
+            backend = RetryingBackend(lambda: open_backend(address, env.run_id, 30.0),
+                                      window=env.retry_window, on_lost=self._control_lost,
+                                      on_back=self._control_back)
+            self._control = Channel(backend, signer, on_forged=self._forged)
         return self._control
+
+    def _control_lost(self, error: str) -> None:
+        self.events.emit(Event.CONTROL_PLANE_LOST, error=error)
+
+    def _control_back(self, outage: float) -> None:
+        self.events.emit(Event.CONTROL_PLANE_BACK, outage=round(outage, 3))
 
     def _forged(self, key: str, why: str) -> None:
         self.events.emit(Event.FORGED_MESSAGE, key=key, reason=why)

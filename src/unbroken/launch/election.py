@@ -1,0 +1,84 @@
+"""Who leads the job, on a control plane that outlives any one host (etcd).
+
+The leader is whoever holds `LEADER`: the first agent to write it at start, by
+compare-and-set. Every other agent (standby nodes excepted) watches the holder's agent lease
+at each look; once it has been silent for `--leader-timeout`, each such agent tries to
+replace the claim with its own (compare-and-set on the exact old claim, so exactly one
+wins) and the winner resumes the job from what the old leader persisted (`LeaderRecord`,
+the attempt's planner state). A leader checks at each look that the claim is still its own;
+one that finds it taken (it was cut off or paused past the timeout) is deposed: it stops its
+workers and exits, because its node has been declared lost.
+
+With the embedded TCPStore there is no election: the node-0 agent holds the store, leads,
+and is the job's single point of failure.
+"""
+
+from __future__ import annotations
+
+import time
+
+from unbroken.control.channel import Channel
+from unbroken.control.lease import LeaseWatch
+from unbroken.control.messages import LeaderClaim
+from unbroken.control.schema import LEADER, agent_lease
+from unbroken.errors import ControlPlaneError
+
+
+class Elected(Exception):  # noqa: N818 - control flow, not an error
+    """This agent won leadership from a silent leader: it takes over the job."""
+
+    def __init__(self, previous: LeaderClaim | None, attempt: int | None) -> None:
+        super().__init__(f"took over from {previous}")
+        self.previous = previous  # the leader replaced (None: there was none)
+        self.attempt = attempt  # the attempt this agent was in, if any
+
+
+class Deposed(ControlPlaneError):
+    """Another agent took leadership from this one: this node was declared lost."""
+
+
+class Election:
+    def __init__(self, channel: Channel, node: int, instance: str, timeout: float) -> None:
+        self.channel = channel
+        self.mine = LeaderClaim(node=node, instance=instance, term=0)
+        self.timeout = timeout
+        self._watch = LeaseWatch(channel.backend, pause_limit=timeout / 2)
+
+    def stand(self, first: bool) -> LeaderClaim:
+        """At start: claim leadership if nobody holds it; returns the claim that holds.
+        Node 0 stands `first`; the others give it up to the timeout to do so, so that the
+        job's leader is node 0 unless node 0 is late."""
+        deadline = time.monotonic() + (0.0 if first else self.timeout)
+        while not first and time.monotonic() < deadline:
+            claim = self.channel.read(LEADER)
+            if claim is not None:
+                return claim
+            time.sleep(0.05)
+        won = self.channel.first(LEADER, self.mine)
+        if won is not None and won.instance == self.mine.instance:
+            self.mine = won
+        return won if won is not None else self.mine
+
+    def check_held(self) -> None:
+        """Each look of the leader: raise `Deposed` if the claim is no longer its own."""
+        claim = self.channel.read(LEADER)
+        if claim is None or claim.instance != self.mine.instance:
+            raise Deposed(f"leadership passed to node {getattr(claim, 'node', '?')} while this "
+                          "agent could not reach the control plane; this node was declared lost")
+
+    def watch(self, attempt: int | None) -> None:
+        """Each look of a follower: take over if the leader has been silent for the timeout
+        (raises `Elected` when this agent won)."""
+        claim = self.channel.read(LEADER)
+        if claim is None:  # every agent stood at start: the leader cleared the finished job
+            raise ControlPlaneError("the job's keys are gone from the control plane: the job "
+                                    "ended without this node (or another job used its --rdzv-id)")
+        if claim.instance == self.mine.instance:
+            return
+        silent = self._watch.silent_for(agent_lease(claim.node, claim.instance), time.monotonic())
+        if silent <= self.timeout:
+            return
+        mine = LeaderClaim(node=self.mine.node, instance=self.mine.instance, term=claim.term + 1)
+        if self.channel.replace(LEADER, claim, mine):
+            self.mine = mine
+            raise Elected(claim, attempt)

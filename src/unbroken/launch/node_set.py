@@ -1,0 +1,89 @@
+"""The job's node set, as pure functions of a `NodeSet` value: which nodes a full restart
+waits for, which are out of the job and why, and when a node that keeps failing (a lemon)
+is quarantined.
+
+- A node declared lost, drained or quarantined is out: no later attempt waits for it.
+- A standby node that took over an out node's ranks in place takes that node's place in the
+  rank order, and keeps it across later full restarts.
+- A node with `QuarantineRule.after` faults within `window` seconds is quarantined: its ranks
+  go to a standby node or spares, and it is never used again in this job.
+- A lost node whose agent comes back (a new instance) is admitted again at the next attempt;
+  a quarantined one is not.
+
+The leader applies these (`leader.py`) and persists the value in `LeaderRecord`, so that a
+successor continues with the same set.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from unbroken.control.messages import NodeOut, NodeSet
+
+
+@dataclass(frozen=True)
+class QuarantineRule:
+    after: int = 3
+    """Faults blamed on one node within `window` that quarantine it (0: never)."""
+    window: float = 3600.0
+    """Seconds."""
+
+
+def initial(nnodes: int) -> NodeSet:
+    return NodeSet(order=list(range(nnodes)))
+
+
+def blame(ns: NodeSet, node: int, t: float, rule: QuarantineRule) -> tuple[NodeSet, bool]:
+    """Record a fault of `node` at wall time `t`; True if this fault quarantines it."""
+    ns = copy.deepcopy(ns)
+    recent = [x for x in ns.faults.get(node, []) if t - x <= rule.window] + [t]
+    ns.faults[node] = recent
+    if rule.after and len(recent) >= rule.after and ns.out.get(node) != NodeOut.QUARANTINED:
+        ns.out[node] = NodeOut.QUARANTINED
+        return ns, True
+    return ns, False
+
+
+def mark_out(ns: NodeSet, node: int, why: NodeOut) -> NodeSet:
+    """`node` is out (a quarantine is never downgraded to lost or drained)."""
+    ns = copy.deepcopy(ns)
+    if ns.out.get(node) != NodeOut.QUARANTINED:
+        ns.out[node] = why
+    return ns
+
+
+def after_attempt(ns: NodeSet, layout: dict[int, list[int]],
+                  hosted: dict[int, set[int]]) -> NodeSet:
+    """The order of the next attempt: each out node's place goes to the node (not already
+    in the order) that hosts most of its slots now, typically a standby node; an out node
+    that nobody took over leaves the order (the world shrinks by its ranks).
+
+    `layout`: the slots each node started the attempt with; `hosted`: the slots each node's
+    workers hold now."""
+    ns = copy.deepcopy(ns)
+    order: list[int] = []
+    for node in ns.order:
+        if node not in ns.out:
+            order.append(node)
+            continue
+        mine = set(layout.get(node, []))
+        heirs = [(len(mine & slots), k) for k, slots in hosted.items()
+                 if k not in ns.order and k not in ns.out and k not in order and mine & slots]
+        if heirs:
+            order.append(max(heirs)[1])
+    ns.order = order
+    return ns
+
+
+def admit(ns: NodeSet, node: int) -> tuple[NodeSet, bool]:
+    """A node's agent joined an attempt: it is one of the job's nodes unless quarantined.
+    A node that was lost or drained and came back (a new agent) is back in the order, at
+    the end."""
+    if ns.out.get(node) == NodeOut.QUARANTINED:
+        return ns, False
+    ns = copy.deepcopy(ns)
+    ns.out.pop(node, None)
+    if node not in ns.order:
+        ns.order.append(node)
+    return ns, True

@@ -1,0 +1,233 @@
+"""Three "hosts" on one machine, for end-to-end tests that need a network that can fail.
+
+`Hosts` builds a bridge in the root network namespace and three namespaces on it, each
+joined by a veth pair; it can cut a host's link and heal it. Agents run inside a host with
+`hosts.popen(i, argv)` (`ip netns exec`); the control store (etcd, see the `netns_hosts`
+fixture in conftest.py) runs in the root namespace on the bridge address.
+
+The contract:
+- Host i is namespace `ub<tag>-h<i>` with address 10.x.y.(11+i)/24 on its `eth0`; the root
+  side of the bridge is 10.x.y.1 (`bridge_addr`). The subnet is free on this machine, and
+  the tag names it, so that concurrent instances never clash.
+- `cut(i)` drops every packet to and from host i silently: no reset, no ICMP, no ARP
+  failure (neighbours are pinned), so a connect times out and an open connection just
+  stops hearing back. `heal(i)` restores the link and waits (at most 10 s) until it
+  carries traffic again.
+- On exit, even a failed one, every process in the namespaces is killed, whoever started
+  it, and the namespaces, veths and bridge are removed.
+- Every wait is bounded. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2: see
+  `unavailable()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from contextlib import suppress
+from ipaddress import IPv4Network, ip_network
+from pathlib import Path
+
+from conftest import wait_for
+
+HOSTS = 3
+_CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
+_instances = itertools.count()
+
+# Run inside a host: how a TCP connect ends (refused also proves the path works).
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("connected")
+except TimeoutError:
+    print("timeout")
+except ConnectionRefusedError:
+    print("refused")
+except OSError as e:
+    print(f"error: {e}")
+"""
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot build `Hosts`; None when it can."""
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    caps = int(re.search(r"CapEff:\s*(\w+)", Path("/proc/self/status").read_text())[1], 16)
+    if not caps >> _CAP_NET_ADMIN & 1 or not caps >> _CAP_SYS_ADMIN & 1:
+        return "root here lacks CAP_NET_ADMIN or CAP_SYS_ADMIN (an unprivileged container?)"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if check and result.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+    return result
+
+
+def _networks_in_use() -> list[IPv4Network]:
+    routes = _ip("-4", "route", "show", "table", "all").stdout.splitlines()
+    prefixes = (line.split()[0] for line in routes if line and line[0].isdigit())
+    return [ip_network(p, strict=False) for p in prefixes]
+
+
+def _claim_bridge() -> int:
+    """Create the bridge of a free subnet 10.x.y.0/24 and return n = x*256 + y. The
+    bridge's name encodes n, so its creation claims the subnet against other instances."""
+    in_use = _networks_in_use()
+    first = os.getpid() * 16 + next(_instances)
+    for k in range(256):
+        n = 0x100 + (first + k) % 0xFE00  # x in 1..254
+        net = ip_network(f"10.{n >> 8}.{n & 0xFF}.0/24")
+        if any(net.overlaps(other) for other in in_use):
+            continue
+        result = _ip("link", "add", f"ubr{n:04x}", "type", "bridge", check=False)
+        if not result.returncode:
+            return n
+        if "exists" not in result.stderr:
+            raise RuntimeError(f"ip link add: {result.stderr.strip()}")
+    raise RuntimeError("no free 10.x.y.0/24 subnet for a bridge")
+
+
+class Hosts:
+    """Three network namespaces on one bridge; a context manager (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.etcd = None  # set by the `netns_hosts` fixture
+        self._n: int | None = None
+
+    # ------------------------------------------------------------ names and addresses
+    @property
+    def tag(self) -> str:
+        return f"{self._n:04x}"
+
+    @property
+    def bridge(self) -> str:
+        return f"ubr{self.tag}"
+
+    def namespace(self, i: int) -> str:
+        return f"ub{self.tag}-h{i}"
+
+    def _veth(self, i: int) -> str:
+        """The root-side end of host i's veth pair (the bridge port)."""
+        return f"ub{self.tag}h{i}"
+
+    def _on_subnet(self, last: int) -> str:
+        return f"10.{self._n >> 8}.{self._n & 0xFF}.{last}"
+
+    def addr(self, i: int) -> str:
+        return self._on_subnet(11 + i)
+
+    @property
+    def bridge_addr(self) -> str:
+        return self._on_subnet(1)
+
+    def _mac(self, addr: str) -> str:
+        """A fixed MAC for an address of the subnet, so that neighbours can be pinned."""
+        return "02:00:" + ":".join(f"{int(b):02x}" for b in addr.split(".")[1:]) + ":00"
+
+    # ------------------------------------------------------------ building and removing
+    def __enter__(self) -> Hosts:
+        self._n = _claim_bridge()
+        try:
+            self._build()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _build(self) -> None:
+        _ip("link", "set", self.bridge, "address", self._mac(self.bridge_addr), "up")
+        _ip("addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
+        for i in range(HOSTS):
+            self._add_host(i)
+        self._pin_neighbours()
+
+    def _add_host(self, i: int) -> None:
+        ns = self.namespace(i)
+        _ip("netns", "add", ns)
+        _ip("link", "add", self._veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", self._veth(i), "master", self.bridge, "up")
+        _ip("-n", ns, "link", "set", "eth0", "address", self._mac(self.addr(i)), "up")
+        _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _pin_neighbours(self) -> None:
+        """Permanent ARP entries everywhere: a cut host's peers then never learn that it is
+        gone (an unresolved neighbour fails a connect with EHOSTUNREACH after ~3 s)."""
+        everyone = [self.bridge_addr, *map(self.addr, range(HOSTS))]
+        for i in range(HOSTS):
+            _ip("neigh", "replace", self.addr(i), "lladdr", self._mac(self.addr(i)),
+                "dev", self.bridge, "nud", "permanent")
+            for peer in everyone:
+                if peer != self.addr(i):
+                    _ip("-n", self.namespace(i), "neigh", "replace", peer, "lladdr",
+                        self._mac(peer), "dev", "eth0", "nud", "permanent")
+
+    def _remove(self) -> None:
+        try:
+            self._kill_everything()
+        finally:
+            for i in range(HOSTS):
+                _ip("link", "del", self._veth(i), check=False)
+                _ip("netns", "del", self.namespace(i), check=False)
+            _ip("link", "del", self.bridge, check=False)
+
+    def _kill_everything(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:  # its group id is still held: no stranger can have it
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        wait_for(lambda: not self._kill_stragglers(), 10, "the hosts' processes to die")
+        for proc in self.procs:
+            proc.wait(timeout=10)
+
+    def _kill_stragglers(self) -> list[int]:
+        """SIGKILL every process still in a host's namespace (a session of its own included);
+        the pids found."""
+        pids = [int(p) for i in range(HOSTS)
+                for p in _ip("netns", "pids", self.namespace(i), check=False).stdout.split()]
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    # ------------------------------------------------------------ running and failing
+    def popen(self, i: int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        """Start argv on host i in a session of its own; killed, with its tree, on exit."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv],
+                                start_new_session=True, **popen_kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, i: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run argv on host i to completion (killed at timeout); its output as text."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(i), *argv],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def connect(self, i: int, host: str, port: int, timeout: float) -> str:
+        """How a TCP connect from host i ends: "connected", "refused", "timeout" or
+        "error: ..."."""
+        argv = [sys.executable, "-I", "-c", _CONNECT, host, str(port), str(timeout)]
+        return self.run(i, argv, timeout + 10).stdout.strip()
+
+    def cut(self, i: int) -> None:
+        """Drop every packet to and from host i, silently, until heal(i)."""
+        _ip("link", "set", self._veth(i), "down")
+
+    def heal(self, i: int) -> None:
+        """Give host i its link back; returns once it reaches the bridge address again."""
+        _ip("link", "set", self._veth(i), "master", self.bridge, "up")
+        wait_for(lambda: self.connect(i, self.bridge_addr, 9, 0.5) in ("connected", "refused"),
+                 10, f"host {i} to reach {self.bridge_addr} again")

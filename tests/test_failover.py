@@ -1,0 +1,199 @@
+"""The control plane on etcd, on three real "hosts" (network namespaces on one bridge,
+tests/netns.py): the leader's agent killed, the leader's host cut off, a follower's blip,
+a standby node that keeps the ranks it took over, a lemon node quarantined, and forged
+messages written straight into etcd.
+
+Each agent runs in its host's namespace with its own address (`--local-addr`); etcd runs in
+the root namespace on the bridge, started by the `netns_hosts` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, TINY, alive, events_of, finish, unbroken_cmd, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
+
+
+def _agent(hosts, tmp_path, i: int, *flags: str, node: int | None = None, steps: int = 300,
+           script_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`unbroken run` on host i, node `node` (default i), against the fixture's etcd."""
+    run_dir = tmp_path / "run"
+    node = i if node is None else node
+    cmd = unbroken_cmd(
+        "run", "--run-dir", str(run_dir), "--rdzv-backend", "etcd",
+        "--rdzv-endpoint", hosts.etcd.endpoint, "--local-addr", hosts.addr(i),
+        "--rdzv-id", "job", "--nnodes", "2" if "--standby" in flags else "3",
+        "--node-rank", str(node), "--rdzv-timeout", "60", *flags,
+        str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(steps), *TINY,
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5", *script_args)
+    out = open(tmp_path / f"agent-{node}.out", "w+b")  # noqa: SIM115 - closed by finish()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")  # each host's own address, for gloo
+    proc = hosts.popen(i, cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    proc.output_file = out  # type: ignore[attr-defined]
+    return proc
+
+
+def _three(hosts, tmp_path, *flags: str, steps: int = 300) -> list[subprocess.Popen]:
+    return [_agent(hosts, tmp_path, i, *flags, steps=steps) for i in range(3)]
+
+
+def _at_step(run_dir, step: int, timeout: float = 120) -> None:
+    wait_for(lambda: any(e.get("step", 0) >= step for e in events_of(run_dir, "step")), timeout,
+             f"training to reach step {step}")
+
+
+def _workers(run_dir, node: int, attempt: int = 0) -> dict[str, int]:
+    return next(e["pids"] for e in events_of(run_dir, "workers_started")
+                if e["node"] == node and e["attempt"] == attempt)
+
+
+def test_the_leaders_agent_killed_another_agent_takes_over_and_the_job_goes_on_in_place(
+        netns_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    agents = _three(netns_hosts, tmp_path, "--max-restarts", "3")
+    _at_step(run_dir, 10)
+    old_workers = _workers(run_dir, 0)
+    killed_at = time.time()
+    os.kill(agents[0].pid, signal.SIGKILL)  # the leader's agent, as a host dying would
+    agents[0].wait()
+    r1, r2 = finish(agents[1], run_dir), finish(agents[2], run_dir)
+    assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
+    (elected,) = r1.events("leader_elected")
+    assert elected["previous"] == 0 and elected["term"] == 1 and elected["node"] in (1, 2)
+    assert elected["t"] - killed_at < 10 * 2.0  # about two lease periods; loose on 2 cores
+    lost = r1.events("node_lost")
+    assert [e["lost_node"] for e in lost] == [0]
+    assert not r1.events("restart")  # in place: the survivors kept their processes
+    assert [e["world_size"] for e in r1.events("gen_plan")] == [2]
+    assert summarize(run_dir)["steps"] == 300
+    for pid in old_workers.values():
+        assert not alive(pid)
+
+
+def test_the_leaders_host_cut_off_the_job_goes_on_without_it(netns_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ("--max-restarts", "3", "--recovery-timeout", "5", "--control-retry-window", "8",
+             "--hang-timeout", "120")
+    agents = _three(netns_hosts, tmp_path, *flags, steps=200)
+    _at_step(run_dir, 10)
+    netns_hosts.cut(0)  # link down: no reset, packets dropped
+    try:
+        r1, r2 = finish(agents[1], run_dir), finish(agents[2], run_dir)
+        r0 = finish(agents[0], run_dir, timeout=60)
+    finally:
+        netns_hosts.heal(0)
+    assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
+    assert r0.code == 3, r0.output  # the cut-off node gave up on the control plane
+    assert "retrying for up to 8s" in r0.output
+    elected = [e for e in events_of(run_dir, "leader_elected")]
+    assert [e["previous"] for e in elected] == [0]
+    assert [e["lost_node"] for e in events_of(run_dir, "node_lost")] == [0]
+    # Survivors blocked on the silent peer: the recovery timed out into a full restart on
+    # the two nodes left, which never waits for the lost one.
+    restart = [e for e in events_of(run_dir, "rendezvous") if e["attempt"] > 0]
+    assert restart and all(e["nodes"] == [1, 2] for e in restart), restart
+    assert summarize(run_dir)["steps"] == 200
+
+
+def test_a_follower_cut_off_for_five_seconds_is_a_blip_not_a_fault(netns_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    # The other nodes' workers wait for node 2's in their collectives meanwhile: no hang.
+    agents = _three(netns_hosts, tmp_path, "--hang-timeout", "120", steps=200)
+    _at_step(run_dir, 10)
+    netns_hosts.cut(2)
+    time.sleep(5)
+    netns_hosts.heal(2)
+    results = [finish(a, run_dir) for a in agents]
+    assert [r.code for r in results] == [0, 0, 0], "\n".join(r.output for r in results)
+    for name in ("fault", "node_lost", "restart", "leader_elected"):
+        assert not events_of(run_dir, name), name
+    lost = [e for e in events_of(run_dir, "control_plane_lost") if e["node"] == 2]
+    back = [e for e in events_of(run_dir, "control_plane_back") if e["node"] == 2]
+    assert lost and back and max(e["outage"] for e in back) >= 1.0
+    assert summarize(run_dir)["steps"] == 200
+
+
+def test_a_standby_node_keeps_the_ranks_it_took_over_across_a_full_restart(netns_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ("--nnodes", "2", "--max-restarts", "3", "--on-fault", "wait", "--node-timeout", "3")
+    a0 = _agent(netns_hosts, tmp_path, 0, *flags, steps=400)
+    a1 = _agent(netns_hosts, tmp_path, 1, *flags, steps=400)
+    standby = _agent(netns_hosts, tmp_path, 2, *flags, "--standby", node=2, steps=400)
+    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the standby's spare")
+    _at_step(run_dir, 10)
+    os.kill(a1.pid, signal.SIGKILL)  # node 1 is lost; the standby's spare takes rank 1
+    a1.wait()
+    wait_for(lambda: events_of(run_dir, "gen_up"), 60, "the generation with the standby")
+    # Rank 1 dies on the standby node, which starts no fresh workers, and no spare is ready
+    # anywhere: under `wait` that is a full restart.
+    promoted = next(e for e in events_of(run_dir, "spare_promoted") if e["source"] == "agent")
+    os.kill(promoted["pid"], signal.SIGKILL)
+    r0, r2 = finish(a0, run_dir), finish(standby, run_dir)
+    assert (r0.code, r2.code) == (0, 0), r0.output + r2.output
+    assert [(e["out_node"], e["by"]) for e in r0.events("node_taken_over")] == [(1, 2)]
+    second = [e for e in r0.events("rendezvous") if e["attempt"] == 1]
+    assert [e["nodes"] for e in second] == [[0, 2]]  # node 1 is not waited for
+    assert _workers(run_dir, 2, attempt=1).keys() == {"1"}  # rank 1 stays on the standby
+    assert summarize(run_dir)["steps"] == 400
+
+
+def test_a_lemon_node_is_quarantined_and_its_ranks_go_to_the_standby(netns_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ("--nnodes", "2", "--max-restarts", "5", "--quarantine-after", "2")
+    a0 = _agent(netns_hosts, tmp_path, 0, *flags, steps=300)
+    a1 = _agent(netns_hosts, tmp_path, 1, *flags, "--nproc-per-node", "2", steps=300)
+    standby = _agent(netns_hosts, tmp_path, 2, *flags, "--standby", "--nproc-per-node", "2",
+                     node=2, steps=300)
+    spares_ready = lambda: len([e for e in events_of(run_dir, "spare_ready")  # noqa: E731
+                                if e["node"] == 2 and e["source"] == "worker"])
+    wait_for(lambda: spares_ready() == 2, 120, "the standby's two spares")
+    _at_step(run_dir, 5)  # every worker is in its training loop: faults are taken in place
+    node1 = _workers(run_dir, 1)
+    for n, rank in enumerate(("1", "2"), start=1):  # two faults on node 1 within the window
+        os.kill(node1[rank], signal.SIGKILL)
+        wait_for(lambda n=n: len(events_of(run_dir, "gen_up")) >= n, 60, f"recovery {n}")
+    r1 = finish(a1, run_dir)
+    r0, r2 = finish(a0, run_dir), finish(standby, run_dir)
+    assert (r0.code, r1.code, r2.code) == (0, 0, 0), r0.output + r1.output + r2.output
+    assert "quarantined after repeated faults" in r1.output
+    by_leader = [e for e in r0.events("node_quarantined") if "attempt" in e]
+    assert [(e["quarantined"], e["faults"]) for e in by_leader] == [(1, 2)]
+    assert [e["node"] for e in r0.events("node_quarantined") if "attempt" not in e] == [1]
+    faults = [(e["rank"], e["node"]) for e in r0.events("fault")]
+    assert faults == [(1, 1), (2, 1)], faults
+    promoted = {e["slot"] for e in events_of(run_dir, "spare_promoted") if e["node"] == 2}
+    assert promoted == {1, 2}  # both of the lemon's ranks now run on the standby node
+    assert summarize(run_dir)["steps"] == 300
+
+
+def test_forged_deaths_and_plans_written_into_etcd_are_rejected(netns_hosts, tmp_path):
+    """Someone on host 1 who can reach etcd, but has not the job's secret, writes a death and
+    a plan: both are rejected and reported, and the job trains to the end untouched."""
+    from unbroken.control.channel import Channel
+    from unbroken.control.etcd import EtcdBackend
+    from unbroken.control.messages import Fault, FaultKind, GenPlan
+    from unbroken.control.schema import AttemptKeys
+
+    run_dir = tmp_path / "run"
+    agents = _three(netns_hosts, tmp_path, "--max-restarts", "2", steps=150)
+    _at_step(run_dir, 5)
+    forger = Channel(EtcdBackend([netns_hosts.etcd.endpoint], "job"))  # no secret
+    keys = AttemptKeys(0)
+    forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0", node=0,
+                                     attempt=0, in_place=True, detail="forged"))
+    forger.write(keys.gen(1).plan, GenPlan(gen=1, members=["1.0"]))
+    forger.write(keys.latest_gen, 1)
+    results = [finish(a, run_dir) for a in agents]
+    assert [r.code for r in results] == [0, 0, 0], "\n".join(r.output for r in results)
+    forged = {e["key"] for e in events_of(run_dir, "forged_message")}
+    assert {"a/0/death/0"} <= forged, forged
+    assert not events_of(run_dir, "fault") and not events_of(run_dir, "gen_plan")
+    assert summarize(run_dir)["steps"] == 150

@@ -1,0 +1,71 @@
+"""The job's node set and leadership's pure parts: no processes."""
+
+from __future__ import annotations
+
+from unbroken.control.codec import decode, encode
+from unbroken.control.messages import LeaderRecord, NodeOut, NodeSet
+from unbroken.launch import node_set
+from unbroken.launch.budget import RestartBudget
+from unbroken.launch.node_set import QuarantineRule
+from unbroken.launch.planner import Recovery, Refill, initial_state, rebase
+
+RULE = QuarantineRule(after=2, window=60.0)
+
+
+def test_a_standby_that_took_a_lost_nodes_ranks_takes_its_place_in_the_order():
+    ns = node_set.mark_out(node_set.initial(3), 1, NodeOut.LOST)
+    layout = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    after = node_set.after_attempt(ns, layout, {0: {0, 1}, 2: {4, 5}, 3: {2, 3}})
+    assert after.order == [0, 3, 2]  # standby node 3 holds node 1's ranks, in its place
+    again = node_set.after_attempt(after, {0: [0, 1], 3: [2, 3], 2: [4, 5]},
+                                   {0: {0, 1}, 3: {2, 3}, 2: {4, 5}})
+    assert again.order == [0, 3, 2]  # and keeps them across later restarts
+
+
+def test_an_out_node_nobody_took_over_leaves_the_order():
+    ns = node_set.mark_out(node_set.initial(3), 2, NodeOut.DRAINED)
+    assert node_set.after_attempt(ns, {0: [0], 1: [1], 2: [2]}, {0: {0}, 1: {1}}).order == [0, 1]
+
+
+def test_a_node_with_repeated_faults_in_the_window_is_quarantined_once():
+    ns = node_set.initial(2)
+    ns, q = node_set.blame(ns, 1, 100.0, RULE)
+    assert not q
+    ns, q = node_set.blame(ns, 1, 200.0, RULE)  # the first fell out of the window
+    assert not q
+    ns, q = node_set.blame(ns, 1, 250.0, RULE)
+    assert q and ns.out[1] == NodeOut.QUARANTINED
+    ns, q = node_set.blame(ns, 1, 251.0, RULE)
+    assert not q  # already quarantined: said once
+    assert not node_set.blame(node_set.initial(2), 1, 0.0, QuarantineRule(after=0))[1]
+
+
+def test_a_quarantined_node_is_never_admitted_again_but_a_lost_one_is():
+    ns = node_set.mark_out(node_set.initial(3), 2, NodeOut.LOST)
+    ns = node_set.after_attempt(ns, {}, {})
+    ns, ok = node_set.admit(ns, 2)
+    assert ok and ns.order == [0, 1, 2] and 2 not in ns.out
+    ns, _ = node_set.blame(ns, 1, 0.0, QuarantineRule(after=1))
+    ns = node_set.mark_out(ns, 1, NodeOut.LOST)  # never downgraded
+    ns = node_set.after_attempt(ns, {}, {})
+    ns, ok = node_set.admit(ns, 1)
+    assert not ok and ns.order == [0, 2] and ns.out[1] == NodeOut.QUARANTINED
+
+
+def test_the_leader_record_round_trips_through_the_codec():
+    record = LeaderRecord(attempt=3, restarts_spent=2,
+                          nodes=NodeSet(order=[0, 3], out={1: NodeOut.LOST},
+                                        faults={1: [1.5, 2.5]}))
+    assert decode(LeaderRecord, encode(record)) == record
+
+
+def test_rebase_moves_every_deadline_and_nothing_else():
+    s = initial_state(0, 4, {0: [0, 1], 1: [2, 3]}, RestartBudget(3))
+    s.planned_at, s.awaited = 10.0, {2: 11.0}
+    s.refills = [Refill(slot=3, node=1, broke_gen=0, since=12.0)]
+    s.recovery = Recovery(started=13.0)
+    moved = rebase(s, 1000.0)
+    assert (moved.planned_at, moved.awaited, moved.refills[0].since, moved.recovery.started) \
+        == (1010.0, {2: 1011.0}, 1012.0, 1013.0)
+    assert s.planned_at == 10.0  # pure
+    assert encode(rebase(moved, -1000.0)) == encode(s)
