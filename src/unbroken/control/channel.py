@@ -93,11 +93,10 @@ class Channel:
     def entries(self, queue: Queue[T], start: int) -> list[T | None]:
         """Entries from `start` on, up to the first counted but not yet written. A forged
         entry is reported and stands as None, so that the reader's cursor moves past it."""
+        slots = [queue.entry(i) for i in range(start, self.count(queue.count))]
         found: list[T | None] = []
-        for index in range(start, self.count(queue.count)):
-            entry = queue.entry(index)
-            raw = self.backend.get(entry.key)
+        for slot, raw in zip(slots, self.backend.get_many([s.key for s in slots]), strict=True):
             if raw is None:
                 break
-            found.append(self._open(entry, raw))
+            found.append(self._open(slot, raw))
         return found

@@ -29,10 +29,12 @@ import json
 import re
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -117,6 +119,7 @@ class EtcdBackend:
         self.endpoints = [e if "://" in e else f"{scheme}://{e}" for e in endpoints]
         self.run_id = run_id
         self.run_prefix = f"unbroken/{run_id}/"
+        self._leases: dict[str, int] = {}  # lease key -> the token this holder last wrote
         self.timeout = timeout
         self._files = {"cacert": cacert, "cert": cert, "key": key}
         tls = any(e.startswith("https://") for e in self.endpoints)
@@ -124,6 +127,7 @@ class EtcdBackend:
         self.user = user
         self._password = password
         self._token: str | None = None  # None: not logged in yet; "": etcd has auth off
+        self._local = threading.local()  # each thread's kept-alive connections
 
     def describe(self) -> str:
         return f"etcd at {','.join(self.endpoints)}"
@@ -172,15 +176,9 @@ class EtcdBackend:
             headers["Authorization"] = self._token
         misconfigured, unreachable = [], []
         for i, endpoint in enumerate(self.endpoints):
-            request = urllib.request.Request(f"{endpoint}/v3/{path}", data=data, headers=headers)
-            context = self._tls if endpoint.startswith("https://") else None
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout,
-                                            context=context) as response:
-                    status, raw = response.status, response.read()
-            except urllib.error.HTTPError as exc:
-                status, raw = exc.code, exc.read()
-            except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+                status, raw = self._request(endpoint, f"/v3/{path}", data, headers)
+            except (OSError, http.client.HTTPException) as exc:
                 wrong = self._misconfiguration(endpoint, exc)
                 if wrong:
                     misconfigured.append(wrong)
@@ -197,6 +195,37 @@ class EtcdBackend:
             raise StoreUnavailable(misconfigured[0])
         raise StoreUnavailable(f"cannot reach {self.describe()} ({'; '.join(unreachable)}); is "
                                "etcd running, and is --rdzv-endpoint right?")
+
+    def _request(self, endpoint: str, path: str, data: bytes,
+                 headers: dict[str, str]) -> tuple[int, bytes]:
+        """One POST on this thread's kept-alive connection to `endpoint` (a new connection
+        per call would cost a TCP, and with TLS a TLS, handshake each time: the agents
+        read the control plane at every look). A connection the server closed while idle
+        is replaced once; any other failure closes it and is raised."""
+        conns = self._local.__dict__.setdefault("conns", {})
+        for attempt in (0, 1):
+            conn = conns.get(endpoint)
+            fresh = conn is None
+            if fresh:
+                url = urllib.parse.urlsplit(endpoint)
+                if url.scheme == "https":
+                    conn = http.client.HTTPSConnection(url.hostname, url.port, timeout=self.timeout,
+                                                       context=self._tls)
+                else:
+                    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=self.timeout)
+                conns[endpoint] = conn
+            try:
+                conn.request("POST", path, body=data, headers=headers)
+                response = conn.getresponse()
+                return response.status, response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                del conns[endpoint]
+                stale = isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError,
+                                         ConnectionResetError))
+                if fresh or not stale or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def _misconfiguration(self, endpoint: str, exc: BaseException) -> str | None:
         """What is wrong with our TLS settings for `endpoint`, given how a call failed; None
@@ -314,6 +343,30 @@ class EtcdBackend:
         return "" if kv is None else _unb64(kv.get("value", "")).decode()
 
     def add(self, key: str, amount: int) -> int:
+        """A counter is a tally: one key under `<key>#` per unit added, so that adds never
+        race (a compare-and-set counter makes N concurrent adders retry O(N) times each).
+        Each key's create revision orders the adds, so every adder learns its own position:
+        the count of tally keys created up to its own."""
+        if amount < 0:
+            raise ValueError("counters only grow")
+        revision = None
+        for _ in range(amount):
+            reply = self._call("kv/put", {"key": self._key(f"{key}#{uuid.uuid4().hex}"),
+                                          "value": _b64("1")})
+            revision = reply["header"]["revision"]
+        return self._tally(key, revision)
+
+    def _tally(self, key: str, revision: str | None = None) -> int:
+        start = self.run_prefix + key + "#"
+        body = {"key": _b64(start), "range_end": _b64(start[:-1] + "$"),  # '$' follows '#'
+                "count_only": True}
+        if revision is not None:
+            body["max_create_revision"] = revision
+        return int(self._call("kv/range", body).get("count", 0))
+
+    def cas_add(self, key: str, amount: int) -> int:
+        """An add on a single key holding the total (what a c10d store's `add` must be,
+        for torch reads the key back with `get`): a compare-and-set, retried on races."""
         for _ in range(_RETRIES):
             kv = self._range(key)
             current = int(_unb64(kv["value"]).decode() or 0) if kv and kv.get("value") else 0
@@ -340,10 +393,12 @@ class EtcdBackend:
             pause = min(0.05, pause * 2)
 
     def refresh_lease(self, key: str) -> None:
-        self.add(key, 1)
+        """One put: only the holder writes its lease, so its own count is the token."""
+        self._leases[key] = self._leases.get(key, 0) + 1
+        self.set(key, str(self._leases[key]))
 
     def lease_token(self, key: str) -> int:
-        return self.add(key, 0)
+        return int(self.get(key) or 0)
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
         own = EtcdBackend(list(self.endpoints), self.run_id, self.timeout, **self._files,
@@ -375,7 +430,7 @@ class EtcdStore(Store):
         return self._backend.get_bytes(self._k(key)) or b""
 
     def add(self, key: str, amount: int) -> int:
-        return self._backend.add(self._k(key), amount)
+        return self._backend.cas_add(self._k(key), amount)
 
     def check(self, keys: list[str]) -> bool:
         return all(self._backend.get_bytes(self._k(k)) is not None for k in keys)

@@ -67,6 +67,7 @@ class AttemptWatch:
         self._t0 = 0.0
         self._board: SpareBoard | None = None
         self._orders_seen = 0
+        self._last_control = 0.0
         self.done_posted = False  # this node's NodeDone is written, for this attempt
 
     def publish_fault(self, fault: Fault, attempt: int) -> Fault:
@@ -103,6 +104,7 @@ class AttemptWatch:
         self.busy = False
         self._board = SpareBoard(self.channel, self.keys, cfg.node_rank) if self.in_place else None
         self._orders_seen = 0
+        self._last_control = 0.0
         self.done_posted = False
 
     def watch(self, duties: Callable[[], Outcome | None]) -> Outcome:
@@ -130,13 +132,17 @@ class AttemptWatch:
             hung = sup.find_hang()  # killed: seen as a death at the next look
             if hung is not None and not self.resilient:
                 return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
+            if not self._control_due(bool(failed)):
+                sup.fill_pool(self._t0)
+                continue
+            # One round trip for what every look reads (etcd: each read is a request).
+            fault, result, target = ch.read_many([keys.fault, RESULT, keys.target])
             if self.resilient:
                 orders = ch.entries(keys.orders(cfg.node_rank), self._orders_seen)
                 self._orders_seen += len(orders)
                 for order in filter(None, orders):  # None: forged, rejected
                     if self._obey(order) is not None:
                         return Outcome(Ending.RELEASED)
-                target = ch.read(keys.target)
                 if target is not None:
                     sup.mirror_target(target)
                 if sup.spare_target:
@@ -144,10 +150,8 @@ class AttemptWatch:
                 self._board.offer([s.wid for s in sup.ready_spares()])
                 self._board.host({w.wid: w.rank for w in sup.workers
                                   if w.proc.returncode in (None, 0)})
-            fault = ch.read(keys.fault)
             if fault is not None:
                 return Outcome(Ending.FAULT, fault)
-            result = ch.read(RESULT)
             if result is not None:
                 raise Finished(result)
             outcome = duties()
@@ -158,6 +162,21 @@ class AttemptWatch:
                 self.events.emit(Event.WORKERS_DONE, attempt=attempt)
                 self.done_posted = True
             sup.fill_pool(self._t0)
+
+    def _control_due(self, local_news: bool) -> bool:
+        """Whether this look also reads the control plane. Every look does, except while
+        the node is quiet (every worker here is training, nothing recovering, no exit
+        seen); then every `cfg.quiet_poll` seconds. A fault anywhere makes the survivors
+        here leave their generation within a step, which ends the quiet at once: recovery
+        is not slowed, and a steady-state job does not load a shared control plane with
+        twenty reads a second per agent."""
+        now = time.monotonic()
+        quiet = (self.cfg.quiet_poll > 0 and not local_news and not self.busy
+                 and (not self.in_place or self.resilient) and self.sup.training())
+        if quiet and now - self._last_control < self.cfg.quiet_poll:
+            return False
+        self._last_control = now
+        return True
 
     def _node_done(self, keys: AttemptKeys) -> bool:
         """Every worker here exited 0, and trained to the end: some rank finished here, or

@@ -59,6 +59,12 @@ class LaunchConfig:
         return self.node_rank == 0 and not self.standby
 
     @property
+    def quiet_poll(self) -> float:
+        """Seconds between control-plane reads while the node is quiet (`AttemptWatch`):
+        0, every look, on the agent's own TCPStore; 0.25 s on a shared etcd."""
+        return 0.25 if self.backend == BackendKind.ETCD else 0.0
+
+    @property
     def bind_addr(self) -> str:
         if self.local_addr:
             return self.local_addr
