@@ -138,10 +138,9 @@ def _simulated_agents(backend: str, endpoint: str, run_id: str, nodes: list[int]
 
     def leave(channel: Channel, part: list[int]) -> None:
         for k in part:
-            channel.write(g.left(f"{k}.0"), Departure(wid=f"{k}.0", gen=0, step=10,
-                                                     holds_state=True, reason=LeaveReason.PEER,
-                                                     t=time.time()))
-            channel.bump(g.nleft)
+            channel.append(g.departures, Departure(wid=f"{k}.0", gen=0, step=10,
+                                                  holds_state=True, reason=LeaveReason.PEER,
+                                                  t=time.time()))
 
     next_refresh = 0.0
     left = False
@@ -194,9 +193,8 @@ def plan_latency(backend: str, endpoint: str, n: int, procs: int = 4) -> tuple[f
         ch.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=n, slot=n, wid=f"{n}.0", node=n,
                                      attempt=0, in_place=True, t=published))
         go.set()
-        ch.write(keys.gen(0).left("0.0"), Departure(wid="0.0", gen=0, step=10, holds_state=True,
-                                                    reason=LeaveReason.PEER, t=time.time()))
-        ch.bump(keys.gen(0).nleft)
+        ch.append(keys.gen(0).departures, Departure(wid="0.0", gen=0, step=10, holds_state=True,
+                                                   reason=LeaveReason.PEER, t=time.time()))
         while executor.state.gen == 0:
             leases.silent_many(watched, time.monotonic())
             executor.look(lambda: 10, [], [])

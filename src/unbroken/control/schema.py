@@ -197,12 +197,11 @@ class GenKeys:
     def plan(self) -> Slot[m.GenPlan]:
         return Slot(self._k("plan"), m.GenPlan, "leader")
 
-    def left(self, wid: str) -> Slot[m.Departure]:
-        return Slot(self._k(f"left/{wid}"), m.Departure, "the member that left")
-
     @property
-    def nleft(self) -> Counter:
-        return Counter(self._k("nleft"), "members, after writing `left`", notifies=self._news)
+    def departures(self) -> Queue[m.Departure]:
+        """Members that left the generation, one entry each: the planner reads only the
+        new ones, in one round trip, however many members there are."""
+        return Queue(self._k("left"), m.Departure, "the member that left", notifies=self._news)
 
     @property
     def nready(self) -> Counter:

@@ -57,6 +57,9 @@ class PlanExecutor:
         self.deaths: list[Fault] = []  # taken in since the leader last looked (for blame)
         self._persisted: dict[str, Any] | None = None
         self.promoted: dict[int, int] = {}  # slot -> the node whose spare was ordered into it
+        # The current generation's departures queue, and how many of its entries were read
+        # (a successor starts again at 0: departures are taken in by wid, so twice is once).
+        self._departures_gen, self._departures_seen = -1, 0
 
     def look(self, max_step: Callable[[], int], lost_nodes: list[int],
              standby_nodes: list[int], barred_nodes: list[int] = ()) -> EndAttempt | None:
@@ -107,12 +110,14 @@ class PlanExecutor:
                       deaths=ch.entries(keys.deaths, s.deaths_seen),
                       joiners=ch.entries(keys.joiners, s.joiners_seen),
                       drains=ch.entries(keys.drains, s.drains_seen),
-                      nleft=ch.count(g.nleft), nup=ch.count(g.nup), ndone=ch.count(g.ndone))
-        if inbox.nleft > len(s.departed):
-            pending = [m for m in s.members if m not in s.departed]
-            for m, d in zip(pending, ch.read_many([g.left(m) for m in pending]), strict=True):
-                if d is not None:
-                    inbox.departures[m] = d
+                      nup=ch.count(g.nup), ndone=ch.count(g.ndone))
+        if self._departures_gen != s.gen:  # a new generation: its own queue
+            self._departures_gen, self._departures_seen = s.gen, 0
+        left = ch.entries(g.departures, self._departures_seen)
+        self._departures_seen += len(left)
+        inbox.nleft = len(s.departed) + len(left)
+        for d in filter(None, left):  # None: forged, rejected
+            inbox.departures[d.wid] = d
         nodes = [*s.standby_nodes, *standby, *s.nodes]
         if lost or any(inbox.drains) or any(d is not None and d.spare is None for d in inbox.deaths):
             offers = ch.read_many([keys.ready_spares(node) for node in nodes])

@@ -67,10 +67,9 @@ class Membership:
     def leave(self, gen: int, step: int, holds_state: bool, reason: LeaveReason,
               error: str | None = None, traceback: str | None = None) -> None:
         g = self.keys.gen(gen)
-        self.channel.write(g.left(self.wid), Departure(
+        self.channel.append(g.departures, Departure(
             wid=self.wid, gen=gen, step=step, holds_state=holds_state, reason=LeaveReason(reason),
             t=time.time(), error=error, traceback=traceback))
-        self.channel.bump(g.nleft)
 
     def register_joiner(self, slot: int) -> None:
         self.channel.append(self.keys.joiners, Joiner(wid=self.wid, slot=slot))
