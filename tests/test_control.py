@@ -79,13 +79,25 @@ def test_an_entry_counted_but_not_yet_written_ends_the_read(channel):
     assert channel.entries(keys.deaths, 0) == []
 
 
-def test_concurrent_adds_are_atomic(channel):
+def test_concurrent_adds_are_atomic_and_each_learns_its_own_position(channel):
+    """Queue indexes and one-time claims rely on every concurrent adder getting a different
+    value (etcd's tally counters once gave several adders the same one)."""
     from concurrent.futures import ThreadPoolExecutor
 
     counter = AttemptKeys(0).gen(0).nready
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda _: channel.bump(counter), range(40)))
     assert channel.count(counter) == 40
+    claim = AttemptKeys(0).gen(0).nup
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: channel.claim(claim), range(40)))
+    assert sorted(got) == list(range(1, 41))
+    joiners = AttemptKeys(0).joiners
+    with ThreadPoolExecutor(8) as pool:
+        indexes = list(pool.map(lambda i: channel.append(joiners, Joiner(f"{i}.1", i)),
+                                range(24)))
+    assert sorted(indexes) == list(range(24))
+    assert sorted(j.slot for j in channel.entries(joiners, 0)) == list(range(24))
 
 
 def test_a_process_group_forms_over_the_backends_rendezvous_store(channel, tmp_path):

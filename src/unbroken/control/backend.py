@@ -39,7 +39,12 @@ class Backend(Protocol):
         holds afterwards, so the caller sees whether it won."""
 
     def add(self, key: str, amount: int) -> int:
-        """Add to an integer key (created at 0) atomically; return the new value."""
+        """Add to an integer key (created at 0) atomically; return the new value (each
+        concurrent adder a different one: queue indexes and one-time claims rely on it)."""
+
+    def increment(self, key: str) -> None:
+        """Add one, without learning the value: as cheap as the store allows (a counter
+        that only wakes its readers, who read it with `add(key, 0)`)."""
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Block until every key is set; False after `timeout` seconds."""

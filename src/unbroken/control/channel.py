@@ -75,10 +75,17 @@ class Channel:
     def count(self, counter: Counter) -> int:
         return self.backend.add(counter.key, 0)
 
-    def bump(self, counter: Counter, amount: int = 1) -> int:
-        value = self.backend.add(counter.key, amount)
+    def bump(self, counter: Counter) -> None:
+        """Add one; its readers read the count (`count`)."""
+        self.backend.increment(counter.key)
         if counter.notifies:
-            self.backend.add(counter.notifies, 1)
+            self.backend.increment(counter.notifies)
+
+    def claim(self, counter: Counter) -> int:
+        """Add one and learn which add this was (1: the first of all)."""
+        value = self.backend.add(counter.key, 1)
+        if counter.notifies:
+            self.backend.increment(counter.notifies)
         return value
 
     def append(self, queue: Queue[T], message: T) -> int:
@@ -87,7 +94,7 @@ class Channel:
         entry = queue.entry(index)
         self.backend.set(entry.key, self._seal(entry.key, message))
         if queue.notifies:
-            self.backend.add(queue.notifies, 1)
+            self.backend.increment(queue.notifies)
         return index
 
     def entries(self, queue: Queue[T], start: int) -> list[T | None]:

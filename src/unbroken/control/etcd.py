@@ -345,23 +345,34 @@ class EtcdBackend:
     def add(self, key: str, amount: int) -> int:
         """A counter is a tally: one key under `<key>#` per unit added, so that adds never
         race (a compare-and-set counter makes N concurrent adders retry O(N) times each).
-        Each key's create revision orders the adds, so every adder learns its own position:
-        the count of tally keys created up to its own."""
+        The create revisions order the adds, so each adder learns its own position: the
+        tally keys created up to its own (etcd's `count` ignores revision filters, so they
+        are listed, keys only: O(value) bytes, for queue indexes and claims)."""
         if amount < 0:
             raise ValueError("counters only grow")
+        if amount == 0:
+            return self._tally(key)
         revision = None
         for _ in range(amount):
-            reply = self._call("kv/put", {"key": self._key(f"{key}#{uuid.uuid4().hex}"),
-                                          "value": _b64("1")})
-            revision = reply["header"]["revision"]
-        return self._tally(key, revision)
+            revision = self._put_tally(key)
+        body = {**self._tally_range(key), "keys_only": True, "max_create_revision": revision}
+        return len(self._call("kv/range", body).get("kvs", []))
 
-    def _tally(self, key: str, revision: str | None = None) -> int:
+    def increment(self, key: str) -> None:
+        """Add one, without learning the value: a single put."""
+        self._put_tally(key)
+
+    def _put_tally(self, key: str) -> str:
+        reply = self._call("kv/put", {"key": self._key(f"{key}#{uuid.uuid4().hex}"),
+                                      "value": _b64("1")})
+        return reply["header"]["revision"]
+
+    def _tally_range(self, key: str) -> dict[str, Any]:
         start = self.run_prefix + key + "#"
-        body = {"key": _b64(start), "range_end": _b64(start[:-1] + "$"),  # '$' follows '#'
-                "count_only": True}
-        if revision is not None:
-            body["max_create_revision"] = revision
+        return {"key": _b64(start), "range_end": _b64(start[:-1] + "$")}  # '$' follows '#'
+
+    def _tally(self, key: str) -> int:
+        body = {**self._tally_range(key), "count_only": True}
         return int(self._call("kv/range", body).get("count", 0))
 
     def cas_add(self, key: str, amount: int) -> int:

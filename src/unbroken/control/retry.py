@@ -93,6 +93,9 @@ class RetryingBackend:
     def add(self, key: str, amount: int) -> int:
         return self._do("add", key, amount)
 
+    def increment(self, key: str) -> None:
+        self._do("increment", key)
+
     def wait(self, keys: list[str], timeout: float) -> bool:
         return self._do("wait", keys, timeout)
 

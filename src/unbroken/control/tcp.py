@@ -123,6 +123,9 @@ class TcpBackend:
     def add(self, key: str, amount: int) -> int:
         return int(self._call(self._kv.add, key, amount))
 
+    def increment(self, key: str) -> None:
+        self.add(key, 1)
+
     def wait(self, keys: list[str], timeout: float) -> bool:
         try:
             self._kv.wait(keys, timedelta(seconds=timeout))

@@ -203,7 +203,7 @@ class Run:
     def _claim_fault(self, key: str) -> bool:
         """A fault fires once per job: claimed in the control store, or per process without one."""
         if self.env.under_agent:
-            return self._channel().bump(fault_claim(key)) == 1
+            return self._channel().claim(fault_claim(key)) == 1
         if key in self._claimed_here:
             return False
         self._claimed_here.add(key)
