@@ -197,3 +197,41 @@ def test_forged_deaths_and_plans_written_into_etcd_are_rejected(netns_hosts, tmp
     assert {"a/0/death/0"} <= forged, forged
     assert not events_of(run_dir, "fault") and not events_of(run_dir, "gen_plan")
     assert summarize(run_dir)["steps"] == 150
+
+
+# ---------------------------------------------------------------- bad input: one line each
+def _etcd_agent(tmp_path, endpoint: str, node: int, secret: str, *flags: str) -> subprocess.Popen:
+    out = open(tmp_path / f"agent-{node}.out", "w+b")  # noqa: SIM115 - closed by finish()
+    cmd = unbroken_cmd("run", "--run-dir", str(tmp_path / "run"), "--rdzv-backend", "etcd",
+                       "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--nnodes", "2",
+                       "--node-rank", str(node), *flags, str(REPO / "examples" / "gpt" / "train.py"),
+                       "--steps", "5", *TINY)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True, env=dict(os.environ, UNBROKEN_SECRET=secret))
+    proc.output_file = out  # type: ignore[attr-defined]
+    return proc
+
+
+def test_an_unreachable_etcd_is_one_line_and_exit_3(tmp_path):
+    from conftest import free_port
+
+    r = finish(_etcd_agent(tmp_path, f"127.0.0.1:{free_port()}", 0, "aa" * 32), tmp_path / "run",
+               timeout=60)
+    assert r.code == 3, r.output
+    errors = [line for line in r.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "cannot reach etcd at http://127.0.0.1:" in errors[0], r.output
+    assert "is --rdzv-endpoint right?" in errors[0] and "Traceback" not in r.output
+
+
+def test_an_agent_with_another_secret_is_told_so_and_cannot_take_the_lead(tmp_path, etcd_endpoint):
+    run_dir = tmp_path / "run"
+    leader = _etcd_agent(tmp_path, etcd_endpoint, 0, "aa" * 32, "--rdzv-timeout", "15")
+    wait_for(lambda: events_of(run_dir, "agent_start"), 60, "node 0 to start")
+    time.sleep(1.0)  # node 0 has stood as leader
+    intruder = _etcd_agent(tmp_path, etcd_endpoint, 1, "bb" * 32)
+    r1 = finish(intruder, run_dir, timeout=60)
+    assert r1.code == 3, r1.output
+    assert "signed with another secret" in r1.output and "Traceback" not in r1.output
+    r0 = finish(leader, run_dir, timeout=60)  # node 1 never joined: node 0 says so
+    assert r0.code == 3 and "node(s) [1] did not join" in r0.output, r0.output
+    assert not events_of(run_dir, "leader_elected")

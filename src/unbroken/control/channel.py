@@ -47,6 +47,12 @@ class Channel:
         raw = self.backend.get(slot.key)
         return None if raw is None else self._open(slot, raw)
 
+    def signed_elsewhere(self, slot: Slot[T]) -> bool:
+        """The slot holds a value whose signature does not check: someone (typically the
+        rest of the job, if this agent was given the wrong secret) signs with another key."""
+        raw = self.backend.get(slot.key)
+        return raw is not None and self._open(slot, raw) is None
+
     def read_many(self, slots: list[Slot[T]]) -> list[T | None]:
         """`read` of many slots in as few round trips as the backend allows."""
         raws = self.backend.get_many([slot.key for slot in slots])

@@ -23,6 +23,9 @@ from unbroken.control.messages import LeaderClaim
 from unbroken.control.schema import LEADER, agent_lease
 from unbroken.errors import ControlPlaneError
 
+WRONG_SECRET = ("the job's control messages are signed with another secret than this "
+                "agent's: give every node the same --secret-file or UNBROKEN_SECRET")
+
 
 class Elected(Exception):  # noqa: N818 - control flow, not an error
     """This agent won leadership from a silent leader: it takes over the job."""
@@ -48,11 +51,15 @@ class Election:
         """At start: claim leadership if nobody holds it; returns the claim that holds.
         Node 0 stands `first`; the others give it up to the timeout to do so, so that the
         job's leader is node 0 unless node 0 is late."""
+        if self.channel.signed_elsewhere(LEADER):
+            raise ControlPlaneError(WRONG_SECRET)
         deadline = time.monotonic() + (0.0 if first else self.timeout)
         while not first and time.monotonic() < deadline:
             claim = self.channel.read(LEADER)
             if claim is not None:
                 return claim
+            if self.channel.signed_elsewhere(LEADER):
+                raise ControlPlaneError(WRONG_SECRET)
             time.sleep(0.05)
         won = self.channel.first(LEADER, self.mine)
         if won is not None and won.instance == self.mine.instance:

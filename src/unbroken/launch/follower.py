@@ -13,6 +13,7 @@ from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, ack, node_out
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
+from unbroken.launch.election import WRONG_SECRET
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.telemetry.event_names import Event
@@ -120,6 +121,8 @@ class Follower(Role):
             current = self.channel.read(CURRENT)
             if current is not None and current > seen:
                 return int(current)
+            if current is None and self.channel.signed_elsewhere(CURRENT):
+                raise ControlPlaneError(WRONG_SECRET)
             if time.monotonic() > deadline:
                 raise ControlPlaneError(
                     f"the node-0 agent opened no new attempt within {self.cfg.rdzv_timeout:g}s")
