@@ -10,17 +10,25 @@ $(BIN)/unbroken: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)" -e ".[dev]"
 	@touch $@
 
-# The etcd backend's tests start an etcd server of their own: Debian's etcd-server.
+# The etcd backend's tests start an etcd server of their own: Debian's etcd-server. The
+# failover tests make three hosts of network namespaces with `ip` (iproute2; they run as
+# root, and are skipped, saying why, where namespaces cannot be made).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ETCD := $(shell command -v etcd || echo /usr/bin/etcd)
+IP := $(shell command -v ip || echo /usr/sbin/ip)
 
 $(ETCD):
 	@command -v apt-get >/dev/null || { echo "install etcd 3.4+ (the etcd backend's tests need it)"; exit 1; }
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends etcd-server
 
+$(IP):
+	@command -v apt-get >/dev/null || { echo "install iproute2 (the failover tests need ip)"; exit 1; }
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2
+
 .PHONY: install demo test lint
-install: $(BIN)/unbroken $(ETCD)
+install: $(BIN)/unbroken $(ETCD) $(IP)
 
 demo: install
 	$(BIN)/unbroken demo
