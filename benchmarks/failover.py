@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -247,6 +248,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="steady-state rounds per backend")
     p.add_argument("--steady-steps", type=int, default=500)
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that every `finally` stops its agents and etcd.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     root = Path(tempfile.mkdtemp(prefix="unbroken-failover-"))
     etcd = start_etcd("127.0.0.1", root / "etcd")
     try:

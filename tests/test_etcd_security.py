@@ -153,10 +153,15 @@ def test_plain_http_against_a_tls_etcd_says_to_use_https(tls):
         f"etcd at {http} expects TLS: use an https:// endpoint")
 
 
+def _client(url: str, pki, ca: str = "ca", who: str = "client") -> EtcdBackend:
+    """A backend that trusts `ca` and presents `who`'s certificate (files made by `tls`)."""
+    return EtcdBackend([url], "r", cacert=str(pki / f"{ca}.pem"), cert=str(pki / f"{who}.pem"),
+                       key=str(pki / f"{who}.key"))
+
+
 def test_a_certificate_from_an_unknown_ca_says_to_pass_the_right_one(tls):
     url, pki = tls
-    backend = EtcdBackend([url], "r", cacert=str(pki / "other.pem"),
-                          cert=str(pki / "client.pem"), key=str(pki / "client.key"))
+    backend = _client(url, pki, ca="other")
     assert one_line_error(backend) == (
         f"TLS handshake with etcd at {url}: certificate verify failed (unknown CA); pass the "
         "CA that signed etcd's certificate with --etcd-cacert")
@@ -165,8 +170,7 @@ def test_a_certificate_from_an_unknown_ca_says_to_pass_the_right_one(tls):
 def test_a_host_name_the_certificate_does_not_list_is_named(tls):
     url, pki = tls
     by_name = url.replace("127.0.0.1", "localhost")
-    backend = EtcdBackend([by_name], "r", cacert=str(pki / "ca.pem"),
-                          cert=str(pki / "client.pem"), key=str(pki / "client.key"))
+    backend = _client(by_name, pki)
     assert "certificate verify failed (it is not valid for 'localhost'); use a host name or " \
            "IP address that etcd's certificate lists" in one_line_error(backend)
 
@@ -181,8 +185,7 @@ def test_a_missing_client_certificate_says_which_flags_to_pass(tls):
 
 def test_a_client_certificate_etcd_does_not_trust_is_refused_in_one_line(tls):
     url, pki = tls
-    backend = EtcdBackend([url], "r", cacert=str(pki / "ca.pem"),
-                          cert=str(pki / "stranger.pem"), key=str(pki / "stranger.key"))
+    backend = _client(url, pki, who="stranger")
     assert one_line_error(backend) == (
         f"etcd at {url} refused the client certificate {pki / 'stranger.pem'}: pass one signed "
         "by a CA in etcd's --trusted-ca-file")

@@ -15,16 +15,17 @@ RULE = QuarantineRule(after=2, window=60.0)
 def test_a_standby_that_took_a_lost_nodes_ranks_takes_its_place_in_the_order():
     ns = node_set.mark_out(node_set.initial(3), 1, NodeOut.LOST)
     layout = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
-    after = node_set.after_attempt(ns, layout, {0: {0, 1}, 2: {4, 5}, 3: {2, 3}})
-    assert after.order == [0, 3, 2]  # standby node 3 holds node 1's ranks, in its place
-    again = node_set.after_attempt(after, {0: [0, 1], 3: [2, 3], 2: [4, 5]},
-                                   {0: {0, 1}, 3: {2, 3}, 2: {4, 5}})
-    assert again.order == [0, 3, 2]  # and keeps them across later restarts
+    after, heirs = node_set.after_attempt(ns, layout, {0: {0, 1}, 2: {4, 5}, 3: {2, 3}})
+    assert after.order == [0, 3, 2] and heirs == {1: 3}  # standby 3 in node 1's place
+    again, heirs = node_set.after_attempt(after, {0: [0, 1], 3: [2, 3], 2: [4, 5]},
+                                          {0: {0, 1}, 3: {2, 3}, 2: {4, 5}})
+    assert again.order == [0, 3, 2] and heirs == {}  # and keeps them across restarts
 
 
 def test_an_out_node_nobody_took_over_leaves_the_order():
     ns = node_set.mark_out(node_set.initial(3), 2, NodeOut.DRAINED)
-    assert node_set.after_attempt(ns, {0: [0], 1: [1], 2: [2]}, {0: {0}, 1: {1}}).order == [0, 1]
+    after, heirs = node_set.after_attempt(ns, {0: [0], 1: [1], 2: [2]}, {0: {0}, 1: {1}})
+    assert after.order == [0, 1] and heirs == {}
 
 
 def test_a_node_with_repeated_faults_in_the_window_is_quarantined_once():
@@ -42,12 +43,12 @@ def test_a_node_with_repeated_faults_in_the_window_is_quarantined_once():
 
 def test_a_quarantined_node_is_never_admitted_again_but_a_lost_one_is():
     ns = node_set.mark_out(node_set.initial(3), 2, NodeOut.LOST)
-    ns = node_set.after_attempt(ns, {}, {})
+    ns, _ = node_set.after_attempt(ns, {}, {})
     ns, ok = node_set.admit(ns, 2)
     assert ok and ns.order == [0, 1, 2] and 2 not in ns.out
     ns, _ = node_set.blame(ns, 1, 0.0, QuarantineRule(after=1))
     ns = node_set.mark_out(ns, 1, NodeOut.LOST)  # never downgraded
-    ns = node_set.after_attempt(ns, {}, {})
+    ns, _ = node_set.after_attempt(ns, {}, {})
     ns, ok = node_set.admit(ns, 1)
     assert not ok and ns.order == [0, 2] and ns.out[1] == NodeOut.QUARANTINED
 

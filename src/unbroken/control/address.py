@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.control.backend import Backend, StoreUnavailable
+from unbroken.control.schema import CURRENT
 from unbroken.errors import UserError
 
 PASSWORD_VAR = "UNBROKEN_ETCD_PASSWORD"
@@ -95,7 +96,7 @@ def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> 
     c = address.credentials
     backend = EtcdBackend(list(address.endpoints), run_id, timeout, cacert=c.cacert, cert=c.cert,
                           key=c.key, user=c.user, password=os.environ.get(PASSWORD_VAR))
-    backend.get("current")  # reachable, the TLS and the user are right: or one clear line now
+    backend.get(CURRENT.key)  # reachable, the TLS and the user are right: or one clear line now
     return backend
 
 

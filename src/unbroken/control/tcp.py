@@ -19,7 +19,8 @@ from unbroken.control.backend import StoreUnavailable
 from unbroken.errors import ControlPlaneError
 
 T = TypeVar("T")
-_STORE_ERRORS = (RuntimeError, OSError)  # what a TCPStore call raises when the server is gone
+_STORE_ERRORS = (RuntimeError, OSError)
+_FEW = 4  # get_many: up to this many keys are read one by one  # what a TCPStore call raises when the server is gone
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -105,9 +106,11 @@ class TcpBackend:
         return self._call(self._kv.get, key).decode()
 
     def get_many(self, keys: list[str]) -> list[str | None]:
-        """Two round trips when every key is set (the leases, every member's departure);
-        else one check and one get per key (`multi_get` would block on a missing key)."""
-        if keys and self._call(self._kv.check, keys):
+        """Two round trips when every key is set (the leases, a queue's counted entries);
+        else one check and one get per key (`multi_get` would block on a missing key). A
+        read of a few keys (an agent's look: slots mostly not set yet) skips the first
+        check, which would rarely pay."""
+        if len(keys) > _FEW and self._call(self._kv.check, keys):
             return [v.decode() for v in self._call(self._kv.multi_get, keys)]
         return [self.get(k) for k in keys]
 

@@ -357,11 +357,9 @@ class Leader(Role):
         if self._executor is not None:  # a node that took a slot over is its heir, even if
             for slot, k in self._executor.promoted.items():  # that worker died since
                 hosted.setdefault(k, set()).add(slot)
-        before = list(self.nodes.order)
-        self.nodes = node_set.after_attempt(self.nodes, layout, hosted)
-        for old, new in zip(before, self.nodes.order, strict=False):
-            if old != new and new in self._standbys:
-                self.events.emit(Event.NODE_TAKEN_OVER, attempt=attempt, out_node=old, by=new)
+        self.nodes, heirs = node_set.after_attempt(self.nodes, layout, hosted)
+        for out, heir in heirs.items():
+            self.events.emit(Event.NODE_TAKEN_OVER, attempt=attempt, out_node=out, by=heir)
         self._save_record(attempt)
 
     def _wait_stopped(self, attempt: int) -> None:

@@ -54,15 +54,16 @@ def mark_out(ns: NodeSet, node: int, why: NodeOut) -> NodeSet:
 
 
 def after_attempt(ns: NodeSet, layout: dict[int, list[int]],
-                  hosted: dict[int, set[int]]) -> NodeSet:
+                  hosted: dict[int, set[int]]) -> tuple[NodeSet, dict[int, int]]:
     """The order of the next attempt: each out node's place goes to the node (not already
     in the order) that hosts most of its slots now, typically a standby node; an out node
     that nobody took over leaves the order (the world shrinks by its ranks).
 
     `layout`: the slots each node started the attempt with; `hosted`: the slots each node's
-    workers hold now."""
+    workers hold now. Returns the new set and the takeovers: {out node: its heir}."""
     ns = copy.deepcopy(ns)
     order: list[int] = []
+    heirs_of: dict[int, int] = {}
     for node in ns.order:
         if node not in ns.out:
             order.append(node)
@@ -71,9 +72,10 @@ def after_attempt(ns: NodeSet, layout: dict[int, list[int]],
         heirs = [(len(mine & slots), k) for k, slots in hosted.items()
                  if k not in ns.order and k not in ns.out and k not in order and mine & slots]
         if heirs:
-            order.append(max(heirs)[1])
+            heirs_of[node] = max(heirs)[1]
+            order.append(heirs_of[node])
     ns.order = order
-    return ns
+    return ns, heirs_of
 
 
 def admit(ns: NodeSet, node: int) -> tuple[NodeSet, bool]:
