@@ -50,11 +50,12 @@ def test_script_failing_at_import_stops_after_the_budget(tmp_path):
 
 def test_killing_the_agent_leaves_no_worker_or_child_alive(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "2", "--redirect", script=SCRIPTS / "sleeper.py")
+    proc = start(run_dir, "--nproc-per-node", "2", "--redirects", "3", "--log-dir",
+                 str(tmp_path / "logs"), script=SCRIPTS / "sleeper.py")
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
     workers = list(started[0]["pids"].values())
     def children_of_workers():
-        logs = sorted(run_dir.glob("node_0/attempt_0/rank_*.log"))
+        logs = sorted(tmp_path.glob("logs/*/attempt_0/*/stdout.log"))
         pids = [int(t.split()[1]) for log in logs for t in log.read_text().splitlines()
                 if t.startswith("child ")]
         return pids if len(pids) == 2 else None
@@ -96,7 +97,8 @@ def test_bad_input_gets_one_clear_line(tmp_path):
     _one_line_error(_cli("run", "--nproc-per-node", "0", str(EXAMPLE)), 2, "at least 1")
     _one_line_error(_cli("run", "--nnodes", "2", "--node-rank", "2", str(EXAMPLE)), 2, "--node-rank")
     _one_line_error(_cli("run", "--fault", "explode:rank=0,step=1", str(EXAMPLE)), 2, "explode")
-    _one_line_error(_cli("run", "--nnodes", "1:4", str(EXAMPLE)), 2, "elastic")
+    _one_line_error(_cli("run", "--nnodes", "4:1", str(EXAMPLE)), 2, "--nnodes", "MIN")
+    _one_line_error(_cli("run", "--tee", "0:7", str(EXAMPLE)), 2, "--tee")
     _one_line_error(_cli("report", str(tmp_path)), 2, "no event log")
     _one_line_error(_cli("run", "--standby", "--nnodes", "2", "--node-rank", "1", str(EXAMPLE)), 2,
                     "--standby", "--node-rank of 2 or more")
@@ -221,7 +223,10 @@ def test_forged_control_messages_are_rejected_and_reported(tmp_path):
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
     forged = {e["key"] for e in result.events("forged_message")}
-    assert {"a/0/death/0", "a/0/gen"} <= forged, forged
+    # The forged death is read at once. The forged `gen` is read (and rejected) only if a
+    # survivor looks before the leader writes the real generation over it, which a loaded
+    # machine may reorder; either way no survivor follows the forged plan (asserted below).
+    assert "a/0/death/0" in forged and forged <= {"a/0/death/0", "a/0/gen"}, forged
     assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
     assert result.events("gen_plan")[0]["members"] == ["0.0"]
     first = next(e["pid"] for e in result.events("worker_start") if e["slot"] == 0)

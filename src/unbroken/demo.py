@@ -15,6 +15,7 @@ from pathlib import Path
 from unbroken.errors import UserError
 from unbroken.launch.agent import Agent
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.worker_logs import LogSpec, Std
 from unbroken.telemetry.events import EVENTS_FILE
 from unbroken.telemetry.summary import format_summary, summarize
 
@@ -66,7 +67,7 @@ def run_demo(steps: int = 600, workers: int = 4, run_dir: str | None = None, fau
         script_args=["--steps", str(steps), "--checkpoint-dir", str(out / "checkpoints"),
                      "--checkpoint-every", "10", "--print-every", str(10 ** 9)],
         nproc_per_node=workers, master_port=0, max_restarts=len(plan) + 2, run_id=run_id,
-        run_dir=out, redirect=True, faults=";".join(plan),
+        run_dir=out, logs=LogSpec(redirects=Std.ALL), faults=";".join(plan),
     )
     print(f"unbroken demo: {workers} workers train a small GPT for {steps} steps (DDP over gloo);")
     print(f"faults to inject: {', '.join(plan) or 'none'}")

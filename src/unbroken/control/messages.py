@@ -38,6 +38,9 @@ class Fault:
     exit_code: int | None = None  # negative: the signal
     step: int | None = None  # the last step its heartbeat showed
     traceback: str | None = None
+    error_file: str | None = None  # the worker's error file (torchrun's error.json)
+    local_rank: int | None = None
+    host: str | None = None
     attempt: int | None = None
     t: float | None = None  # wall time it was published
     reported_by: int | None = None  # the node whose agent published it

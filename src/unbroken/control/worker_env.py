@@ -66,6 +66,11 @@ class WorkerEnv:
     """The job's secret, in hex: signs and checks control messages."""
     agent_store: bool = False
     """torchrun's TORCHELASTIC_USE_AGENT_STORE: workers rendezvous in the agent's store."""
+    role_name: str = "default"
+    """torchrun's `--role` (ROLE_NAME)."""
+    device: str | None = None
+    """`--virtual-local-rank`: this worker's one visible device (CUDA_VISIBLE_DEVICES), and
+    LOCAL_RANK is 0; None: LOCAL_RANK is the local rank, and the devices are left alone."""
 
     @property
     def under_agent(self) -> bool:
@@ -75,10 +80,11 @@ class WorkerEnv:
         """The variables, torchrun's and ours, for `os.environ`."""
         env = {
             # The same variables torchrun sets, so unmodified torchrun scripts run as they are.
-            "RANK": self.rank, "LOCAL_RANK": self.local_rank, "WORLD_SIZE": self.world_size,
+            "RANK": self.rank, "LOCAL_RANK": self.local_rank if self.device is None else 0,
+            "WORLD_SIZE": self.world_size, "CUDA_VISIBLE_DEVICES": self.device,
             "LOCAL_WORLD_SIZE": self.local_world_size, "GROUP_RANK": self.node_rank,
             "GROUP_WORLD_SIZE": self.nnodes, "ROLE_RANK": self.rank,
-            "ROLE_WORLD_SIZE": self.world_size, "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": self.world_size, "ROLE_NAME": self.role_name,
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port,
             "TORCHELASTIC_RESTART_COUNT": self.attempt,
             "TORCHELASTIC_MAX_RESTARTS": self.max_restarts, "TORCHELASTIC_RUN_ID": self.run_id,
@@ -140,5 +146,5 @@ class WorkerEnv:
             shadow_steps=num("UNBROKEN_SHADOW_STEPS", 3),
             retry_window=float(env.get("UNBROKEN_RETRY_WINDOW", 30)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            secret=env.get("UNBROKEN_SECRET"),
+            secret=env.get("UNBROKEN_SECRET"), role_name=env.get("ROLE_NAME", "default"),
         )

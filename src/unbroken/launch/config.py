@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from unbroken.control.address import BackendKind, ControlAddress, EtcdCredentials
 from unbroken.control.retry import DEFAULT_WINDOW
 from unbroken.launch.node_set import QuarantineRule
+from unbroken.launch.worker_logs import LogSpec
+
+
+class ExtraNodes(StrEnum):
+    """With `--nnodes MIN:MAX`: what the nodes beyond MIN do."""
+
+    JOIN = "join"
+    """torchrun's meaning: they train too, up to MAX; the world size follows the node count."""
+    STANDBY = "standby"
+    """NVRx ft_launcher's meaning: exactly MIN nodes train; the others stand by with spares
+    and take a lost node's ranks, so the world never changes size."""
 
 
 @dataclass
@@ -16,6 +28,19 @@ class LaunchConfig:
     script_args: list[str] = field(default_factory=list)
     nproc_per_node: int = 1
     nnodes: int = 1
+    """The most nodes that train (`--nnodes N`, or MAX of MIN:MAX)."""
+    min_nodes: int | None = None
+    """MIN of `--nnodes MIN:MAX`; None: a fixed number of nodes (`nnodes`)."""
+    extra_nodes: ExtraNodes = ExtraNodes.JOIN
+    last_call: float = 30.0
+    """Elastic: seconds to wait for more nodes once MIN have joined (torchrun's
+    last_call_timeout), unless the cap is reached first."""
+    assign_rank: bool = False
+    """The node rank is assigned in join order (torchrun's c10d rendezvous), not given:
+    the agent that serves the TCPStore (or claims first, with etcd) is node 0."""
+    is_host: bool | None = None
+    """`--rdzv-conf is_host`: this agent must (True) or must not (False) serve the store;
+    None: whoever can bind the endpoint does."""
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
@@ -24,7 +49,14 @@ class LaunchConfig:
     run_dir: Path = Path("unbroken_runs/default")
     module: bool = False
     no_python: bool = False
-    redirect: bool = False
+    logs: LogSpec = field(default_factory=LogSpec)
+    """Where the workers' output goes (`--log-dir`, `--redirects`, `--tee`, ...)."""
+    role: str = "default"
+    """torchrun's `--role`: the workers' ROLE_NAME."""
+    signals: tuple[int, ...] = ()
+    """`--signals-to-handle`: signals on which the agent stops the workers and exits."""
+    virtual_local_rank: bool = False
+    """LOCAL_RANK 0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device."""
     faults: str = ""  # fault spec string handed to workers (see unbroken.faults)
     hang_timeout: float | None = None  # None: calibrated from observed step times
     startup_timeout: float = 600.0  # first heartbeat to first step
@@ -52,6 +84,29 @@ class LaunchConfig:
     retry_window: float = DEFAULT_WINDOW
     """How long an agent rides out a lost control plane before it gives up."""
     quarantine: QuarantineRule = field(default_factory=QuarantineRule)
+
+    @property
+    def elastic(self) -> bool:
+        """`--nnodes MIN:MAX`: the node set follows who joins."""
+        return self.min_nodes is not None and self.min_nodes != self.nnodes
+
+    @property
+    def joins_freely(self) -> bool:
+        """The node set is whoever joins (an elastic range, or ranks assigned in join order),
+        not ranks 0..N-1 given on the command line."""
+        return self.elastic or self.assign_rank
+
+    @property
+    def cap(self) -> int:
+        """The most nodes that train at once."""
+        if self.elastic and self.extra_nodes == ExtraNodes.STANDBY:
+            return self.min_nodes
+        return self.nnodes
+
+    @property
+    def least(self) -> int:
+        """The fewest nodes the job trains on."""
+        return self.min_nodes if self.min_nodes is not None else self.nnodes
 
     @property
     def is_leader(self) -> bool:

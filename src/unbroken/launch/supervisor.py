@@ -24,6 +24,7 @@ from unbroken.launch.config import LaunchConfig
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
+from unbroken.launch.worker_logs import AttemptLogs, Tailer, WorkerStreams
 from unbroken.launch.worker_process import (
     WorkerProcess,
     describe_exit,
@@ -63,7 +64,7 @@ class NodeSupervisor:
         self.pool = pool
         self.control = control  # where the workers reach the control plane
         self.secret = secret  # handed to the workers: they sign and check control messages
-        self.node_dir = Path(cfg.run_dir) / f"node_{cfg.node_rank}"
+        self.node_dir = Path(cfg.run_dir).resolve() / f"node_{cfg.node_rank}"
         self._shadow_steps = WorkerEnv.from_environ().shadow_steps  # a user's setting is kept
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm, unassigned
@@ -78,6 +79,8 @@ class NodeSupervisor:
         self._hang_quiet_until = 0.0
         self._peer_errors_since: float | None = None
         self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
+        self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
+        self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
 
@@ -118,12 +121,14 @@ class NodeSupervisor:
         cfg, plan = self.cfg, self._plan
         contract = WorkerEnv(
             rank=rank, world_size=plan.world_size, local_rank=local_rank,
-            local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=cfg.nnodes,
+            local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=len(plan.nodes),
             attempt=self._attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
             master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
             run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
             error_file=str(base.with_suffix(".error.json")),
-            torchelastic_error_file=str(base.with_suffix(".torchelastic.json")),
+            torchelastic_error_file=fields.pop("torchelastic_error_file", None)
+            or str(base.with_suffix(".torchelastic.json")),
+            role_name=cfg.role, device=self._device(local_rank),
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
@@ -156,15 +161,18 @@ class NodeSupervisor:
         incarnation = wid.split(".")[1]
         name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
         base = self.node_dir / f"attempt_{self._attempt}" / name
-        env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining)
-        log = base.with_suffix(".log") if cfg.redirect else None
+        streams = self.logs.streams(self._attempt, rank, local_rank)
+        env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining,
+                        torchelastic_error_file=streams.error_file)
         argv = script_argv(cfg.script, cfg.script_args, cfg.module)
-        proc = self.pool.take(env, argv, log) if self.pool is not None else None
+        proc = self.pool.take(env, argv, streams) if self.pool is not None else None
         if proc is None:
             proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python),
-                         env, log)
+                         env, streams)
             self.guard.watch(proc.pid)  # its process group: the worker and its children
+        self.tailer.follow(streams)
         worker = self._watch(proc, rank, local_rank, base, wid)
+        worker.torchelastic_error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
         self.workers.append(worker)
         return worker
 
@@ -181,8 +189,10 @@ class NodeSupervisor:
                       if self.standby else 0)
         env = self._env(-1, local_rank, base, slot=-1, worker_id=wid, joining=True,
                         role=Role.SPARE)
-        log = base.with_suffix(".log") if cfg.redirect else None
-        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env, log)
+        # A spare is no rank yet: its output goes to its own file once worker logs go to files.
+        log = str(base.with_suffix(".log")) if cfg.logs.uses_dir else None
+        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env,
+                     WorkerStreams(stdout=log, stderr=log))
         self.guard.watch(proc.pid)
         _idle_priority(proc.pid)
         spare = self._watch(proc, -1, local_rank, base, wid, register=False)  # until promoted
@@ -299,10 +309,14 @@ class NodeSupervisor:
         """Describe the most likely culprit among workers that exited non-zero together."""
         w = min(failed, key=_blame)
         code = w.proc.returncode
+        error = w.error()
+        if code is None and error:  # reported before the exit: the code it is exiting with
+            code = error.get("exit_code")
         kind, detail = describe_exit(code) if code is not None else ("exception", "raised")
         fault = Fault(kind=FaultKind(kind), rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
-                      exit_code=code, detail=detail)
-        error = read_error(w.error_file)
+                      exit_code=code, detail=detail, local_rank=w.local_rank,
+                      host=os.uname().nodename)
+        fault.error_file = str(w.torchelastic_error_file or w.error_file)
         if error:
             fault.kind = FaultKind.EXCEPTION
             fault.detail = f"{error['type']}: {error['message']}"
@@ -402,7 +416,16 @@ class NodeSupervisor:
 
     def close(self) -> None:
         self.stop_all()
+        self.tailer.close()
         self.selector.close()
+
+    def _device(self, local_rank: int) -> str | None:
+        """`--virtual-local-rank`: the one device this worker sees (its local rank's)."""
+        if not self.cfg.virtual_local_rank:
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(self.cfg.nproc_per_node)]
+        return devices[local_rank] if local_rank < len(devices) else str(local_rank)
 
 
 def _idle_priority(pid: int) -> None:
@@ -417,7 +440,7 @@ def _blame(w: WorkerProcess) -> int:
     """0: killed by a signal (a root cause); 1: its own error; 2: an error caused by a peer."""
     if w.proc.returncode is not None and w.proc.returncode < 0:
         return 0
-    error = read_error(w.error_file)
+    error = w.error()
     if error is None:
         return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
     tb = error.get("traceback", "")

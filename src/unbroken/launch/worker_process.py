@@ -13,6 +13,7 @@ from pathlib import Path
 
 from unbroken.control.messages import Fault
 from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.worker_logs import WorkerStreams
 from unbroken.runtime.heartbeat import HeartbeatReader
 
 
@@ -27,6 +28,14 @@ class WorkerProcess:
     pidfd: int | None = None
     wid: str = ""  # worker id: "<slot>.<incarnation>"; a replacement is a new incarnation
     fault: Fault | None = None  # set when the agent killed it (a hang), to name the cause
+    torchelastic_error_file: Path | None = None  # where torchrun's @record writes its error
+
+    def error(self) -> dict | None:
+        """Its error report: the bootstrap's, else the one torchrun's `@record` wrote
+        (TORCHELASTIC_ERROR_FILE, also written by a --no-python program's Python child)."""
+        return read_error(self.error_file) or (
+            read_torchelastic_error(self.torchelastic_error_file)
+            if self.torchelastic_error_file else None)
 
     @property
     def pid(self) -> int:
@@ -53,17 +62,20 @@ def worker_command(script: str, args: list[str], module: bool, no_python: bool) 
     return [*BOOTSTRAP, *script_argv(script, args, module)]
 
 
-def spawn(cmd: list[str], env: dict[str, str], log_file: Path | None) -> subprocess.Popen:
-    """Start a worker in its own session, so that stopping it also stops its children."""
-    out = open(log_file, "ab") if log_file else None  # noqa: SIM115 - handed to the child
+def spawn(cmd: list[str], env: dict[str, str], streams: WorkerStreams | None) -> subprocess.Popen:
+    """Start a worker in its own session, so that stopping it also stops its children.
+    `streams`: where its stdout and stderr go (None, or a None stream: the agent's own)."""
+    files = [open(path, "ab") if path else None  # noqa: SIM115 - handed to the child
+             for path in ((streams.stdout, streams.stderr) if streams else (None, None))]
     try:
         return subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            cmd, env=env, stdout=files[0], stderr=files[1], stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     finally:
-        if out:
-            out.close()
+        for f in files:
+            if f:
+                f.close()
 
 
 def open_pidfd(pid: int) -> int | None:
@@ -117,6 +129,23 @@ def describe_exit(returncode: int) -> tuple[str, str]:
             name = f"signal {-returncode}"
         return "crash", f"killed by {name}"
     return "exit", f"exited with code {returncode}"
+
+
+def read_torchelastic_error(path: Path) -> dict | None:
+    """torchrun's error file (`{"message": {"message": "Type: text", "extraInfo":
+    {"py_callstack": ..., "timestamp": ...}}}`) as the bootstrap's record; None if absent.
+    It is data: parsed as JSON, never evaluated."""
+    record = read_error(path)
+    message = record.get("message") if isinstance(record, dict) else None
+    if isinstance(message, str):  # a plain message, as some writers leave it
+        message = {"message": message}
+    if not isinstance(message, dict):
+        return None
+    text = str(message.get("message", ""))
+    kind, sep, rest = text.partition(": ")
+    info = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+    return {"type": kind if sep else "Error", "message": rest if sep else text,
+            "traceback": str(info.get("py_callstack", ""))}
 
 
 def read_error(path: Path) -> dict | None:
