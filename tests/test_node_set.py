@@ -70,3 +70,42 @@ def test_rebase_moves_every_deadline_and_nothing_else():
         == (1010.0, {2: 1011.0}, 1012.0, 1013.0)
     assert s.planned_at == 10.0  # pure
     assert encode(rebase(moved, -1000.0)) == encode(s)
+
+
+# ---------------------------------------------------------------- elastic gathering
+ELASTIC = node_set.Gathering(least=2, cap=3, last_call=30.0)
+
+
+def test_an_elastic_first_attempt_waits_for_min_then_the_last_call_then_starts_with_all():
+    ns = node_set.initial(0)
+    assert node_set.gather(ns, [0], 0, ELASTIC, 0, None) == (None, False)  # below MIN
+    assert node_set.gather(ns, [0, 1], 0, ELASTIC, 0, None) == (None, True)  # last call opens
+    assert node_set.gather(ns, [0, 1], 0, ELASTIC, 0, 10.0) == (None, True)  # ... still open
+    after, _ = node_set.gather(ns, [0, 1, 2], 0, ELASTIC, 0, 10.0)  # MAX reached: no wait
+    assert after.order == [0, 1, 2]
+    after, _ = node_set.gather(ns, [0, 2], 0, ELASTIC, 0, 30.0)  # the last call is over
+    assert after.order == [0, 2]
+
+
+def test_nodes_beyond_the_cap_are_left_to_stand_by_and_the_leader_always_trains():
+    after, _ = node_set.gather(node_set.initial(0), [4, 1, 0, 3, 2], 2, ELASTIC, 0, None)
+    assert after.order == [2, 0, 1]
+    standby = node_set.Gathering(least=2, cap=2, last_call=30.0)  # --extra-nodes standby
+    after, _ = node_set.gather(node_set.initial(0), [0, 1, 2], 0, standby, 0, None)
+    assert after.order == [0, 1]
+
+
+def test_a_restart_waits_for_the_nodes_still_in_and_admits_newcomers_without_a_last_call():
+    ns = node_set.mark_out(NodeSet(order=[0, 1, 2]), 1, NodeOut.LOST)
+    assert node_set.gather(ns, [0, 3], 0, ELASTIC, 1, None) == (None, False)  # node 2 is due
+    after, _ = node_set.gather(ns, [0, 2, 3], 0, ELASTIC, 1, None)
+    assert after.order == [0, 2, 3] and after.out == {1: NodeOut.LOST}
+    after, _ = node_set.gather(ns, [0, 2], 0, ELASTIC, 1, None)  # MIN is met: go on smaller
+    assert after.order == [0, 2]
+
+
+def test_a_quarantined_node_is_never_gathered_and_below_min_the_restart_waits():
+    ns = NodeSet(order=[0, 1], out={1: NodeOut.QUARANTINED})
+    assert node_set.gather(ns, [0, 1], 0, ELASTIC, 1, None) == (None, False)
+    after, _ = node_set.gather(ns, [0, 1, 5], 0, ELASTIC, 1, None)
+    assert after.order == [0, 5]

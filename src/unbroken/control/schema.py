@@ -55,6 +55,8 @@ CURRENT: Slot[int] = Slot("current", int, "leader: the attempt now open")
 RESULT: Slot[m.Result] = Slot("result", m.Result, "leader, once: how the job ended")
 LEADER: Slot[m.LeaderClaim] = Slot("leader", m.LeaderClaim,
                                    "agents, by compare-and-set: who leads the job")
+NODE_RANKS: Counter = Counter("node_ranks", "each agent started without --node-rank, once: its "
+                              "claim is its node rank (the TCPStore's host is node 0)")
 LEADER_RECORD: Slot[m.LeaderRecord] = Slot("leader_record", m.LeaderRecord,
                                            "leader, on change: budget and node set, for a successor")
 

@@ -25,7 +25,7 @@ from unbroken.control.backend import Backend, StoreUnavailable
 from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
 from unbroken.control.retry import RetryingBackend
-from unbroken.control.schema import agent_lease
+from unbroken.control.schema import NODE_RANKS, agent_lease
 from unbroken.control.signing import SECRET_FILE, Signer, load_secret
 from unbroken.control.tcp import TcpBackend, serve_store
 from unbroken.control.worker_env import WorkerEnv
@@ -34,6 +34,7 @@ from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
 from unbroken.launch.election import Deposed, Elected, Election
+from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
@@ -61,7 +62,8 @@ class Agent:
         self._secret: bytes | None = None
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
         cfg = self.cfg
         self.events.emit(
             Event.AGENT_START, run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
@@ -156,21 +158,51 @@ class Agent:
         agent serves the TCPStore; every other agent, and every agent with etcd, connects.
         Every agent keeps a liveness lease from here on."""
         cfg = self.cfg
-        self._secret = self._job_secret()
-        signer = Signer(self._secret)
-        if cfg.elects or not cfg.is_leader:
+        hosted = self._host_store()
+        if hosted is None:
             address = cfg.control_address(cfg.master_port)
             first = self._first_contact(address)
+            if cfg.assign_rank:
+                self._take_node_rank(first)
+            self._secret = self._job_secret()
             backend = self._retrying(address, first)
         else:
-            store, port = serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+            store, port = hosted
             address = cfg.control_address(port)
+            self._secret = self._job_secret()
             backend = TcpBackend(store, cfg.run_id, cfg.master_addr, port)
+        signer = Signer(self._secret)
         if cfg.is_leader:
             self._write_control_file(address)
         threading.Thread(target=self._keep_lease, args=(address,), daemon=True,
                          name="agent-lease").start()
         return Channel(backend, signer, self._forged), address
+
+    def _host_store(self) -> tuple[Any, int] | None:
+        """With the TCPStore: serve it if this agent is node 0, or, when node ranks are
+        assigned (torchrun's c10d rendezvous), if it can bind the endpoint first; that agent
+        is node 0. None: connect to the store as a client."""
+        cfg = self.cfg
+        if cfg.elects or cfg.standby or not (cfg.is_leader or cfg.assign_rank):
+            return None
+        if not cfg.assign_rank or cfg.is_host:
+            return serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+        if cfg.is_host is False:
+            cfg.node_rank = -1  # ranked once connected
+            return None
+        try:
+            return serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
+        except ControlPlaneError:  # another agent serves it, or it is another host's address
+            cfg.node_rank = -1
+            return None
+
+    def _take_node_rank(self, backend: Backend) -> None:
+        """The next node rank in join order: 1, 2, ... behind the TCPStore's host; with
+        etcd 0, 1, ... (the first to claim stands first for leadership)."""
+        claim = Channel(backend).claim(NODE_RANKS)
+        self.cfg.node_rank = claim if not self.cfg.elects else claim - 1
+        self.events.context["node"] = self.cfg.node_rank
+        self.say(f"joined as node {self.cfg.node_rank}")
 
     def _first_contact(self, address: ControlAddress) -> Backend:
         """The first connection: retried until --rdzv-timeout (node 0 may start later)."""
@@ -250,8 +282,7 @@ class Agent:
                  else "none")
         self.say(f"giving up after {self.cfg.max_restarts} restart(s): {reason or 'failed'}; "
                  f"last fault was {where}")
-        if fault is not None and fault.traceback:
-            print(fault.traceback.rstrip(), file=self.out, flush=True)
+        print(root_cause_report(self.cfg.script, fault), file=self.out, flush=True)
 
     def _standby_env(self) -> dict[str, str]:
         """What a standby imports torch under: the workers' environment without rank or attempt."""

@@ -139,11 +139,19 @@ class Follower(Role):
             plan = self.channel.read(keys.plan)
             if plan is not None:
                 mine = plan.nodes.get(self.cfg.node_rank)
-                if mine is None and self.cfg.standby:
-                    return plan  # not in the plan: its spares wait to be handed a rank
                 if mine is None and self.channel.read(node_out(self.cfg.node_rank)) \
                         == NodeOut.QUARANTINED:
                     raise Quarantined()
+                if mine is None and self.cfg.standby:
+                    return plan  # not in the plan: its spares wait to be handed a rank
+                if mine is None and self.cfg.joins_freely:
+                    # Elastic, beyond the cap or too late for this attempt: stand by with
+                    # spares until the next one admits this node.
+                    SpareBoard(self.channel, keys, self.cfg.node_rank).join_as_standby(
+                        self.instance)
+                    self.say(f"standing by in attempt {attempt}: the job has its "
+                             f"{len(plan.nodes)} node(s)")
+                    return plan
                 return plan if mine is not None and mine.instance == self.instance else None
             current = self.channel.read(CURRENT)
             if current is not None and current > attempt:

@@ -34,6 +34,7 @@ from unbroken.control.messages import (
 from unbroken.control.schema import (
     CURRENT,
     LEADER_RECORD,
+    NODE_RANKS,
     RESULT,
     AttemptKeys,
     ack,
@@ -57,7 +58,8 @@ class Leader(Role):
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.budget = RestartBudget(cfg.max_restarts)  # the job's one restart budget
-        self.nodes = node_set.initial(cfg.nnodes)  # the job's nodes, for the next full restart
+        # The job's nodes, for the next full restart (elastic: whoever joins the first).
+        self.nodes = node_set.initial(0 if cfg.joins_freely else cfg.nnodes)
         self.leases = LeaseWatch(self.channel.backend, pause_limit=cfg.node_timeout / 2)
         self.plan: AttemptPlan | None = None
         self._worker_store: Any = None  # the attempt's worker store; dropping it closes it
@@ -149,9 +151,45 @@ class Leader(Role):
         return attempt, self.watch.watch(lambda a=attempt: self._duties(a))
 
     # ---------------------------------------------------------------- an attempt's rendezvous
+    def _wait_gathered(self, attempt: int) -> dict[int, NodeJoin]:
+        """Elastic (`--nnodes MIN:MAX`, or ranks in join order): the nodes `node_set.gather`
+        picks from the agents that joined; agents beyond the cap stand by this attempt."""
+        cfg, keys, ch = self.cfg, AttemptKeys(attempt), self.channel
+        rule = node_set.Gathering(least=cfg.least, cap=cfg.cap, last_call=cfg.last_call)
+        t0 = time.monotonic()
+        enough_at: float | None = None
+        told = False
+        while True:
+            known = list(range(ch.count(NODE_RANKS) + 1))  # every rank handed out so far
+            joins = dict(zip(known, ch.read_many([keys.node_join(k) for k in known]), strict=True))
+            joined = {k: j for k, j in joins.items() if j is not None}
+            now = time.monotonic()
+            gathered, enough = node_set.gather(self.nodes, list(joined), cfg.node_rank, rule,
+                                               attempt, None if enough_at is None else now - enough_at)
+            if gathered is not None:
+                break
+            if enough and enough_at is None:
+                enough_at = now
+                self.say(f"{len(joined)} node(s) joined (at least {cfg.least}); waiting up to "
+                         f"{cfg.last_call:g}s for more, up to {cfg.cap}")
+            if not told and not enough and now - t0 > 3:
+                self.say(f"{len(joined)} node(s) joined; waiting up to {cfg.rdzv_timeout:g}s "
+                         f"for at least {cfg.least}")
+                told = True
+            if now - t0 > cfg.rdzv_timeout:
+                raise ControlPlaneError(
+                    f"only {len(joined)} node(s) joined within {cfg.rdzv_timeout:g}s, fewer than "
+                    f"the --nnodes minimum of {cfg.least}; start more agents with the same "
+                    "--rdzv-endpoint/--rdzv-id, or lower MIN")
+            self._sleep()
+        self.nodes = gathered
+        return {k: joined[k] for k in gathered.order}
+
     def _wait_joined(self, attempt: int) -> dict[int, NodeJoin]:
         """Wait for every node of the node set (lost, drained and quarantined nodes are not
         waited for); a node that comes back by then is admitted too."""
+        if self.cfg.joins_freely:
+            return self._wait_gathered(attempt)
         cfg, keys = self.cfg, AttemptKeys(attempt)
         deadline = time.monotonic() + cfg.rdzv_timeout
         told = False
@@ -231,6 +269,10 @@ class Leader(Role):
             if join is not None:  # None: forged, rejected
                 self._standbys[join.node] = join.instance
         lost = self._check_leases(attempt)
+        if lost is not None and self._below_least():
+            self.say(f"fewer than the --nnodes minimum of {self.cfg.least} nodes are left: "
+                     "restarting, to wait for nodes")
+            return Outcome(Ending.FAULT, watch.publish_fault(lost, attempt))
         ex = self._executor
         if ex is not None and watch.resilient:
             quarantined = [k for k, why in self.nodes.out.items() if why == NodeOut.QUARANTINED]
@@ -251,6 +293,13 @@ class Leader(Role):
         if watch.done_posted and self._all_done(keys):
             return Outcome(Ending.DONE)
         return None
+
+    def _below_least(self) -> bool:
+        """Elastic: the nodes left (standby nodes included) are fewer than MIN."""
+        if not self.cfg.elastic:
+            return False
+        left = set(self.plan.nodes) - self._lost - self._released
+        return len(left) + len(set(self._standbys) - self._lost) < self.cfg.least
 
     def _followers(self) -> dict[int, str]:
         """Every other agent of the attempt (planned nodes and standby nodes): its instance."""

@@ -89,3 +89,41 @@ def admit(ns: NodeSet, node: int) -> tuple[NodeSet, bool]:
     if node not in ns.order:
         ns.order.append(node)
     return ns, True
+
+
+@dataclass(frozen=True)
+class Gathering:
+    """Elastic rendezvous (`--nnodes MIN:MAX`): who is waited for, and how many may train."""
+
+    least: int
+    """MIN: the attempt does not start with fewer nodes."""
+    cap: int
+    """The most nodes that train: MAX (torchrun's meaning), or MIN (`--extra-nodes standby`)."""
+    last_call: float
+    """Seconds to wait for more once `least` joined, on the first attempt only."""
+
+
+def gather(ns: NodeSet, joined: list[int], leader: int, rule: Gathering, attempt: int,
+           since_enough: float | None) -> tuple[NodeSet | None, bool]:
+    """Decide an elastic attempt's nodes from the agents that joined it (pure).
+
+    The nodes of the order that are still in are waited for; with them, at least `least`
+    in all. The first attempt then waits `last_call` seconds for more (torchrun's last call),
+    unless the cap is reached; a restart does not wait. Returns (the set with its new order:
+    the leader first, then the order's nodes, then newcomers by rank, up to the cap; or None:
+    keep waiting) and whether `least` is reached (the caller starts the last-call clock)."""
+    quarantined = {k for k, why in ns.out.items() if why == NodeOut.QUARANTINED}
+    present = [k for k in sorted(set(joined)) if k not in quarantined]
+    required = [k for k in ns.order if k not in ns.out]
+    enough = all(k in present for k in required) and len(present) >= rule.least
+    if not enough:
+        return None, False
+    if attempt == 0 and len(present) < rule.cap and (
+            since_enough is None or since_enough < rule.last_call):
+        return None, True
+    order = [leader] if leader in present else []
+    order += [k for k in required if k not in order]
+    order += [k for k in present if k not in order]
+    ns = copy.deepcopy(ns)
+    ns.order = order[:rule.cap]
+    return ns, True
