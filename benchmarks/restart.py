@@ -13,7 +13,22 @@ seconds is a hang. Tries alternate between the launchers so that machine noise h
 
     .venv/bin/python benchmarks/restart.py --tries 10
 
-The last line printed is one JSON object with the figures and their ratio.
+`plain_heavy` case (`--case plain_heavy` runs it alone; `--case gpt` only the above): a plain
+torchrun-style script with no unbroken API and heavy imports (`benchmarks/plain_heavy.py`:
+transformers where installed), 2 workers, its own checkpoint every 10 steps, each step
+waiting --plain-step-sleep s (standing in for accelerator time, as in spares.py). Once it
+passes step PLAIN_KILL_AT (~20 s in: the warm standbys have imported torch and what the
+workers imported), rank 1 is SIGKILLed from outside; the figure is the time from the kill to
+the first step the restarted script completes (from the step log it writes under both
+launchers), for `unbroken run --on-fault restart` against torchrun (same flags as above; by
+default with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the only way its restart of a plain gloo
+script succeeds at the first try here: see --plain-torchrun-store). `--plain-control` adds
+`unbroken-torch-only`: warm standbys that import torch only, as before they imported what
+the workers had (the node's module list is blocked: a directory stands at its path).
+
+    .venv/bin/python benchmarks/restart.py --case plain_heavy --tries 5
+
+The last line printed is one JSON object with the figures and their ratios.
 """
 
 from __future__ import annotations
@@ -31,15 +46,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+PLAIN_HEAVY = REPO / "benchmarks" / "plain_heavy.py"
 sys.path.insert(0, str(REPO / "src"))
 
 from harness import free_port, kill_everything  # noqa: E402
 
+from unbroken.runtime.warm_imports import modules_path  # noqa: E402
 from unbroken.telemetry.events import read_events  # noqa: E402
 
 # Killed in steady state (a few seconds into training), as real faults mostly are.
 KILL_AT = 120
 STEPS = 140
+# The plain script: ~20 s into training, past the 10 s after which the agent fills its pool
+# for a script that sends no heartbeats, and the standbys' imports (~6 s at idle priority).
+PLAIN_KILL_AT = 300
+PLAIN_STEPS = 340
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -135,27 +156,143 @@ def _stats(results: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tries", type=int, default=10)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--hang-after", type=float, default=30.0)
-    p.add_argument("--keep", action="store_true", help="keep the run directories")
-    p.add_argument("--torchrun-rdzv", choices=["c10d", "static"], default="c10d",
-                   help="torchrun's rendezvous backend (default c10d, as in torchrun's docs)")
-    args = p.parse_args()
-    global TORCHRUN_RDZV
-    TORCHRUN_RDZV = args.torchrun_rdzv
-    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-restart-"))
+def _read_steps(path: Path) -> list[dict]:
+    """The plain script's step log (a torn last line, mid-write, is skipped)."""
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _plain_command(launcher: str, run_dir: Path, workers: int, step_sleep: float) -> list[str]:
+    args = ["--out", str(run_dir / "out"), "--steps", str(PLAIN_STEPS),
+            "--step-sleep", str(step_sleep)]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
+                "--max-restarts", "3", "--rdzv-backend", TORCHRUN_RDZV,
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_dir.name,
+                "--monitor-interval", "0.1", str(PLAIN_HEAVY), *args]
+    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
+            "--max-restarts", "3", "--on-fault", "restart", "--run-dir", str(run_dir),
+            str(PLAIN_HEAVY), *args]  # unbroken and unbroken-torch-only
+
+
+def _plain_env(run_dir: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    if run_dir is not None:
+        env["UNBROKEN_RUN_DIR"] = str(run_dir)  # marks every process of the try (kill_everything)
+    return env
+
+
+def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: float,
+              step_sleep: float, torchrun_store: str) -> dict:
+    """One kill of rank 1 of the plain script, in steady state; kill to first resumed step."""
+    run_dir = root / f"plain-{launcher}-{index}"
+    out = run_dir / "out"
+    out.mkdir(parents=True)
+    env = _plain_env(run_dir)
+    if launcher == "torchrun" and torchrun_store == "worker":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if launcher == "unbroken-torch-only":  # no list can be written or read there
+        modules_path(run_dir, 0).mkdir(parents=True)
+    steps = out / "steps.jsonl"
+    with open(run_dir / "launcher.log", "wb") as log:
+        proc = subprocess.Popen(_plain_command(launcher, run_dir, workers, step_sleep), env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=REPO)
+    try:
+        deadline = time.monotonic() + 240
+        victim = None
+        while time.monotonic() < deadline and victim is None:
+            if any(r.get("step", -1) >= PLAIN_KILL_AT for r in _read_steps(steps)):
+                victim = int((out / "pid_rank1").read_text())
+            elif proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if victim is None:
+            kill_everything(proc, run_dir)
+            return {"launcher": launcher, "error": "never reached the kill step"}
+        # How many standbys had caught up with the workers' module list at the kill.
+        warm = (len({e["pid"] for e in _events(run_dir) if e["event"] == "standby_imports"})
+                if launcher.startswith("unbroken") else None)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        resumed = None
+        deadline = time.monotonic() + hang_after
+        while time.monotonic() < deadline:
+            resumed = next((r for r in _read_steps(steps) if "step" in r and r["attempt"] >= 1
+                            and r["t"] > killed_at), None)
+            if resumed or proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        if resumed is None:
+            code = proc.poll()
+            kill_everything(proc, run_dir)
+            if code is not None:
+                return {"launcher": launcher, "hang": False, "exit": code, "restart_failed": True}
+            return {"launcher": launcher, "hang": True}
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            kill_everything(proc, run_dir)
+            return {"launcher": launcher, "hang": True, "recovery": resumed["t"] - killed_at}
+        rows = _read_steps(steps)
+        taken = [e for e in _events(run_dir) if e["event"] == "standby_taken"]
+        return {"launcher": launcher, "hang": False, "exit": code,
+                "recovery": resumed["t"] - killed_at, "resumed_in_attempt": resumed["attempt"],
+                "warm_standbys_at_kill": warm,
+                "preimported": [e["modules"] for e in taken] if warm is not None else None,
+                "finished": max((r["step"] for r in rows if "step" in r), default=-1) + 1
+                == PLAIN_STEPS}
+    finally:
+        if proc.poll() is None:
+            kill_everything(proc, run_dir)
+
+
+def _heavy_imports() -> dict:
+    """What the plain script's imports cost here, torch's apart (one fresh interpreter)."""
+    code = ("import json, sys, time\n"
+            "t0 = time.perf_counter()\n"
+            "import torch, torch.distributed, torch.nn.parallel\n"
+            "t1 = time.perf_counter()\n"
+            f"sys.path.insert(0, {str(PLAIN_HEAVY.parent)!r})\n"
+            "import plain_heavy\n"
+            "library, _ = plain_heavy.heavy_model()\n"
+            "t2 = time.perf_counter()\n"
+            "print(json.dumps({'library': library, 'torch_import_s': round(t1 - t0, 3),"
+            " 'heavy_import_s': round(t2 - t1, 3)}))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=_plain_env(), cwd=REPO)
+    if res.returncode != 0:
+        raise SystemExit(f"plain_heavy.py's imports failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    return round(a["median_s"] / b["median_s"], 2) if a["median_s"] and b["median_s"] else None
+
+
+def _shown(r: dict) -> str:
+    return (f"{r['recovery']:.2f}s" if "recovery" in r else "HANG" if r.get("hang")
+            else f"RESTART FAILED (exit {r['exit']})" if r.get("restart_failed") else r.get("error"))
+
+
+def run_gpt(args: argparse.Namespace, root: Path) -> dict:
     launchers = ["torchrun", "unbroken-cold", "unbroken"]
     results: dict[str, list[dict]] = {name: [] for name in launchers}
     for i in range(args.tries):
         for launcher in launchers if i % 2 == 0 else launchers[::-1]:
             r = one_try(launcher, root, i, args.workers, args.hang_after)
             results[launcher].append(r)
-            shown = (f"{r['recovery']:.2f}s" if "recovery" in r else "HANG" if r.get("hang")
-                     else f"RESTART FAILED (exit {r['exit']})" if r.get("restart_failed") else r.get("error"))
-            print(f"try {i + 1:2d} {launcher:13s} kill-to-resumed-step {shown}"
+            print(f"try {i + 1:2d} {launcher:13s} kill-to-resumed-step {_shown(r)}"
                   f"{'  (did not finish)' if r.get('finished') is False or r.get('exit') not in (0, None) else ''}",
                   flush=True)
     summary = {name: _stats(rs) for name, rs in results.items()}
@@ -165,20 +302,98 @@ def main() -> None:
         print(f"{name:13s} median {s['median_s']}s  max {s['max_s']}s  hangs {s['hangs']}/{s['tries']}  "
               f"restarts failed {s['restarts_failed']}/{s['tries']}  "
               f"failed {s['failed']}  worker start-up after restart {s['restart_startup_s']}s")
-    def ratio(a: dict, b: dict) -> float | None:
-        return round(a["median_s"] / b["median_s"], 2) if a["median_s"] and b["median_s"] else None
-
-    print(f"torchrun / unbroken (median kill-to-resumed-step): {ratio(t, u)}x"
+    print(f"torchrun / unbroken (median kill-to-resumed-step): {_ratio(t, u)}x"
           + ("  (torchrun never resumed)" if t["median_s"] is None else ""))
-    print(f"unbroken cold / warm restart: {ratio(c, u)}x")
+    print(f"unbroken cold / warm restart: {_ratio(c, u)}x")
+    return {"workers": args.workers, "torchrun_rdzv": args.torchrun_rdzv, **summary,
+            "ratio_median_torchrun_over_unbroken": _ratio(t, u),
+            "ratio_median_cold_over_warm": _ratio(c, u)}
+
+
+def run_plain_heavy(args: argparse.Namespace, root: Path) -> dict:
+    imports = _heavy_imports()
+    print(f"plain_heavy: {imports['library']} takes {imports['heavy_import_s']:.2f}s to import "
+          f"(and build its model) after torch's {imports['torch_import_s']:.2f}s", flush=True)
+    launchers = ["torchrun", "unbroken", *(["unbroken-torch-only"] if args.plain_control else [])]
+    results: dict[str, list[dict]] = {name: [] for name in launchers}
+    for i in range(args.tries):
+        for launcher in launchers if i % 2 == 0 else launchers[::-1]:
+            r = plain_try(launcher, root, i, args.plain_workers, args.hang_after,
+                          args.plain_step_sleep, args.plain_torchrun_store)
+            results[launcher].append(r)
+            extra = (f"  resumed in attempt {r['resumed_in_attempt']}"
+                     if r.get("resumed_in_attempt", 1) > 1 else "")
+            if r.get("warm_standbys_at_kill") is not None:
+                extra += (f"  standbys caught up at the kill {r['warm_standbys_at_kill']}"
+                          f"/{args.plain_workers}, modules pre-imported {r['preimported']}")
+            print(f"try {i + 1:2d} plain_heavy {launcher:19s} kill-to-resumed-step {_shown(r)}"
+                  f"{'  (did not finish)' if r.get('finished') is False or r.get('exit') not in (0, None) else ''}"
+                  f"{extra}", flush=True)
+    summary = {}
+    for name, rs in results.items():
+        stats = _stats(rs)
+        del stats["restart_startup_s"]  # the plain script reports no start-up
+        stats["resumed_in_later_attempt"] = sum(1 for r in rs if r.get("resumed_in_attempt", 1) > 1)
+        summary[name] = stats
+    t, u = summary["torchrun"], summary["unbroken"]
+    print()
+    for name, s in summary.items():
+        print(f"plain_heavy {name:19s} median {s['median_s']}s  max {s['max_s']}s  "
+              f"hangs {s['hangs']}/{s['tries']}  restarts failed {s['restarts_failed']}/{s['tries']}  "
+              f"failed {s['failed']}  resumed only after a failed restart {s['resumed_in_later_attempt']}")
+    ratio = _ratio(t, u)
+    print(f"plain_heavy torchrun / unbroken (median kill-to-resumed-step): {ratio}x"
+          + (f"  (unbroken takes {_ratio(u, t)}x torchrun's time; target <= 0.5x)" if ratio else ""))
+    control = {}
+    if args.plain_control:
+        control["ratio_plain_heavy_torch_only_over_unbroken"] = _ratio(summary["unbroken-torch-only"], u)
+        print("plain_heavy standbys importing torch only / also the workers' modules: "
+              f"{control['ratio_plain_heavy_torch_only_over_unbroken']}x")
+    return {"plain_heavy": {**imports, "workers": args.plain_workers,
+                            "step_sleep_s": args.plain_step_sleep, "kill_at_step": PLAIN_KILL_AT,
+                            "torchrun_store": args.plain_torchrun_store, **summary},
+            "ratio_plain_heavy_torchrun_over_unbroken": ratio, **control}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=["all", "gpt", "plain_heavy"], default="all",
+                   help="gpt: the example under three launchers; plain_heavy: the plain script "
+                        "with heavy imports; all (default): both")
+    p.add_argument("--tries", type=int, default=10)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--hang-after", type=float, default=30.0)
+    p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--torchrun-rdzv", choices=["c10d", "static"], default="c10d",
+                   help="torchrun's rendezvous backend (default c10d, as in torchrun's docs)")
+    p.add_argument("--plain-workers", type=int, default=2)
+    p.add_argument("--plain-step-sleep", type=float, default=0.05,
+                   help="seconds each step of the plain script waits (accelerator time)")
+    p.add_argument("--plain-torchrun-store", choices=["worker", "agent"], default="worker",
+                   help="worker (default): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0 hosts a "
+                        "fresh store per restart; agent: torchrun's default, one store for "
+                        "every restart, where a restarted gloo group may read the dead "
+                        "workers' addresses and fail (another restart then follows)")
+    p.add_argument("--plain-control", action="store_true",
+                   help="plain_heavy: also run unbroken with standbys that import torch only")
+    args = p.parse_args()
+    global TORCHRUN_RDZV
+    TORCHRUN_RDZV = args.torchrun_rdzv
+    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-restart-"))
+    figures: dict = {}
+    if args.case in ("all", "gpt"):
+        figures.update(run_gpt(args, root))
+    if args.case in ("all", "plain_heavy"):
+        if figures:
+            print()
+        figures.update(run_plain_heavy(args, root))
     if not args.keep:
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"benchmark": "restart", "workers": args.workers,
-                      "torchrun_rdzv": args.torchrun_rdzv, **summary,
-                      "ratio_median_torchrun_over_unbroken": ratio(t, u),
-                      "ratio_median_cold_over_warm": ratio(c, u)}))
+    else:
+        print(f"run directories kept in {root}")
+    print(json.dumps({"benchmark": "restart", "case": args.case, **figures}))
 
 
 if __name__ == "__main__":

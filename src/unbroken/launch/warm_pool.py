@@ -1,13 +1,18 @@
-"""Warm standbys for restarts: interpreters that have already imported torch.
+"""Warm standbys for restarts: interpreters that have already imported torch, and what the
+workers imported.
 
 Most of a restarted worker's start-up is `import torch` (3-4 s of a 5 s restart with 4
-workers on 2 cores). The pool starts one standby per local worker once training is
-running, so the import overlaps with training instead of stalling the restart; a restart
-hands each standby its rank's environment and arguments over a pipe.
+workers on 2 cores), and a plain script adds its own libraries' imports (transformers: 2-3 s
+more here). The pool starts one standby per local worker once training is running, so the
+imports overlap with training instead of stalling the restart; a standby imports torch,
+then, while it waits, the modules the node's workers have imported (`runtime/warm_imports`:
+installed packages and the standard library only, never the script's own modules); a
+restart hands each standby its rank's environment and arguments over a pipe.
 
-Caveat, documented: a script that changes variables read at `import torch` time (for
-example OMP_NUM_THREADS) before importing torch gets them only on the first attempt;
-`--no-warm-restarts` turns the pool off.
+Caveat, documented: a script that changes variables read at import time by torch or by a
+library it imports (for example OMP_NUM_THREADS) before importing them gets them only on
+the first attempt, and a library that reads the rank variables (RANK, LOCAL_RANK, ...) at
+import time reads none in a standby; `--no-warm-restarts` turns the pool off.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 from unbroken.launch.orphan_guard import OrphanGuard
+from unbroken.launch.worker_logs import WorkerStreams
 from unbroken.launch.worker_process import BOOTSTRAP
 
 
@@ -70,14 +75,17 @@ class WarmPool:
     def full(self) -> bool:
         return len(self._standbys) >= self.size
 
-    def take(self, env: dict[str, str], argv: list[str], log: Path | None) -> subprocess.Popen | None:
+    def take(self, env: dict[str, str], argv: list[str],
+             streams: WorkerStreams | None) -> subprocess.Popen | None:
         """A live standby turned into the worker described, or None if the pool is empty."""
         while self._standbys:
             proc = self._standbys.pop(0)
             if proc.poll() is not None:
                 self._drop(proc)
                 continue
-            line = json.dumps({"env": env, "argv": argv, "log": str(log) if log else None})
+            line = json.dumps({"env": env, "argv": argv,
+                               "stdout": streams.stdout if streams else None,
+                               "stderr": streams.stderr if streams else None})
             try:
                 proc.stdin.write(line.encode() + b"\n")
                 proc.stdin.close()

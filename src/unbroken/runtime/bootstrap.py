@@ -5,8 +5,9 @@ runs the user's script exactly as `python SCRIPT ARGS` would, and records an unc
 exception's traceback where the agent reads it.
 
 With `--standby` it is a warm standby for a restart: it imports torch (the bulk of a
-worker's start-up) ahead of time, then waits on stdin for its assignment (environment,
-arguments, log file) and becomes that worker.
+worker's start-up) ahead of time, then, while it waits on stdin for its assignment
+(environment, arguments, log file), imports what the node's workers imported in the previous
+attempt (`warm_imports`: installed packages only), and becomes that worker.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ import ctypes
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from unbroken.control.worker_env import WorkerEnv
+from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.exiting import exit_without_teardown
+from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
 from unbroken.telemetry.event_names import Event
 
+if TYPE_CHECKING:
+    from unbroken.telemetry.events import EventLog
+
 _PR_SET_PDEATHSIG = 1
+_LIST_POLL = 1.0  # seconds between a standby's looks at the node's module list, once caught up
 
 
 def _die_with_agent() -> None:
@@ -40,6 +48,18 @@ def _die_with_agent() -> None:
         os._exit(1)  # the agent died before prctl took effect
 
 
+def _user_frames(tb):  # noqa: ANN001, ANN202 - a traceback object
+    """The traceback from the script's first frame on, as `python script.py` would show it:
+    the bootstrap's and runpy's frames above the script are ours, not the user's."""
+    first = tb
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name != __file__ and "runpy" not in name:
+            return tb
+        tb = tb.tb_next
+    return first
+
+
 def _write_error(exc: BaseException) -> None:
     path = WorkerEnv.from_environ().error_file
     if not path:
@@ -47,8 +67,13 @@ def _write_error(exc: BaseException) -> None:
     record = {
         "type": type(exc).__name__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": "".join(traceback.format_exception(
+            type(exc), exc, _user_frames(exc.__traceback__))),
         "pid": os.getpid(),
+        # The code the interpreter is about to exit with: the agent reports it before the
+        # (sometimes second-long) teardown is over.
+        "exit_code": (exc.code if isinstance(exc.code, int) else 1)
+        if isinstance(exc, SystemExit) else 1,
     }
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -90,23 +115,65 @@ def _await_assignment() -> list[str] | None:
     log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
                    source="standby", node=env.node_rank)
     log.emit(Event.STANDBY_READY, pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
-    log.close()
-    line = sys.stdin.readline()
-    if not line:
-        return None  # the agent closed the pool
-    assignment = json.loads(line)
+    pre = Preimporter(modules_path(env.run_dir, env.node_rank)) if env.run_dir else None
+    try:
+        line = _preimport_until_assigned(pre, log)
+        if not line:
+            return None  # the agent closed the pool
+        assignment = json.loads(line)
+        if pre is not None:
+            taken = WorkerEnv.from_environ(assignment["env"])
+            log.emit(Event.STANDBY_TAKEN, pid=os.getpid(), rank=taken.rank,
+                     attempt=taken.attempt, modules=pre.added, pending=pre.missing(),
+                     failed=pre.failed, refused=pre.refused)
+    finally:
+        log.close()
     restore()
     os.environ.clear()
     os.environ.update(assignment["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    if assignment.get("log"):
-        fd = os.open(assignment["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+    for stream, target in ((1, assignment.get("stdout")), (2, assignment.get("stderr"))):
+        if target:  # else the agent's console, which the standby already writes to
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, stream)
+            os.close(fd)
     return assignment["argv"]
+
+
+def _preimport_until_assigned(pre: Preimporter | None, log: EventLog) -> str:
+    """Read the assignment line from stdin; meanwhile import the node's listed modules, one
+    at a time between non-blocking looks at stdin, so that an assignment waits at most for
+    the one import under way (a module the script imports anyway, mostly). No thread: a
+    background import racing the script's own imports could deadlock on import locks."""
+    reported = 0
+    if pre is not None:
+        pre.refresh()
+    while True:
+        busy = pre is not None and pre.pending > 0
+        ready, _, _ = select.select([sys.stdin], [], [], 0 if busy else _LIST_POLL)
+        if ready:
+            return sys.stdin.readline()
+        if pre is None:
+            continue
+        if not busy:
+            pre.refresh()
+            continue
+        pre.step()
+        if pre.pending == 0 and pre.added != reported:  # caught up with the list
+            reported = pre.added
+            log.emit(Event.STANDBY_IMPORTS, pid=os.getpid(), modules=pre.added,
+                     failed=pre.failed, refused=pre.refused, duration=round(pre.seconds, 6))
+
+
+def _record_imports(script: str | None) -> None:
+    """A worker keeps its installed modules listed for the next attempt's standbys
+    (`warm_imports`: one worker of the node at a time writes the list)."""
+    env = WorkerEnv.from_environ()
+    if env.run_dir and env.role == Role.WORKER:
+        script_dir = os.path.dirname(os.path.abspath(script)) if script else None
+        ImportRecorder(modules_path(env.run_dir, env.node_rank), script_dir).start()
 
 
 def main() -> None:
@@ -124,6 +191,7 @@ def main() -> None:
         sys.exit("usage: python -m unbroken.runtime.bootstrap [-m] SCRIPT [ARGS]")
     target = args[0]
     sys.argv = args
+    _record_imports(None if as_module else target)
     try:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

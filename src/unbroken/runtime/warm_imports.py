@@ -1,0 +1,277 @@
+"""What a worker imported, so that the next attempt's warm standbys import it in advance.
+
+A warm standby (`bootstrap.py --standby`) imports torch before it is needed, but a plain
+script may spend as long again importing its own libraries (transformers, ...). So one
+worker of each node at a time (the holder of a lock beside the file) records the modules it
+has imported (`ImportRecorder`, a daemon thread that looks every second, backing off to
+every 30 s while nothing changes) in `RUN_DIR/node_K/modules.json`, and each standby of the
+node, while it waits for a rank, imports the modules listed there that it has not
+(`Preimporter`), in the order the worker first imported them.
+
+The safety rule, applied by the writer and again by the reader (the file is only data):
+only modules of installed packages and of the standard library are listed and imported,
+that is modules whose file lies in the interpreter's stdlib or site-packages directories
+(or built into the interpreter). Never `__main__`, the script's own modules or anything else
+on a path of the user's: importing those could run the user's code, with its side effects,
+in a process that is not yet a worker. A name that is not a dotted identifier is ignored;
+nothing else in the file is ever executed or evaluated.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import site
+import sys
+import sysconfig
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+MODULES_FILE = "modules.json"
+"""The node's list of modules its local-rank-0 worker imported, in `RUN_DIR/node_K/`."""
+
+_MAX_NAMES = 50_000  # a list longer than any real interpreter's sys.modules is not read past this
+_MAX_BYTES = 8 << 20
+
+
+def modules_path(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
+    return Path(run_dir) / f"node_{node_rank}" / MODULES_FILE
+
+
+def valid_name(name: object) -> bool:
+    """A dotted identifier (`a`, `a.b_c`): the only thing a standby takes from the file."""
+    return (isinstance(name, str) and 0 < len(name) <= 512
+            and all(part.isidentifier() for part in name.split(".")))
+
+
+def _installed_roots() -> tuple[str, ...]:
+    """The stdlib and site-packages directories of this interpreter (and of the one a
+    virtual environment was made from), each ending with a separator."""
+    dirs: set[str] = set()
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix,
+                                          "installed_base": prefix,
+                                          "installed_platbase": prefix})
+        dirs.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    try:
+        dirs.update(site.getsitepackages())
+        if site.ENABLE_USER_SITE:
+            dirs.add(site.getusersitepackages())
+    except AttributeError:
+        pass  # an embedded or patched `site` without these
+    roots = set()
+    for d in dirs:
+        for form in (os.path.abspath(d), os.path.realpath(d)):
+            roots.add(os.path.join(form, ""))
+    return tuple(sorted(roots))
+
+
+class InstalledPaths:
+    """Whether a file belongs to an installed package or the standard library."""
+
+    def __init__(self, exclude: Iterable[str] = ()) -> None:
+        self.roots = _installed_roots()
+        self.exclude = tuple(os.path.join(os.path.abspath(d), "") for d in exclude)
+
+    def contains(self, path: str) -> bool:
+        p = os.path.abspath(path)
+        if any(p.startswith(x) for x in self.exclude):
+            return False
+        return any(p.startswith(r) for r in self.roots)
+
+    def module(self, module: ModuleType | None) -> bool:
+        """A module (an entry of sys.modules) from an installed package or the stdlib.
+        Built-in and synthetic modules (no file) are left out: they come with their parents."""
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str):
+            return self.contains(file)
+        locations = getattr(module, "__path__", None)  # a namespace package: every portion
+        try:
+            locations = [p for p in locations if isinstance(p, str)] if locations else []
+        except TypeError:
+            return False
+        return bool(locations) and all(self.contains(p) for p in locations)
+
+    def spec(self, spec: importlib.machinery.ModuleSpec) -> bool:
+        """What importing `spec` would load is installed code (checked before importing)."""
+        if spec.origin in ("built-in", "frozen"):
+            return True
+        if spec.origin and spec.has_location:
+            return self.contains(spec.origin)
+        locations = list(spec.submodule_search_locations or [])
+        return bool(locations) and all(self.contains(p) for p in locations)
+
+
+class ImportRecorder:
+    """Writes the worker's installed modules to `path` whenever sys.modules has grown."""
+
+    def __init__(self, path: Path, script_dir: str | None = None, interval: float = 1.0,
+                 max_interval: float = 30.0) -> None:
+        self.path = path
+        self.paths = InstalledPaths([script_dir] if script_dir else [])
+        self.interval, self.max_interval = interval, max_interval
+        self._verdicts: dict[str, bool] = {}
+        self._seen = -1
+        self._written: list[str] | None = None
+        self._lock: int | None = None  # the fd whose flock makes this worker the node's writer
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="unbroken-import-recorder", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        interval = self.interval
+        while True:
+            time.sleep(interval)
+            try:
+                changed = self.record()
+            except Exception:  # noqa: BLE001 - never disturb the worker: stop recording
+                return
+            interval = self.interval if changed else min(2 * interval, self.max_interval)
+
+    def names(self) -> list[str]:
+        """sys.modules' installed modules, in the order they were first imported."""
+        names = []
+        for name, module in sys.modules.copy().items():  # copy(): atomic under the GIL
+            keep = self._verdicts.get(name)
+            if keep is None:
+                keep = (valid_name(name) and name not in ("__main__", "__mp_main__")
+                        and module is not None and self.paths.module(module))
+                self._verdicts[name] = keep
+            if keep:
+                names.append(name)
+        return names
+
+    def _hold(self) -> bool:
+        """Whether this worker writes the node's list: the one that holds the lock does
+        (until it dies, when the next look of another worker takes over)."""
+        if self._lock is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_name(f"{self.path.name}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            self._lock = fd
+        return True
+
+    def record(self) -> bool:
+        """Rewrite the list if sys.modules grew (or the file went away); True if written."""
+        if not self._hold():
+            return False
+        if len(sys.modules) == self._seen and self.path.exists():
+            return False
+        self._seen = len(sys.modules)
+        names = self.names()
+        if names == self._written and self.path.exists():
+            return False
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"pid": os.getpid(), "t": round(time.time(), 6), "modules": names}, fh)
+        os.replace(tmp, self.path)
+        self._written = names
+        return True
+
+
+class Preimporter:
+    """A standby's side: import the listed modules, one at a time, between looks at stdin.
+
+    Each import is checked first (`find_spec` without running anything: the module must be
+    installed code) and guarded: a module that fails to import is counted and skipped.
+    Import-time warnings are silenced: the worker that recorded the list has shown them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.paths = InstalledPaths()
+        self._stamp: tuple[int, int, int] | None = None
+        self._queue: deque[str] = deque()
+        self._listed: set[str] = set()
+        self._baseline = len(sys.modules)  # torch and the runtime, imported before
+        self.failed = 0  # raised while importing
+        self.refused = 0  # not installed code where this standby looked for it
+        self.seconds = 0.0
+
+    def refresh(self) -> bool:
+        """Queue the names listed since the last look; True if the file changed."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        if st.st_size > _MAX_BYTES:
+            return True
+        try:
+            names = json.loads(self.path.read_text(encoding="utf-8"))["modules"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return True  # torn or foreign: looked at again when it changes
+        if not isinstance(names, list):
+            return True
+        for name in names[:_MAX_NAMES]:
+            if valid_name(name) and name not in self._listed:
+                self._listed.add(name)
+                self._queue.append(name)
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Names still queued (some may have come in with an earlier import since)."""
+        return len(self._queue)
+
+    def missing(self) -> int:
+        """Queued names not imported yet."""
+        return sum(1 for name in self._queue if name not in sys.modules)
+
+    @property
+    def added(self) -> int:
+        """Modules in sys.modules that the pre-imports brought in (their own imports too)."""
+        return len(sys.modules) - self._baseline
+
+    def step(self) -> None:
+        """Import the next listed module not imported yet (already imported ones are skipped
+        without cost: most come in with an earlier one)."""
+        while self._queue:
+            name = self._queue.popleft()
+            if name in sys.modules:
+                continue
+            t0 = time.monotonic()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._load(name)
+            self.seconds += time.monotonic() - t0
+            return
+
+    def _load(self, name: str) -> bool:
+        if name in sys.modules:
+            return True
+        parent = name.rpartition(".")[0]
+        if parent and not self._load(parent):
+            return False
+        try:
+            spec = importlib.util.find_spec(name)
+        except (Exception, SystemExit):  # noqa: BLE001
+            self.failed += 1
+            return False
+        if spec is None or not self.paths.spec(spec):
+            self.refused += 1
+            return False
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):  # noqa: BLE001 - skipped: the worker imports it again
+            self.failed += 1
+            return False
+        return True

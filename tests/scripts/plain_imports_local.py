@@ -1,0 +1,1 @@
+"""A module of the script's own (tests/scripts/plain_imports.py): never pre-imported."""

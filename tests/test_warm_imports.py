@@ -1,0 +1,108 @@
+"""Warm standbys pre-import what the previous attempt's workers imported (installed packages
+and the standard library only), so that a plain script's restart skips its own imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import SCRIPTS, events_of, finish, start, wait_for
+
+from unbroken.runtime.warm_imports import MODULES_FILE, ImportRecorder, modules_path
+
+
+def test_the_list_names_installed_modules_only(tmp_path, monkeypatch):
+    (tmp_path / "warm_local_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "warm_local_mod", raising=False)
+    import networkx  # noqa: F401
+    import warm_local_mod  # noqa: F401
+
+    path = tmp_path / "run" / "node_0" / MODULES_FILE
+    assert modules_path(tmp_path / "run", 0) == path
+    recorder = ImportRecorder(path, script_dir=str(tmp_path))
+    assert recorder.record()
+    names = json.loads(path.read_text())["modules"]
+    assert "networkx" in names and "json" in names
+    assert "warm_local_mod" not in names and "__main__" not in names
+    assert not any(n.startswith(("unbroken", "conftest")) for n in names)  # not installed here
+    assert not recorder.record()  # nothing new: not rewritten
+    monkeypatch.delitem(sys.modules, "warm_local_mod")
+
+
+_STANDBY = """
+import json, sys
+from pathlib import Path
+from unbroken.runtime.warm_imports import Preimporter
+pre = Preimporter(Path(sys.argv[1]))
+pre.paths.roots += (sys.argv[2] + "/",)  # stands for a site-packages with broken packages
+sys.path.append(sys.argv[2])
+assert pre.refresh()
+while pre.pending:
+    pre.step()
+print(json.dumps({"networkx": "networkx" in sys.modules, "local": "warm_local_mod" in sys.modules,
+                  "colorsys": "colorsys" in sys.modules, "added": pre.added,
+                  "refused": pre.refused, "failed": pre.failed}))
+"""
+
+
+def test_a_standby_imports_only_installed_modules_and_dotted_names(tmp_path):
+    """Names that are not dotted identifiers are ignored; a module found on the user's path
+    (here the standby's cwd), even one shadowing a stdlib name, is refused unimported; one
+    that fails to import is counted and skipped."""
+    marker = tmp_path / "ran"
+    side_effect = f"open({str(marker)!r}, 'w').close()\n"
+    (tmp_path / "warm_local_mod.py").write_text(side_effect)
+    (tmp_path / "colorsys.py").write_text(side_effect)  # a stdlib name, shadowed in cwd
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "warm_raises.py").write_text("raise RuntimeError('cannot import here')\n")
+    (site / "warm_exits.py").write_text("import sys\nsys.exit(3)\n")
+    listed = tmp_path / MODULES_FILE
+    listed.write_text(json.dumps({"modules": [
+        "warm_raises", "warm_exits", "networkx", "warm_local_mod", "colorsys",
+        "os; import warm_local_mod", "1abc", 42, "__import__('warm_local_mod')",
+        "no_such_module_at_all", "json.decoder"]}))
+    res = subprocess.run([sys.executable, "-c", _STANDBY, str(listed), str(site)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["networkx"] and got["added"] > 10
+    assert not got["local"] and not got["colorsys"] and not marker.exists()
+    assert got["refused"] == 3  # warm_local_mod, colorsys (the cwd's), no_such_module_at_all
+    assert got["failed"] == 2  # warm_raises, warm_exits: skipped, the standby goes on
+
+
+def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
+    """A plain script (no unbroken API) imports networkx, which `import torch` does not;
+    rank 1 exits 1 in attempt 0. The standbys that become attempt 1's workers have imported
+    networkx from the list attempt 0 wrote, but not the script's own module."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--on-fault", "restart",
+                 script=SCRIPTS / "plain_imports.py", args=[str(out)])
+    try:
+        def warm():
+            evs = [e for e in events_of(run_dir, "standby_imports") if e["modules"] > 0]
+            return len({e["pid"] for e in evs}) >= 2
+        wait_for(warm, 90, "two standbys to pre-import the workers' modules")
+        (out / "go").touch()
+        result = finish(proc, run_dir, timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert result.code == 0, result.output
+    for rank in (0, 1):
+        assert json.loads((out / f"attempt0_rank{rank}.json").read_text()) == \
+            {"networkx": False, "plain_imports_local": False}
+        assert json.loads((out / f"attempt1_rank{rank}.json").read_text()) == \
+            {"networkx": True, "plain_imports_local": False}
+    taken = result.events("standby_taken")
+    assert sorted(e["rank"] for e in taken) == [0, 1]
+    assert all(e["attempt"] == 1 and e["modules"] > 10 and e["pending"] == 0 for e in taken)
+    restarted = [e for e in result.events("workers_started") if e["attempt"] == 1][0]
+    assert set(restarted["pids"].values()) == {e["pid"] for e in taken}
+    names = json.loads((run_dir / "node_0" / MODULES_FILE).read_text())["modules"]
+    assert "networkx" in names
+    assert "plain_imports_local" not in names and "__main__" not in names
