@@ -117,3 +117,24 @@ def test_fewer_agents_than_min_end_with_one_clear_line_after_the_rendezvous_time
     assert result.code != 0
     assert "only 1 node(s) joined within 3s, fewer than the --nnodes minimum of 2" in result.output
     assert not events_of(tmp_path / "run", "workers_started")
+
+
+def test_a_node_that_joins_a_running_job_stands_by_then_trains_from_the_next_restart(tmp_path):
+    """`--nnodes 1:2`: the job starts alone after the last call; a second agent joins later
+    and stands by; a worker crash restarts the job (`--on-fault restart`), and the restart
+    gathers both nodes: the world grows from 1 to 2."""
+    port, run_dir = free_port(), tmp_path / "run"
+    flags = ("--nnodes", "1:2", "--on-fault", "restart")
+    a = _agent(tmp_path, port, *flags, steps=300, step_sleep=0.05)
+    wait_for(_steps_past(run_dir, 3), 120, "the first node to train alone")
+    b = _agent(tmp_path, port, *flags, steps=300, step_sleep=0.05)
+    wait_for(lambda: [e for e in events_of(run_dir, "workers_started") if e["node"] == 1], 60,
+             "the late node to stand by")
+    victim = next(iter(events_of(run_dir, "workers_started")[0]["pids"].values()))
+    os.kill(victim, signal.SIGKILL)
+    result = finish(a, run_dir, timeout=300)
+    b.wait(timeout=30)
+    assert result.code == 0 and b.returncode == 0, result.output
+    assert [(e["attempt"], e["world_size"]) for e in result.events("rendezvous")] == [(0, 1), (1, 2)]
+    late = [e for e in result.events("workers_started") if e["node"] == 1]
+    assert [(e["attempt"], sorted(e["pids"])) for e in late] == [(0, []), (1, ["1"])]

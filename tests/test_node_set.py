@@ -109,3 +109,14 @@ def test_a_quarantined_node_is_never_gathered_and_below_min_the_restart_waits():
     assert node_set.gather(ns, [0, 1], 0, ELASTIC, 1, None) == (None, False)
     after, _ = node_set.gather(ns, [0, 1, 5], 0, ELASTIC, 1, None)
     assert after.order == [0, 5]
+
+
+def test_a_restart_waits_the_last_call_for_the_nodes_that_stood_by_in_the_last_attempt():
+    ns, rule = NodeSet(order=[0]), node_set.Gathering(least=1, cap=3, last_call=30.0)
+    assert node_set.gather(ns, [0], 0, rule, 1, None, expected=(1,)) == (None, True)
+    after, _ = node_set.gather(ns, [0, 1], 0, rule, 1, 0.1, expected=(1,))
+    assert after.order == [0, 1]
+    after, _ = node_set.gather(ns, [0], 0, rule, 1, 30.0, expected=(1,))  # it never came
+    assert after.order == [0]
+    after, _ = node_set.gather(ns, [0], 0, rule, 1, None)  # nobody stood by: no wait
+    assert after.order == [0]

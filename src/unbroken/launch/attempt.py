@@ -100,7 +100,9 @@ class AttemptWatch:
         elif attempt == 0 or cfg.is_leader:
             ranks = [w.rank for w in sup.workers]
             self.say(f"attempt {attempt}: started ranks {ranks[0]}-{ranks[-1]} of {plan.world_size}")
-        self.resilient = sup.standby  # latched once every worker runs the resilient loop
+        # Latched once every worker runs the resilient loop; a standby node's spares at once
+        # (without in-place recovery, an elastic node standing by just waits: no spares).
+        self.resilient = sup.standby and self.in_place
         self.busy = False
         self._board = SpareBoard(self.channel, self.keys, cfg.node_rank) if self.in_place else None
         self._orders_seen = 0

@@ -156,6 +156,9 @@ class Leader(Role):
         picks from the agents that joined; agents beyond the cap stand by this attempt."""
         cfg, keys, ch = self.cfg, AttemptKeys(attempt), self.channel
         rule = node_set.Gathering(least=cfg.least, cap=cfg.cap, last_call=cfg.last_call)
+        # The last attempt's standing-by nodes are on their way to rejoin: a restart admits them.
+        stood_by = ch.entries(AttemptKeys(attempt - 1).standbys, 0) if attempt else []
+        expected = tuple(sorted({j.node for j in stood_by if j is not None} - self._lost))
         t0 = time.monotonic()
         enough_at: float | None = None
         told = False
@@ -165,7 +168,8 @@ class Leader(Role):
             joined = {k: j for k, j in joins.items() if j is not None}
             now = time.monotonic()
             gathered, enough = node_set.gather(self.nodes, list(joined), cfg.node_rank, rule,
-                                               attempt, None if enough_at is None else now - enough_at)
+                                               attempt, None if enough_at is None else now - enough_at,
+                                               expected)
             if gathered is not None:
                 break
             if enough and enough_at is None:

@@ -104,12 +104,13 @@ class Gathering:
 
 
 def gather(ns: NodeSet, joined: list[int], leader: int, rule: Gathering, attempt: int,
-           since_enough: float | None) -> tuple[NodeSet | None, bool]:
+           since_enough: float | None, expected: tuple[int, ...] = ()) -> tuple[NodeSet | None, bool]:
     """Decide an elastic attempt's nodes from the agents that joined it (pure).
 
     The nodes of the order that are still in are waited for; with them, at least `least`
     in all. The first attempt then waits `last_call` seconds for more (torchrun's last call),
-    unless the cap is reached; a restart does not wait. Returns (the set with its new order:
+    unless the cap is reached; a restart waits so only for `expected` nodes (the last
+    attempt's standing-by nodes, on their way to rejoin). Returns (the set with its new order:
     the leader first, then the order's nodes, then newcomers by rank, up to the cap; or None:
     keep waiting) and whether `least` is reached (the caller starts the last-call clock)."""
     quarantined = {k for k, why in ns.out.items() if why == NodeOut.QUARANTINED}
@@ -118,8 +119,8 @@ def gather(ns: NodeSet, joined: list[int], leader: int, rule: Gathering, attempt
     enough = all(k in present for k in required) and len(present) >= rule.least
     if not enough:
         return None, False
-    if attempt == 0 and len(present) < rule.cap and (
-            since_enough is None or since_enough < rule.last_call):
+    more = attempt == 0 or any(k not in present for k in expected)
+    if more and len(present) < rule.cap and (since_enough is None or since_enough < rule.last_call):
         return None, True
     order = [leader] if leader in present else []
     order += [k for k in required if k not in order]

@@ -90,7 +90,9 @@ class NodeSupervisor:
         not name; a standby node that took over a lost node's ranks is named from then on)."""
         self._attempt, self._plan = attempt, plan
         self.standby = self.cfg.node_rank not in plan.nodes
-        self.spare_target = self.cfg.nproc_per_node if self.standby else self.cfg.spares
+        in_place = self.cfg.on_fault != "restart" and not self.cfg.no_python
+        self.spare_target = (self.cfg.nproc_per_node if in_place else 0) if self.standby \
+            else self.cfg.spares
         self._targets_written.clear()
         self._peer_errors_since = None
         attempt_dir = self.node_dir / f"attempt_{attempt}"
