@@ -87,6 +87,34 @@ def _command(launcher: str, run_dir: Path, workers: int) -> list[str]:
             str(EXAMPLE), *args]
 
 
+def _kill_and_wait(proc: subprocess.Popen, run_dir: Path, victim: int, hang_after: float,
+                   first_resumed) -> tuple[float, dict | None, int | None, dict | None]:  # noqa: ANN001
+    """SIGKILL `victim`, then wait for `first_resumed(killed_at)` (the first step of a later
+    attempt) and for the launcher's exit. Returns (killed_at, that step, exit code, None),
+    or a failed try's fields (a hang, or every restart failed) as the last item."""
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    resumed = None
+    deadline = time.monotonic() + hang_after
+    while time.monotonic() < deadline:
+        resumed = first_resumed(killed_at)
+        if resumed or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    if resumed is None:
+        code = proc.poll()
+        kill_everything(proc, run_dir)
+        if code is not None:  # gave up: every restart failed
+            return killed_at, None, code, {"hang": False, "exit": code, "restart_failed": True}
+        return killed_at, None, None, {"hang": True}
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_everything(proc, run_dir)
+        return killed_at, resumed, None, {"hang": True, "recovery": resumed["t"] - killed_at}
+    return killed_at, resumed, code, None
+
+
 def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
     run_dir = root / f"{launcher}-{index}"
     run_dir.mkdir(parents=True)
@@ -107,28 +135,12 @@ def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: flo
         if victim is None:
             kill_everything(proc, run_dir)
             return {"launcher": launcher, "error": "never reached the kill step"}
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
-        resumed = None
-        deadline = time.monotonic() + hang_after
-        while time.monotonic() < deadline:
-            evs = _events(run_dir)
-            resumed = next((e for e in evs if e["event"] == "step" and e["attempt"] >= 1
-                            and e["t"] > killed_at), None)
-            if resumed or proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        if resumed is None:
-            code = proc.poll()
-            kill_everything(proc, run_dir)
-            if code is not None:  # gave up: every restart failed
-                return {"launcher": launcher, "hang": False, "exit": code, "restart_failed": True}
-            return {"launcher": launcher, "hang": True}
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            kill_everything(proc, run_dir)
-            return {"launcher": launcher, "hang": True, "recovery": resumed["t"] - killed_at}
+        killed_at, resumed, code, failed = _kill_and_wait(
+            proc, run_dir, victim, hang_after,
+            lambda t: next((e for e in _events(run_dir) if e["event"] == "step"
+                            and e["attempt"] >= 1 and e["t"] > t), None))
+        if failed is not None:
+            return {"launcher": launcher, **failed}
         evs = _events(run_dir)
         startup = [e["startup"] for e in evs if e["event"] == "worker_start" and e["attempt"] >= 1
                    and e.get("startup")]
@@ -223,27 +235,12 @@ def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: f
         # How many standbys had caught up with the workers' module list at the kill.
         warm = (len({e["pid"] for e in _events(run_dir) if e["event"] == "standby_imports"})
                 if launcher.startswith("unbroken") else None)
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
-        resumed = None
-        deadline = time.monotonic() + hang_after
-        while time.monotonic() < deadline:
-            resumed = next((r for r in _read_steps(steps) if "step" in r and r["attempt"] >= 1
-                            and r["t"] > killed_at), None)
-            if resumed or proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        if resumed is None:
-            code = proc.poll()
-            kill_everything(proc, run_dir)
-            if code is not None:
-                return {"launcher": launcher, "hang": False, "exit": code, "restart_failed": True}
-            return {"launcher": launcher, "hang": True}
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            kill_everything(proc, run_dir)
-            return {"launcher": launcher, "hang": True, "recovery": resumed["t"] - killed_at}
+        killed_at, resumed, code, failed = _kill_and_wait(
+            proc, run_dir, victim, hang_after,
+            lambda t: next((r for r in _read_steps(steps) if "step" in r
+                            and r["attempt"] >= 1 and r["t"] > t), None))
+        if failed is not None:
+            return {"launcher": launcher, **failed}
         rows = _read_steps(steps)
         taken = [e for e in _events(run_dir) if e["event"] == "standby_taken"]
         return {"launcher": launcher, "hang": False, "exit": code,

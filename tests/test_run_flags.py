@@ -103,3 +103,30 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag_and_exit_2(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--monitor-interval" in err
+
+
+def test_a_pet_value_outside_a_flags_choices_is_one_line_naming_flag_and_variable(
+        tmp_path, monkeypatch):
+    for var, value, flag in (("PET_RDZV_BACKEND", "foo", "--rdzv-backend"),
+                             ("PET_EXTRA_NODES", "bogus", "--extra-nodes")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(UserError, match=f"{flag} must be one of .*{var}"):
+            _config(tmp_path)
+        monkeypatch.delenv(var)
+    with pytest.raises(UserError, match="join_timeout must be 0 or more"):
+        _config(tmp_path, "--rdzv-conf", "join_timeout=-5")
+
+
+def test_a_standby_node_without_a_rank_takes_one_in_join_order(tmp_path):
+    cfg, _ = _config(tmp_path, "--nnodes", "2", "--standby")
+    assert cfg.standby and cfg.assign_rank and cfg.spares_when_standing_by
+    cfg, _ = _config(tmp_path, "--nnodes", "2", "--standby", "--node-rank", "2")
+    assert cfg.standby and not cfg.assign_rank and cfg.node_rank == 2
+
+
+def test_group_rank_is_the_nodes_place_in_the_plan_not_its_join_number():
+    from unbroken.control.worker_env import WorkerEnv
+
+    env = WorkerEnv(node_rank=5, group_rank=1, nnodes=2).to_environ()
+    assert env["GROUP_RANK"] == "1" and env["UNBROKEN_NODE_RANK"] == "5"
+    assert WorkerEnv.from_environ(env).node_rank == 5

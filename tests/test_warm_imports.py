@@ -106,3 +106,11 @@ def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
     names = json.loads((run_dir / "node_0" / MODULES_FILE).read_text())["modules"]
     assert "networkx" in names
     assert "plain_imports_local" not in names and "__main__" not in names
+
+
+def test_a_module_whose_import_is_an_action_is_never_a_valid_name():
+    from unbroken.runtime.warm_imports import valid_name
+
+    assert valid_name("json.decoder") and valid_name("networkx")
+    for name in ("unittest.__main__", "__main__", "antigravity", "this", "a..b", "", 7):
+        assert not valid_name(name), name

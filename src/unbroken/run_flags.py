@@ -235,17 +235,16 @@ def _truthy(text: str) -> bool:
         return False
 
 
-def pet_name(action: argparse.Action) -> str:
+def pet_name(dest: str) -> str:
     """A flag's torchrun variable: PET_<DEST>, with torchrun's dest (`rdzv_id`, not ours)."""
-    dest = "rdzv_id" if action.dest == "run_id" else action.dest
-    return f"PET_{dest.upper()}"
+    return f"PET_{('rdzv_id' if dest == 'run_id' else dest).upper()}"
 
 
 def defaults_from_pet(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """torchrun's `PET_<FLAG>` variables (as Kubeflow's PyTorchJob and TrainJob set them)
     give every flag its default; a flag on the command line still wins."""
     for action in p._actions:
-        name = pet_name(action)
+        name = pet_name(action.dest)
         if not action.option_strings or name not in env or isinstance(action, argparse._HelpAction):
             continue
         if isinstance(action, argparse._StoreTrueAction):
@@ -328,10 +327,36 @@ def parse_rdzv_conf(text: str, warn) -> RdzvConf:  # noqa: ANN001
                 warn(f"--rdzv-conf {key} is not a rendezvous setting unbroken knows; ignored")
         except ValueError:
             raise UserError(f"--rdzv-conf {key} takes a number, got {value!r}") from None
+    for key, seconds_ in (("join_timeout", conf.join_timeout), ("last_call_timeout", conf.last_call)):
+        if seconds_ is not None and seconds_ < 0:
+            raise UserError(f"--rdzv-conf {key} must be 0 or more seconds, got {seconds_:g}")
     if keepalive:  # torchrun: a node is dead after max_attempt missed keep-alives
         conf.node_timeout = (keepalive.get("keep_alive_interval", 5.0)
                              * keepalive.get("keep_alive_max_attempt", 3.0))
     return conf
+
+
+_CHOICES = {"rdzv_backend": "--rdzv-backend", "start_method": "--start-method",
+            "numa_binding": "--numa-binding", "extra_nodes": "--extra-nodes",
+            "on_fault": "--on-fault"}
+
+
+def _check_choices(args: argparse.Namespace) -> None:
+    """Flags with a fixed set of values, whichever way they were given (a `PET_` variable
+    becomes the default, which argparse takes unchecked)."""
+    from unbroken.launch.config import ExtraNodes
+
+    allowed = {"rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
+               "start_method": ("spawn", "fork", "forkserver"),
+               "numa_binding": (None, "node", "socket", "exclusive", "core-complex"),
+               "extra_nodes": tuple(e.value for e in ExtraNodes),
+               "on_fault": ("shrink", "wait", "restart")}
+    for dest, flag in _CHOICES.items():
+        value = getattr(args, dest)
+        if value not in allowed[dest]:
+            choices = ", ".join(v for v in allowed[dest] if v)
+            raise UserError(f"{flag} must be one of {choices}, got {value!r} "
+                            f"(from {pet_name(dest)}?)")
 
 
 def parse_signals(text: str) -> tuple[int, ...]:
@@ -357,6 +382,7 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         parse_std,
     )
 
+    _check_choices(args)  # a PET_ value is a default, which argparse does not check
     nodes = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf, warn)
     extra = ExtraNodes(args.extra_nodes)
@@ -376,13 +402,16 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
     node_rank = 0 if assign or args.node_rank is None else args.node_rank
     nnodes = nodes.max
     if args.standby:
-        if args.node_rank is None or node_rank < nnodes:
-            raise UserError(f"a --standby node takes a --node-rank of {nnodes} or more (ranks "
-                            f"0-{nnodes - 1} are the job's nodes), got {args.node_rank}")
         if args.on_fault == "restart":
             raise UserError("--standby takes ranks over in place; it does not work with "
                             "--on-fault restart")
-        assign = False
+        if args.node_rank is None:
+            assign = True  # a rank in join order, like the job's nodes (never node 0)
+        elif node_rank < nnodes:
+            raise UserError(f"a --standby node takes a --node-rank of {nnodes} or more (ranks "
+                            f"0-{nnodes - 1} are the job's nodes), got {args.node_rank}")
+        else:
+            assign = False
     elif not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank must be between 0 and {nnodes - 1} for --nnodes {nnodes}, "
                         f"got {node_rank}")

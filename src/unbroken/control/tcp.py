@@ -47,7 +47,13 @@ def bind_listener(host: str, port: int) -> socket.socket:
                 "the store on it; pass this machine's address as --master-addr"
             ) from None
         raise ControlPlaneError(f"cannot bind {host}:{port}: {exc}") from None
-    sock.listen(1024)
+    try:
+        sock.listen(1024)
+    except OSError as exc:  # two binds with SO_REUSEADDR: the second listen() loses
+        sock.close()
+        raise ControlPlaneError(
+            f"port {port} on {host} is already in use; pass --master-port with a free port "
+            f"(or stop the other job) ({exc.strerror})") from None
     return sock
 
 

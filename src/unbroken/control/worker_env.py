@@ -27,7 +27,10 @@ class WorkerEnv:
     local_rank: int = 0
     local_world_size: int = 1
     node_rank: int = 0
-    """This node's rank (torchrun's GROUP_RANK)."""
+    """This node's rank: the agent's (given, or its place in join order)."""
+    group_rank: int | None = None
+    """torchrun's GROUP_RANK: the node's place in this attempt's plan (dense, 0..nnodes-1);
+    None: `node_rank`."""
     nnodes: int = 1
     attempt: int = 0
     """The attempt (torchrun's restart count)."""
@@ -82,7 +85,7 @@ class WorkerEnv:
             # The same variables torchrun sets, so unmodified torchrun scripts run as they are.
             "RANK": self.rank, "LOCAL_RANK": self.local_rank if self.device is None else 0,
             "WORLD_SIZE": self.world_size, "CUDA_VISIBLE_DEVICES": self.device,
-            "LOCAL_WORLD_SIZE": self.local_world_size, "GROUP_RANK": self.node_rank,
+            "LOCAL_WORLD_SIZE": self.local_world_size, "GROUP_RANK": self.node_rank if self.group_rank is None else self.group_rank,
             "GROUP_WORLD_SIZE": self.nnodes, "ROLE_RANK": self.rank,
             "ROLE_WORLD_SIZE": self.world_size, "ROLE_NAME": self.role_name,
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port,

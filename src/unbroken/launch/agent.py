@@ -73,9 +73,11 @@ class Agent:
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         guard, pool, sup = OrphanGuard(), None, None
         try:
-            if cfg.warm_restarts and not cfg.no_python:
-                pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
             channel, address = self._connect()
+            # After the connection: a node rank given in join order is known by now. Not with
+            # --virtual-local-rank: a library that touches CUDA at import would see every device.
+            if cfg.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
+                pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
             sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, address, self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
             election = None

@@ -59,7 +59,7 @@ class AttemptWatch:
         self.events = events
         self.say = say  # the agent's one line to the user
         self.check_signal = check_signal
-        self.in_place = cfg.on_fault != "restart" and not cfg.no_python
+        self.in_place = cfg.in_place
         self.resilient = False
         self.busy = False  # the leader asks for fast looks while it recovers
         self.keys: AttemptKeys | None = None

@@ -91,6 +91,20 @@ class LaunchConfig:
         return self.min_nodes is not None and self.min_nodes != self.nnodes
 
     @property
+    def in_place(self) -> bool:
+        """Workers using run.train() recover in place (not `--on-fault restart`, and a
+        Python script: a --no-python program has no worker runtime)."""
+        return self.on_fault != "restart" and not self.no_python
+
+    @property
+    def spares_when_standing_by(self) -> bool:
+        """A node outside the plan runs spares (one per device) that take ranks in place:
+        a `--standby` node, or with `--extra-nodes standby`. An elastic node beyond the cap
+        (torchrun's meaning) runs nothing: it trains from the next restart on."""
+        return self.in_place and (self.standby or (self.elastic
+                                                   and self.extra_nodes == ExtraNodes.STANDBY))
+
+    @property
     def joins_freely(self) -> bool:
         """The node set is whoever joins (an elastic range, or ranks assigned in join order),
         not ranks 0..N-1 given on the command line."""

@@ -172,6 +172,7 @@ class Leader(Role):
                                                expected)
             if gathered is not None:
                 break
+            self._lose_silent_members(attempt, set(joined))
             if enough and enough_at is None:
                 enough_at = now
                 self.say(f"{len(joined)} node(s) joined (at least {cfg.least}); waiting up to "
@@ -181,13 +182,31 @@ class Leader(Role):
                          f"for at least {cfg.least}")
                 told = True
             if now - t0 > cfg.rdzv_timeout:
+                missing = [k for k in self.nodes.order if k not in self.nodes.out
+                           and k not in joined]
                 raise ControlPlaneError(
                     f"only {len(joined)} node(s) joined within {cfg.rdzv_timeout:g}s, fewer than "
                     f"the --nnodes minimum of {cfg.least}; start more agents with the same "
-                    "--rdzv-endpoint/--rdzv-id, or lower MIN")
+                    "--rdzv-endpoint/--rdzv-id, or lower MIN" if len(joined) < cfg.least else
+                    f"node(s) {missing} of the last attempt did not rejoin within "
+                    f"{cfg.rdzv_timeout:g}s though their agents are alive")
             self._sleep()
         self.nodes = gathered
         return {k: joined[k] for k in gathered.order}
+
+    def _lose_silent_members(self, attempt: int, joined: set[int]) -> None:
+        """While an elastic rendezvous waits for the last attempt's nodes: one whose agent
+        went silent since (it died between attempts) is lost, not waited for."""
+        if self.plan is None:
+            return
+        waited = {k: n.instance for k, n in self.plan.nodes.items()
+                  if k in self.nodes.order and k not in self.nodes.out and k not in joined}
+        silences = self.leases.silent_many([agent_lease(k, i) for k, i in waited.items()],
+                                           time.monotonic())
+        for k, silent in zip(waited, silences, strict=True):
+            if silent > self.cfg.node_timeout:
+                self._declare_lost(attempt, k, f"agent of node {k} silent for {silent:.1f}s "
+                                   "while the next attempt gathered")
 
     def _wait_joined(self, attempt: int) -> dict[int, NodeJoin]:
         """Wait for every node of the node set (lost, drained and quarantined nodes are not
@@ -303,7 +322,8 @@ class Leader(Role):
         if not self.cfg.elastic:
             return False
         left = set(self.plan.nodes) - self._lost - self._released
-        return len(left) + len(set(self._standbys) - self._lost) < self.cfg.least
+        takers = set(self._standbys) - self._lost if self.cfg.spares_when_standing_by else set()
+        return len(left) + len(takers) < self.cfg.least
 
     def _followers(self) -> dict[int, str]:
         """Every other agent of the attempt (planned nodes and standby nodes): its instance."""

@@ -82,7 +82,7 @@ class NodeSupervisor:
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
         self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
         # A standby node runs only spares, as many as it has devices.
-        self.spare_target = cfg.nproc_per_node if cfg.standby else cfg.spares
+        self.spare_target = cfg.nproc_per_node if cfg.spares_when_standing_by else cfg.spares
 
     # ---------------------------------------------------------------- starting
     def start_attempt(self, attempt: int, plan: AttemptPlan) -> None:
@@ -90,9 +90,9 @@ class NodeSupervisor:
         not name; a standby node that took over a lost node's ranks is named from then on)."""
         self._attempt, self._plan = attempt, plan
         self.standby = self.cfg.node_rank not in plan.nodes
-        in_place = self.cfg.on_fault != "restart" and not self.cfg.no_python
-        self.spare_target = (self.cfg.nproc_per_node if in_place else 0) if self.standby \
-            else self.cfg.spares
+        spares_here = self.cfg.nproc_per_node if self.cfg.spares_when_standing_by else 0
+        self.spare_target = spares_here if self.standby else self.cfg.spares
+        self.tailer.retire()  # the last attempt's logs: copied to the end, then let go
         self._targets_written.clear()
         self._peer_errors_since = None
         attempt_dir = self.node_dir / f"attempt_{attempt}"
@@ -124,6 +124,8 @@ class NodeSupervisor:
         contract = WorkerEnv(
             rank=rank, world_size=plan.world_size, local_rank=local_rank,
             local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=len(plan.nodes),
+            group_rank=list(plan.nodes).index(cfg.node_rank) if cfg.node_rank in plan.nodes
+            else None,
             attempt=self._attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
             master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
             run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
@@ -164,6 +166,8 @@ class NodeSupervisor:
         name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
         base = self.node_dir / f"attempt_{self._attempt}" / name
         streams = self.logs.streams(self._attempt, rank, local_rank)
+        if streams.error_file:  # a replacement's file: its predecessor's error is not its own
+            Path(streams.error_file).unlink(missing_ok=True)
         env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining,
                         torchelastic_error_file=streams.error_file)
         argv = script_argv(cfg.script, cfg.script_args, cfg.module)

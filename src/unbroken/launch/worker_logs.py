@@ -122,6 +122,20 @@ class LogSpec:
 
 
 @dataclass
+class Tail:
+    """One file the tailer copies: its console stream (None: the filtered copy only), the
+    prefix of each line, and the attempt's filtered file with the strings that select lines."""
+
+    path: str
+    prefix: str
+    console: TextIO | None
+    filtered: str | None = None
+    filters: tuple[str, ...] = ()
+    offset: int = 0
+    partial: bytes = b""
+
+
+@dataclass
 class WorkerStreams:
     """Where one worker's stdout and stderr go: a file path, or None for the console."""
 
@@ -129,8 +143,8 @@ class WorkerStreams:
     stderr: str | None = None
     error_file: str | None = None
     """torchrun's error.json for this rank (TORCHELASTIC_ERROR_FILE); None: unbroken's own."""
-    tail: list[tuple[str, str, TextIO, str | None, tuple[str, ...]]] = field(default_factory=list)
-    """(file, prefix, console stream, filtered file, filters) for the tailer."""
+    tail: list[Tail] = field(default_factory=list)
+    """What the tailer copies to the console or the filtered files."""
 
 
 class AttemptLogs:
@@ -164,9 +178,8 @@ class AttemptLogs:
             setattr(out, name, path)
             filtered = str(attempt_dir / f"filtered_{name}.log") if filters else None
             if redirected & std and (teed & std or filtered):
-                prefix = spec.prefix(rank, local_rank) if teed & std else ""
-                out.tail.append((path, prefix, console if teed & std else None, filtered,
-                                 filters))
+                out.tail.append(Tail(path, spec.prefix(rank, local_rank),
+                                     console if teed & std else None, filtered, filters))
         return out
 
 
@@ -175,16 +188,18 @@ class Tailer:
     matching a duplicate filter to the attempt's filtered log. One thread for the agent."""
 
     def __init__(self, interval: float = 0.1) -> None:
-        self._files: dict[str, list] = {}
+        self._tails: dict[str, Tail] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._interval = interval
         self._thread: threading.Thread | None = None
 
     def follow(self, streams: WorkerStreams) -> None:
+        """Copy these files from now on; a file already followed (an in-place replacement
+        writes its predecessor's) goes on from where it was."""
         with self._lock:
-            for path, prefix, console, filtered, filters in streams.tail:
-                self._files[path] = [0, b"", prefix, console, filtered, filters]
+            for tail in streams.tail:
+                self._tails.setdefault(tail.path, tail)
         if streams.tail and self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True, name="log-tailer")
             self._thread.start()
@@ -194,40 +209,44 @@ class Tailer:
             self.drain()
 
     def drain(self, final: bool = False) -> None:
-        """Copy what the files gained since the last look (`final`: partial lines too)."""
+        """Copy what the files gained since the last look (`final`: a last partial line too)."""
         with self._lock:
-            for path, state in self._files.items():
-                offset, partial, prefix, console, filtered, filters = state
+            for tail in self._tails.values():
                 try:
-                    with open(path, "rb") as f:
-                        f.seek(offset)
+                    with open(tail.path, "rb") as f:
+                        f.seek(tail.offset)
                         data = f.read()
-                except OSError:
-                    continue
-                state[0] = offset + len(data)
-                data = partial + data
-                lines = data.split(b"\n")
-                state[1] = b"" if final else lines.pop()
-                self._emit([ln.decode(errors="replace") for ln in lines if ln or final],
-                           prefix, console, filtered, filters)
+                except FileNotFoundError:
+                    continue  # not written yet (a worker that has not started)
+                tail.offset += len(data)
+                lines = (tail.partial + data).split(b"\n")
+                tail.partial = lines.pop()
+                if final and tail.partial:
+                    lines.append(tail.partial)
+                    tail.partial = b""
+                _emit([ln.decode(errors="replace") for ln in lines], tail)
 
-    @staticmethod
-    def _emit(lines: list[str], prefix: str, console: TextIO | None, filtered: str | None,
-              filters: tuple[str, ...]) -> None:
-        lines = [ln for ln in lines if ln]
-        if not lines:
-            return
-        if console is not None:
-            console.write("".join(f"{prefix}{ln}\n" for ln in lines))
-            console.flush()
-        if filtered:
-            dup = [ln for ln in lines if any(f in ln for f in filters)]
-            if dup:
-                with open(filtered, "a") as f:
-                    f.write("".join(f"{prefix}{ln}\n" for ln in dup))
+    def retire(self) -> None:
+        """An attempt ended: copy what its files still hold, then stop following them."""
+        self.drain(final=True)
+        with self._lock:
+            self._tails.clear()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         self.drain(final=True)
+
+
+def _emit(lines: list[str], tail: Tail) -> None:
+    if not lines:
+        return
+    if tail.console is not None:
+        tail.console.write("".join(f"{tail.prefix}{ln}\n" for ln in lines))
+        tail.console.flush()
+    if tail.filtered:
+        dup = [ln for ln in lines if any(f in ln for f in tail.filters)]
+        if dup:
+            with open(tail.filtered, "a") as f:
+                f.write("".join(f"{tail.prefix}{ln}\n" for ln in dup))

@@ -47,10 +47,18 @@ def modules_path(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
     return Path(run_dir) / f"node_{node_rank}" / MODULES_FILE
 
 
+# Modules whose import is an action, not a definition: never imported ahead of time.
+_ACTIONS = frozenset({"antigravity", "this", "__main__", "__hello__", "__phello__"})
+
+
 def valid_name(name: object) -> bool:
-    """A dotted identifier (`a`, `a.b_c`): the only thing a standby takes from the file."""
-    return (isinstance(name, str) and 0 < len(name) <= 512
-            and all(part.isidentifier() for part in name.split(".")))
+    """A dotted identifier (`a`, `a.b_c`): the only thing a standby takes from the file.
+    A `__main__` module (`unittest.__main__` runs tests) and the stdlib's jokes are not."""
+    if not (isinstance(name, str) and 0 < len(name) <= 512):
+        return False
+    parts = name.split(".")
+    return (all(part.isidentifier() for part in parts) and "__main__" not in parts
+            and parts[0] not in _ACTIONS)
 
 
 def _installed_roots() -> tuple[str, ...]:
