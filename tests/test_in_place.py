@@ -143,6 +143,20 @@ def test_exception_worker_keeps_its_process_too(tmp_path):
     assert "exception" in result.output and "recovered in place" in result.output
 
 
+def test_an_error_of_the_workers_own_device_replaces_its_process(tmp_path):
+    """A sticky CUDA error (torch.AcceleratorError) leaves the worker's device context broken:
+    unlike an exception of the script, the worker exits, its agent reports the death, and a
+    fresh process takes its rank while the others go on in place (issue 13)."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "2",
+                    "--fault", "device_error:rank=1,step=10", args=ARGS)
+    _assert_in_place(result, [("exception", 1)], replaced={1})
+    fault = result.events("fault")[0]
+    assert fault["error_class"] == "own_device" and "AcceleratorError" in fault["detail"]
+    failed = result.events("step_failed")
+    assert [(e["slot"], e["error_class"]) for e in failed] == [(1, "own_device")]
+    assert [e["slot"] for e in result.events("replacement_started")] == [1]
+
+
 def test_two_workers_killed_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc-per-node", "4", "--max-restarts", "3", args=ARGS)

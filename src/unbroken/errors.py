@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from enum import IntEnum
+import re
+from enum import IntEnum, StrEnum
 
 
 class ExitCode(IntEnum):
@@ -22,15 +23,65 @@ class ExitCode(IntEnum):
 PEER_ERROR_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken pipe", "NCCL",
                       "DistNetworkError", "DistBackendError", "DistStoreError")
 
+# What says the worker's own device failed: the CUDA context is broken (sticky errors), so
+# the process must go, and a fresh one take its rank. Out of memory is not among them: the
+# context survives it, and it is the script's to handle (a user error).
+OWN_DEVICE_MARKERS = ("CUDA error", "CUDA driver error", "device-side assert",
+                      "CUBLAS_STATUS_", "CUDNN_STATUS_", "cuDNN error", "unhandled cuda error",
+                      "ncclUnhandledCudaError")
+# NCCL errors that are the caller's mistake, whichever rank hits them.
+USER_NCCL_MARKERS = ("ncclInvalidUsage", "ncclInvalidArgument", "invalid usage", "invalid argument")
+
+
+class ErrorClass(StrEnum):
+    """Whose fault an exception in a worker is (`classify`)."""
+
+    PEER = "peer"
+    """The group broke under it (a peer died, hung or left): the worker survives."""
+    OWN_DEVICE = "own_device"
+    """Its own accelerator failed: the worker dies and a fresh process takes its rank."""
+    USER = "user"
+    """The script's own error (a bug, a bad batch, out of memory)."""
+
+
+def classify_text(type_name: str, text: str, own_device: int | None = None) -> ErrorClass:
+    """`classify` on an error's type name and message, as an agent reads them in an error
+    record (pure). An NCCL error about CUDA is this worker's device unless it names
+    another `cuda:N` than `own_device`."""
+    whole = f"{type_name}: {text}"
+    if type_name == "OutOfMemoryError" or "out of memory" in whole.lower():
+        return ErrorClass.USER
+    if type_name == "AcceleratorError" or any(m in whole for m in OWN_DEVICE_MARKERS):
+        named = {int(n) for n in re.findall(r"cuda:(\d+)", whole)}
+        if "NCCL" in whole and own_device is not None and named and own_device not in named:
+            return ErrorClass.PEER  # a peer's device, seen through the communicator
+        return ErrorClass.OWN_DEVICE
+    if "NCCL" in whole and any(m in whole for m in USER_NCCL_MARKERS):
+        return ErrorClass.USER
+    if type_name in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError"):
+        return ErrorClass.PEER
+    return ErrorClass.PEER if any(m in whole for m in PEER_ERROR_MARKERS) else ErrorClass.USER
+
+
+def classify(exc: BaseException, own_device: int | None = None) -> ErrorClass:
+    """Whose fault `exc`, raised in a worker, is. `own_device`: the worker's CUDA device,
+    if it has one."""
+    if not isinstance(exc, RuntimeError):  # distributed and device errors are RuntimeErrors
+        return ErrorClass.USER
+    return classify_text(type(exc).__name__, str(exc), own_device)
+
+
+def current_device() -> int | None:
+    """This process's CUDA device, if it has initialised CUDA (never initialises it)."""
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
 
 def is_peer_error(exc: BaseException) -> bool:
-    """Did this exception come from the group (a peer died or left), not from the user's code?"""
-    import torch.distributed as dist  # here: the CLI's usage errors need no torch
-
-    if isinstance(exc, dist.DistError):
-        return True
-    text = f"{type(exc).__name__}: {exc}"
-    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_ERROR_MARKERS)
+    """Did this exception come from the group (a peer died or left), not from the user's
+    code or this worker's own device?"""
+    return classify(exc, current_device()) == ErrorClass.PEER
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -41,6 +41,7 @@ class Fault:
     error_file: str | None = None  # the worker's error file (torchrun's error.json)
     local_rank: int | None = None
     host: str | None = None
+    error_class: str | None = None  # an exception's `errors.ErrorClass`: peer, own_device, user
     attempt: int | None = None
     t: float | None = None  # wall time it was published
     reported_by: int | None = None  # the node whose agent published it

@@ -58,5 +58,10 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif fault.kind == "exception":
                 raise InjectedFault(f"injected fault {fault}")
+            elif fault.kind == "device_error":
+                import torch
+
+                raise torch.AcceleratorError(f"CUDA error: an illegal memory access was "
+                                             f"encountered (injected fault {fault})")
             elif fault.kind == "slow":
                 time.sleep(fault.seconds)

@@ -21,6 +21,8 @@ FAULT_KINDS = {
     "crash": "the worker is SIGKILLed (a process or machine dying)",
     "hang": "the worker is SIGSTOPped (a hang: alive, silent, never progressing)",
     "exception": "the worker raises an exception (a bug or a bad batch)",
+    "device_error": "the worker's own accelerator fails (raises torch.AcceleratorError, as a "
+                    "sticky CUDA error does): the process must be replaced",
     "slow": "the worker sleeps `seconds` (default 1) in that step (a straggler)",
 }
 

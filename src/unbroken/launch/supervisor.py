@@ -19,7 +19,7 @@ from pathlib import Path
 from unbroken.control.address import ControlAddress
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
 from unbroken.control.worker_env import Role, WorkerEnv
-from unbroken.errors import PEER_ERROR_MARKERS
+from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
@@ -327,6 +327,7 @@ class NodeSupervisor:
             fault.kind = FaultKind.EXCEPTION
             fault.detail = f"{error['type']}: {error['message']}"
             fault.traceback = error["traceback"][-4000:]
+            fault.error_class = error.get("error_class")
         beat = w.heartbeat.read()
         if beat is not None:
             fault.step = beat.step
@@ -449,6 +450,8 @@ def _blame(w: WorkerProcess) -> int:
     error = w.error()
     if error is None:
         return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
+    if error.get("error_class"):  # the worker classified its own exception (errors.classify)
+        return _PEER_ERROR if error["error_class"] == ErrorClass.PEER else 1
     tb = error.get("traceback", "")
     return _PEER_ERROR if any(m in tb for m in PEER_ERROR_MARKERS) else 1
 

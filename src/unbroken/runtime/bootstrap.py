@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
 from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
 from unbroken.telemetry.event_names import Event
@@ -70,6 +71,7 @@ def _write_error(exc: BaseException) -> None:
         "traceback": "".join(traceback.format_exception(
             type(exc), exc, _user_frames(exc.__traceback__))),
         "pid": os.getpid(),
+        "error_class": classify(exc).value,  # whose fault: the agent blames by it
         # The code the interpreter is about to exit with: the agent reports it before the
         # (sometimes second-long) teardown is over.
         "exit_code": (exc.code if isinstance(exc.code, int) else 1)

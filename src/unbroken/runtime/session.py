@@ -41,7 +41,14 @@ from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import fault_claim, torchrun_restart_prefix
 from unbroken.control.signing import Signer
 from unbroken.control.worker_env import Role, WorkerEnv
-from unbroken.errors import UserError, first_line, is_peer_error
+from unbroken.errors import (
+    ErrorClass,
+    UserError,
+    classify,
+    current_device,
+    first_line,
+    is_peer_error,
+)
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
 from unbroken.runtime.config import RunConfig
@@ -456,12 +463,18 @@ class Run:
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
         self._model.zero_grad(set_to_none=True)
-        if is_peer_error(exc):
+        kind = classify(exc, current_device())
+        if kind == ErrorClass.PEER:
             self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
             return
         error = f"{type(exc).__name__}: {exc}"
         tb = "".join(traceback.format_exception(exc))[-4000:]
-        self.events.emit(Event.STEP_FAILED, step=step, gen=self.gen, error=error, traceback=tb)
+        self.events.emit(Event.STEP_FAILED, step=step, gen=self.gen, error=error, traceback=tb,
+                         error_class=kind.value)
+        if kind == ErrorClass.OWN_DEVICE:
+            # Its CUDA context is broken for good: this process dies (its agent reports the
+            # death) and a fresh one takes the rank, while the survivors go on in place.
+            raise exc
         self._leave_and_join(LeaveReason.EXCEPTION, error=error, traceback=tb)
 
     def _leave_and_join(self, reason: LeaveReason, **detail: Any) -> None:
