@@ -63,7 +63,8 @@ class AbortableGroups:
         self.backend = backend
         with self.recording():
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=join_timeout))
+                                    timeout=timedelta(seconds=join_timeout),
+                                    **bound_device(backend))
             dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=timeout))
             if world_size == 1:
                 return None
@@ -121,6 +122,15 @@ def checkpoint_groups(form_timeout: float, timeout: float) -> CheckpointGroups:
         group.set_timeout(timedelta(seconds=timeout))
         groups.append(group)
     return CheckpointGroups(*groups)
+
+
+def bound_device(backend: str) -> dict:
+    """`init_process_group`'s `device_id` for NCCL: the communicator is bound to this
+    worker's device at once (eager init), which `abort` needs to reach it. Called after
+    `torch.cuda.set_device`. Nothing for gloo."""
+    if backend != "nccl":
+        return {}
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
 def default_backend() -> str:

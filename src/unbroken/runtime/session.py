@@ -61,7 +61,12 @@ from unbroken.runtime.heartbeat import (
     HeartbeatWriter,
 )
 from unbroken.runtime.membership import Drained, JobFinished, Membership
-from unbroken.runtime.process_group import AbortableGroups, checkpoint_groups, default_backend
+from unbroken.runtime.process_group import (
+    AbortableGroups,
+    bound_device,
+    checkpoint_groups,
+    default_backend,
+)
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.spare import await_promotion
 from unbroken.telemetry.event_names import Event
@@ -143,7 +148,8 @@ class Run:
         with self._groups.recording():
             if self.world_size > 1 and not dist.is_initialized() and not self.joining:
                 dist.init_process_group(backend=self.backend, timeout=timedelta(seconds=timeout),
-                                        **_torchrun_rendezvous(env, timeout))
+                                        **_torchrun_rendezvous(env, timeout),
+                                        **bound_device(self.backend))
                 self._groups.backend = self.backend
                 self._owns_group = True
             # Checkpoint collectives get groups of their own, never the training one.
