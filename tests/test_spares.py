@@ -179,6 +179,10 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(tmp_path):
     try:
         ready = wait_for(lambda: len(events_of(run_dir, "spare_ready")) >= 2 and
                          events_of(run_dir, "spare_ready"), 120, "the standby's spares to warm up")
+        # In steady state: on a loaded machine the spares can be warm before the workers
+        # have built DDP, and a node lost then is a fault before the in-place loop runs.
+        wait_for(lambda: any(e["step"] >= 3 for e in events_of(run_dir, "step")), 120,
+                 "training to reach step 3")
         lost_workers = [e for e in events_of(run_dir, "workers_started") if e["node"] == 1][0]["pids"]
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()
