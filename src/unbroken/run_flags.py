@@ -240,6 +240,13 @@ def pet_name(dest: str) -> str:
     return f"PET_{('rdzv_id' if dest == 'run_id' else dest).upper()}"
 
 
+@dataclass(frozen=True)
+class BadPet:
+    """A `PET_` value outside its flag's choices, stood in for the flag's value."""
+
+    message: str
+
+
 def defaults_from_pet(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """torchrun's `PET_<FLAG>` variables (as Kubeflow's PyTorchJob and TrainJob set them)
     give every flag its default; a flag on the command line still wins."""
@@ -253,6 +260,11 @@ def defaults_from_pet(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
             action.default = not _truthy(env[name])
         elif isinstance(action, argparse._AppendAction):
             action.default = [env[name]]
+        elif action.choices is not None and env[name] not in action.choices:
+            # argparse takes a default unchecked: keep the mistake for config_from_args.
+            action.default = BadPet(f"{action.option_strings[0]} must be one of "
+                                    f"{', '.join(map(str, action.choices))}, got "
+                                    f"{env[name]!r} (from {name})")
         else:
             action.default = env[name]  # a string default goes through the flag's type
             action.required = False
@@ -336,29 +348,6 @@ def parse_rdzv_conf(text: str, warn) -> RdzvConf:  # noqa: ANN001
     return conf
 
 
-_CHOICES = {"rdzv_backend": "--rdzv-backend", "start_method": "--start-method",
-            "numa_binding": "--numa-binding", "extra_nodes": "--extra-nodes",
-            "on_fault": "--on-fault"}
-
-
-def _check_choices(args: argparse.Namespace) -> None:
-    """Flags with a fixed set of values, whichever way they were given (a `PET_` variable
-    becomes the default, which argparse takes unchecked)."""
-    from unbroken.launch.config import ExtraNodes
-
-    allowed = {"rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
-               "start_method": ("spawn", "fork", "forkserver"),
-               "numa_binding": (None, "node", "socket", "exclusive", "core-complex"),
-               "extra_nodes": tuple(e.value for e in ExtraNodes),
-               "on_fault": ("shrink", "wait", "restart")}
-    for dest, flag in _CHOICES.items():
-        value = getattr(args, dest)
-        if value not in allowed[dest]:
-            choices = ", ".join(v for v in allowed[dest] if v)
-            raise UserError(f"{flag} must be one of {choices}, got {value!r} "
-                            f"(from {pet_name(dest)}?)")
-
-
 def parse_signals(text: str) -> tuple[int, ...]:
     out = []
     for name in (x.strip() for x in text.split(",") if x.strip()):
@@ -382,7 +371,9 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         parse_std,
     )
 
-    _check_choices(args)  # a PET_ value is a default, which argparse does not check
+    for value in vars(args).values():
+        if isinstance(value, BadPet):
+            raise UserError(value.message)
     nodes = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf, warn)
     extra = ExtraNodes(args.extra_nodes)

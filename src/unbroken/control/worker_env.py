@@ -12,6 +12,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+
+
+def node_dir(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
+    """A node's part of the run dir: its attempts' heartbeats and errors, its module list."""
+    return Path(run_dir) / f"node_{node_rank}"
 
 
 class Role(StrEnum):
@@ -71,6 +77,8 @@ class WorkerEnv:
     """torchrun's TORCHELASTIC_USE_AGENT_STORE: workers rendezvous in the agent's store."""
     role_name: str = "default"
     """torchrun's `--role` (ROLE_NAME)."""
+    record_imports: bool = False
+    """The node keeps warm standbys: list this worker's modules for them (`warm_imports`)."""
     device: str | None = None
     """`--virtual-local-rank`: this worker's one visible device (CUDA_VISIBLE_DEVICES), and
     LOCAL_RANK is 0; None: LOCAL_RANK is the local rank, and the devices are left alone."""
@@ -105,6 +113,7 @@ class WorkerEnv:
             "UNBROKEN_JOIN": "1" if self.joining else "0", "UNBROKEN_ROLE": self.role.value,
             "UNBROKEN_SHADOW_STEPS": self.shadow_steps, "UNBROKEN_SECRET": self.secret,
             "UNBROKEN_RETRY_WINDOW": self.retry_window,
+            "UNBROKEN_RECORD_IMPORTS": "1" if self.record_imports else "0",
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -150,4 +159,5 @@ class WorkerEnv:
             retry_window=float(env.get("UNBROKEN_RETRY_WINDOW", 30)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             secret=env.get("UNBROKEN_SECRET"), role_name=env.get("ROLE_NAME", "default"),
+            record_imports=env.get("UNBROKEN_RECORD_IMPORTS") == "1",
         )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unbroken.control.address import ControlAddress
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
-from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.hang_detector import HangDetector
@@ -64,7 +64,7 @@ class NodeSupervisor:
         self.pool = pool
         self.control = control  # where the workers reach the control plane
         self.secret = secret  # handed to the workers: they sign and check control messages
-        self.node_dir = Path(cfg.run_dir).resolve() / f"node_{cfg.node_rank}"
+        self.node_dir = node_dir(Path(cfg.run_dir).resolve(), cfg.node_rank)
         self._shadow_steps = WorkerEnv.from_environ().shadow_steps  # a user's setting is kept
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm, unassigned
@@ -119,7 +119,9 @@ class NodeSupervisor:
                          duration=round(time.monotonic() - t0, 6))
         return new
 
-    def _env(self, rank: int, local_rank: int, base: Path, **fields) -> dict[str, str]:  # noqa: ANN003
+    def _env(self, rank: int, local_rank: int, base: Path, error_file: str | None = None,
+             **fields) -> dict[str, str]:  # noqa: ANN003
+        """`error_file`: torchrun's error.json in the log layout; None: one in the node dir."""
         cfg, plan = self.cfg, self._plan
         contract = WorkerEnv(
             rank=rank, world_size=plan.world_size, local_rank=local_rank,
@@ -130,9 +132,9 @@ class NodeSupervisor:
             master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
             run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
             error_file=str(base.with_suffix(".error.json")),
-            torchelastic_error_file=fields.pop("torchelastic_error_file", None)
-            or str(base.with_suffix(".torchelastic.json")),
+            torchelastic_error_file=error_file or str(base.with_suffix(".torchelastic.json")),
             role_name=cfg.role, device=self._device(local_rank),
+            record_imports=self.pool is not None,
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
@@ -169,7 +171,7 @@ class NodeSupervisor:
         if streams.error_file:  # a replacement's file: its predecessor's error is not its own
             Path(streams.error_file).unlink(missing_ok=True)
         env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining,
-                        torchelastic_error_file=streams.error_file)
+                        error_file=streams.error_file)
         argv = script_argv(cfg.script, cfg.script_args, cfg.module)
         proc = self.pool.take(env, argv, streams) if self.pool is not None else None
         if proc is None:

@@ -136,6 +136,8 @@ def _await_assignment() -> list[str] | None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    sys.stdout.flush()  # what a pre-import printed belongs to the console, not the rank's log
+    sys.stderr.flush()
     for stream, target in ((1, assignment.get("stdout")), (2, assignment.get("stderr"))):
         if target:  # else the agent's console, which the standby already writes to
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -173,7 +175,7 @@ def _record_imports(script: str | None) -> None:
     """A worker keeps its installed modules listed for the next attempt's standbys
     (`warm_imports`: one worker of the node at a time writes the list)."""
     env = WorkerEnv.from_environ()
-    if env.run_dir and env.role == Role.WORKER:
+    if env.run_dir and env.role == Role.WORKER and env.record_imports:
         script_dir = os.path.dirname(os.path.abspath(script)) if script else None
         ImportRecorder(modules_path(env.run_dir, env.node_rank), script_dir).start()
 

@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
+from unbroken.control.worker_env import node_dir
+
 MODULES_FILE = "modules.json"
 """The node's list of modules its local-rank-0 worker imported, in `RUN_DIR/node_K/`."""
 
@@ -44,7 +46,7 @@ _MAX_BYTES = 8 << 20
 
 
 def modules_path(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
-    return Path(run_dir) / f"node_{node_rank}" / MODULES_FILE
+    return node_dir(run_dir, node_rank) / MODULES_FILE
 
 
 # Modules whose import is an action, not a definition: never imported ahead of time.
