@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import random
 import time
 import zlib
 
@@ -39,6 +40,13 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds each step waits, standing in for accelerator time: on a GPU "
                         "host the CPUs are mostly idle (benchmarks/spares.py uses it)")
+    p.add_argument("--step-jitter", type=float, default=1.0,
+                   help="each step's --step-sleep is scaled by a random factor in [1, J], per "
+                        "rank and step (a noisy step time; benchmarks/hang.py uses it)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps rank 0 evaluates for --eval-seconds inside the step, "
+                        "declared with run.phase('eval'); the other ranks wait for it")
+    p.add_argument("--eval-seconds", type=float, default=4.0)
     p.add_argument("--exact", action="store_true",
                    help="reduce gradients in rank order: bit-identical results across recoveries")
     args = p.parse_args()
@@ -62,6 +70,9 @@ def main() -> None:
         return ddp
 
     def train_step(step: int, net: torch.nn.Module) -> None:  # forward + backward; no opt.step()
+        if args.eval_every and step and step % args.eval_every == 0 and run.rank == 0:
+            with run.phase("eval"):  # many step times long: no hang timeout runs in it
+                time.sleep(args.eval_seconds)  # stands in for an evaluation pass
         x, y = corpus.batch(step, run.rank, run.world_size, args.global_batch, args.seq, args.seed)
         # Summed over this rank's samples and scaled so that DDP's mean over ranks is the mean
         # over the global batch, however many ranks share it.
@@ -69,7 +80,8 @@ def main() -> None:
         (loss * run.world_size / (args.global_batch * args.seq)).backward()
         mean = loss.detach() / y.numel()
         if args.step_sleep:
-            time.sleep(args.step_sleep)
+            jitter = random.Random(step * 1_000_003 + run.rank).uniform(1.0, args.step_jitter)
+            time.sleep(args.step_sleep * jitter)
         run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {mean.item():.3f}", flush=True)

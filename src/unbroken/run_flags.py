@@ -201,7 +201,10 @@ def _add_own_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help=f"inject a fault, e.g. crash:rank=1,step=30 (kinds: {', '.join(FAULT_KINDS)})")
     p.add_argument("--hang-timeout", type=seconds, default=None,
-                   help="seconds without a step before a worker is hung (default: calibrated)")
+                   help="seconds without a step before a worker is hung (default: calibrated, "
+                        "3 x the p99 step time, at least --hang-floor)")
+    p.add_argument("--hang-floor", type=seconds, default=1.0,
+                   help="the least calibrated hang timeout, in seconds (default 1)")
     p.add_argument("--startup-timeout", type=seconds, default=600.0,
                    help="seconds from a worker's first heartbeat to its first step")
     p.add_argument("--node-timeout", type=seconds, default=None,
@@ -494,7 +497,8 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         max_restarts=args.max_restarts, run_id=run_id,
         run_dir=Path(args.run_dir or Path("unbroken_runs") / run_id),
         module=module, no_python=no_python, logs=logs, role=args.role, faults=faults,
-        hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
+        hang_timeout=args.hang_timeout, hang_floor=args.hang_floor,
+        startup_timeout=args.startup_timeout,
         node_timeout=node_timeout, rdzv_timeout=rdzv_timeout,
         kill_grace=args.shutdown_timeout or 3.0,
         monitor_interval=args.monitor_interval or 0.05,

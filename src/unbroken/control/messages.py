@@ -19,7 +19,7 @@ class FaultKind(StrEnum):
     CRASH = "crash"  # killed by a signal
     EXIT = "exit"  # exited non-zero without an error report
     EXCEPTION = "exception"  # the script raised
-    HANG = "hang"  # no heartbeat past the hang timeout; killed by its agent
+    HANG = "hang"  # stalled past the hang timeout, blamed by progress; killed by its agent
     NODE_LOST = "node_lost"  # an agent silent past --node-timeout
     AGENT_STOPPED = "agent_stopped"  # a follower's agent got SIGINT or SIGTERM
     RECOVERY_FAILED = "recovery_failed"  # an in-place recovery failed with no fault of its own
@@ -109,6 +109,31 @@ class SwitchTarget:
 
 
 @dataclass
+class WorkerProgress:
+    """Where one worker of a stalled node stands (read from its heartbeat page)."""
+
+    wid: str
+    slot: int
+    step: int
+    progress: int  # points passed inside the step (`runtime.heartbeat`)
+    phase: int  # its heartbeat phase (`runtime.heartbeat.PHASE_*`)
+    silent_for: float  # seconds since its step (or phase) began
+    frozen_for: float | None  # seconds since its watchdog thread last ran; None: no watchdog
+    timeout: float  # its step timeout, calibrated from its step times
+
+
+@dataclass
+class StallReport:
+    """A node's word that its workers have stopped making progress in generation `gen`, with
+    where each of them stands; `workers` empty: they move again. Written by the node's agent
+    when that changes, read by the leader, which blames (`launch/blame.py`)."""
+
+    node: int
+    gen: int
+    workers: list[WorkerProgress] = field(default_factory=list)
+
+
+@dataclass
 class GenPlan:
     """A generation's membership: worker ids in rank order."""
 
@@ -185,6 +210,7 @@ class OrderKind(StrEnum):
     PROMOTE = "promote"  # put ready spare `spare` into `slot`
     REPLACE = "replace"  # start a fresh worker for `slot` (its previous process is dead)
     LEAVE = "leave"  # stop every process of the node and leave the job (quarantine); slot -1
+    KILL = "kill"  # kill worker `wid` in `slot`: the leader blamed it for a hang (`reason`)
 
 
 @dataclass
@@ -194,6 +220,8 @@ class NodeOrder:
     kind: OrderKind
     slot: int
     spare: str | None = None
+    wid: str | None = None  # KILL: the worker (its slot may hold another process by then)
+    reason: str | None = None  # KILL: why the leader blamed it
 
 
 class Status(StrEnum):

@@ -134,6 +134,12 @@ class AttemptKeys:
         return Queue(self._k("death"), m.Fault, "the dead worker's agent", notifies=self._news)
 
     @property
+    def stalls(self) -> Queue[m.StallReport]:
+        return Queue(self._k("stall"), m.StallReport,
+                     "a node's agent, when its workers stop or start again making progress",
+                     notifies=self._news)
+
+    @property
     def joiners(self) -> Queue[m.Joiner]:
         return Queue(self._k("joiner"), m.Joiner, "replacements and promoted spares",
                      notifies=self._news)

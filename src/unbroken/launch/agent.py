@@ -38,7 +38,7 @@ from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
-from unbroken.launch.supervisor import NodeSupervisor
+from unbroken.launch.supervisor import NodeSupervisor, launcher_defaults
 from unbroken.launch.warm_pool import WarmPool
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -291,7 +291,4 @@ class Agent:
         env = dict(os.environ)
         env.update(WorkerEnv(agent_pid=os.getpid(), run_dir=str(Path(self.cfg.run_dir).resolve()),
                              node_rank=self.cfg.node_rank).standby_environ())
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if self.cfg.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
-        return env
+        return launcher_defaults(env, self.cfg)

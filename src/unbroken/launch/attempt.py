@@ -1,7 +1,8 @@
 """One node's watch over one attempt, the same for leader and followers.
 
 Each look: reap failed workers (in place: publish each death, promote a local ready spare;
-otherwise publish the fault that ends the attempt), kill a hung worker, carry out the
+otherwise publish the fault that ends the attempt), kill a hung worker (in place: report a
+stall inside a step to the leader, which blames, and kill whom it orders), carry out the
 leader's orders to this node, hand the switch target to the workers, offer spares, post
 this node's `NodeDone`, and stop when the attempt's fault or the job's result is published.
 The role's own duties (the leader's planning and node watch; a follower's release after a
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from unbroken.control.channel import Channel
+from unbroken.control.codec import to_plain
 from unbroken.control.messages import AttemptPlan, Fault, NodeDone, NodeOrder, OrderKind, Result
 from unbroken.control.schema import RESULT, AttemptKeys
 from unbroken.launch.config import LaunchConfig
@@ -131,12 +133,17 @@ class AttemptWatch:
                 fault = sup.attempt_failure(failed)
                 if fault is not None:
                     return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
-            hung = sup.find_hang()  # killed: seen as a death at the next look
+            hung = sup.find_hang(blamed_by_leader=self.resilient)  # killed: a death next look
             if hung is not None and not self.resilient:
                 return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
-            if not self._control_due(bool(failed)):
+            stall = sup.stall_report() if self.resilient else None
+            if not self._control_due(bool(failed) or stall is not None):
                 sup.fill_pool(self._t0)
                 continue
+            if stall is not None:  # the leader blames (launch/blame.py)
+                ch.append(keys.stalls, stall)
+                self.events.emit(Event.STALL_REPORTED, gen=stall.gen,
+                                 workers=[to_plain(w) for w in stall.workers])
             # One round trip for what every look reads (etcd: each read is a request).
             fault, result, target = ch.read_many([keys.fault, RESULT, keys.target])
             if self.resilient:
@@ -207,6 +214,9 @@ class AttemptWatch:
             sup.stop_all()
             self.channel.write(self.keys.node_released(self.cfg.node_rank), True)
             return order
+        if order.kind == OrderKind.KILL:
+            sup.kill_blamed(order)  # its death is published at the next look
+            return None
         if order.kind == OrderKind.REPLACE:
             if sup.standby:
                 return None  # a standby node starts no fresh workers

@@ -59,6 +59,8 @@ class LaunchConfig:
     """LOCAL_RANK 0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device."""
     faults: str = ""  # fault spec string handed to workers (see unbroken.faults)
     hang_timeout: float | None = None  # None: calibrated from observed step times
+    hang_floor: float = 1.0
+    """The calibrated step timeout (3 x the p99 step time) is never below this (seconds)."""
     startup_timeout: float = 600.0  # first heartbeat to first step
     node_timeout: float = 10.0  # an agent silent this long is a lost node
     rdzv_timeout: float = 300.0  # all nodes must join an attempt within this

@@ -34,6 +34,9 @@ from unbroken.launch.planner import (
 )
 
 
+_STALL_LOOK = 1.0  # seconds between looks at a stall while no news comes
+
+
 @dataclass
 class PersistedPlanner:
     """The planner's state as the executor writes it: plain values, and the clocks of the
@@ -54,6 +57,7 @@ class PlanExecutor:
         self.record = record
         self.say = say
         self._news = -1
+        self._decided = 0.0  # monotonic time of the last decision
         self.deaths: list[Fault] = []  # taken in since the leader last looked (for blame)
         self._persisted: dict[str, Any] | None = None
         self.promoted: dict[int, int] = {}  # slot -> the node whose spare was ordered into it
@@ -69,9 +73,13 @@ class PlanExecutor:
         fresh_lost = [n for n in lost_nodes if n not in s.lost_nodes]
         fresh_standby = [n for n in standby_nodes if n not in s.standby_nodes]
         fresh_barred = [n for n in barred_nodes if n not in s.barred_nodes]
-        if news == self._news and not s.busy and not (fresh_lost or fresh_standby or fresh_barred):
+        now = time.monotonic()
+        # A stall nobody is blamed for yet is looked at again now and then (its limit).
+        stalled = bool(s.stalls) and now - self._decided > _STALL_LOOK
+        if news == self._news and not s.busy and not stalled \
+                and not (fresh_lost or fresh_standby or fresh_barred):
             return None  # nothing happened
-        self._news = news
+        self._news, self._decided = news, now
         inbox = self._gather(max_step(), fresh_lost, fresh_standby)
         inbox.barred_nodes = fresh_barred
         self.deaths += [d for d in inbox.deaths if d is not None]
@@ -110,6 +118,7 @@ class PlanExecutor:
                       deaths=ch.entries(keys.deaths, s.deaths_seen),
                       joiners=ch.entries(keys.joiners, s.joiners_seen),
                       drains=ch.entries(keys.drains, s.drains_seen),
+                      stalls=ch.entries(keys.stalls, s.stalls_seen),
                       nup=ch.count(g.nup), ndone=ch.count(g.ndone))
         if self._departures_gen != s.gen:  # a new generation: its own queue
             self._departures_gen, self._departures_seen = s.gen, 0

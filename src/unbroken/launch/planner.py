@@ -10,6 +10,8 @@ The state machine of one attempt's generations:
     running --(a member died or left)--> broken --(every live member has left)--> forming
     forming --(every member up)--> running           (the recovery is complete)
     running --(a joiner is ready)--> a planned switch at a step boundary (grow back, drain)
+    running --(nodes report a stall)--> blame (`launch/blame.py`): the culprit's node is
+        ordered to kill it, and its death breaks the generation like any other
 
 Every fault, a member's or a replacement's, spends one unit of the job's `RestartBudget`
 when it arrives; a fault that finds the budget spent ends the job (`EndAttempt`, give up).
@@ -38,8 +40,10 @@ from unbroken.control.messages import (
     LeaveReason,
     NodeOrder,
     OrderKind,
+    StallReport,
     SwitchTarget,
 )
+from unbroken.launch.blame import VerdictKind, blame
 from unbroken.launch.budget import RestartBudget
 from unbroken.telemetry.event_names import Event
 
@@ -68,6 +72,10 @@ class PlannerConfig:
     """How long a promised spare is waited for, under any policy, before planning without it."""
     replacement_delay: float = 2.0
     """`shrink`: a replacement is ordered once survivors run the next generation, or by then."""
+    stall_limit: float = 60.0
+    """A stall nobody can be blamed for (a member unreported and not lost, or every member
+    alive at the same point: a network blip, a stuck file system) that lasts this long
+    ends the attempt for a full restart."""
 
 
 @dataclass
@@ -115,12 +123,19 @@ class PlannerState:
     barred_nodes: list[int] = field(default_factory=list)  # quarantined: no spare, no replacement
     switch_requested: bool = False
     target: SwitchTarget | None = None
+    # Stalls of the current generation: each node's latest report, when the first came,
+    # the members already blamed (ordered killed), and the last verdict recorded.
+    stalls: dict[int, StallReport] = field(default_factory=dict)
+    stall_since: float | None = None
+    blamed: list[str] = field(default_factory=list)
+    stall_verdict: str | None = None
     recovered: int = 0  # faults recovered in place
     finished: bool = False
     # Inbox cursors: entries of each queue already taken in.
     deaths_seen: int = 0
     joiners_seen: int = 0
     drains_seen: int = 0
+    stalls_seen: int = 0
 
     @property
     def busy(self) -> bool:
@@ -149,6 +164,8 @@ def rebase(state: PlannerState, shift: float) -> PlannerState:
         refill.since += shift
     if s.recovery is not None:
         s.recovery.started += shift
+    if s.stall_since is not None:
+        s.stall_since += shift
     return s
 
 
@@ -162,6 +179,7 @@ class Inbox:
     deaths: list[Fault | None] = field(default_factory=list)
     joiners: list[Joiner | None] = field(default_factory=list)
     drains: list[DrainRequest | None] = field(default_factory=list)
+    stalls: list[StallReport | None] = field(default_factory=list)
     nleft: int = 0  # of the current generation
     nup: int = 0
     ndone: int = 0
@@ -269,6 +287,7 @@ class _Decision:
         s, inbox = self.s, self.inbox
         s.deaths_seen += len(inbox.deaths)
         s.joiners_seen += len(inbox.joiners)
+        s.stalls_seen += len(inbox.stalls)
         first_drain = s.drains_seen
         s.drains_seen += len(inbox.drains)
         for node in inbox.standby_nodes:
@@ -295,6 +314,8 @@ class _Decision:
         s.departed.update({w: d for w, d in inbox.departures.items()
                            if w in s.members and d.gen == s.gen})
         self._step()
+        if not self.ended:
+            self._stall()
         if not self.ended:
             self._order_refills()
 
@@ -416,6 +437,49 @@ class _Decision:
             s.refills.remove(refill)
             s.awaited[refill.slot] = self.now
             self.out.append(Order(refill.node, NodeOrder(OrderKind.REPLACE, slot=refill.slot)))
+
+    # ------------------------------------------------------------ hangs
+    def _stall(self) -> None:
+        """Blame a stall of the running generation on its culprits (`blame.blame`), once
+        every member's node has reported where it stands (or a process is seen stopped)."""
+        s = self.s
+        for report in filter(None, self.inbox.stalls):
+            if report.gen != s.gen:
+                continue  # about a generation that is over
+            if report.workers:
+                s.stalls[report.node] = report
+            else:
+                s.stalls.pop(report.node, None)  # its workers move again
+        if s.phase != Phase.RUNNING or not s.stalls:
+            s.stall_since, s.stall_verdict = None, None
+            return
+        if s.stall_since is None:
+            s.stall_since = self.now
+        verdict = blame(s.members, s.stalls)
+        if verdict.kind != VerdictKind.KILL and s.stall_verdict != verdict.kind:
+            self.record(Event.STALL, gen=s.gen, verdict=verdict.kind.value, reason=verdict.reason)
+        s.stall_verdict = verdict.kind.value
+        if verdict.kind == VerdictKind.KILL:
+            for c in verdict.culprits:
+                if c.worker.wid in s.blamed:
+                    continue
+                s.blamed.append(c.worker.wid)
+                self.out.append(Order(c.node, NodeOrder(OrderKind.KILL, slot=c.worker.slot,
+                                                        wid=c.worker.wid, reason=verdict.reason)))
+                self.record(Event.HANG_BLAMED, gen=s.gen, wid=c.worker.wid, slot=c.worker.slot,
+                            culprit_node=c.node, step=c.worker.step,
+                            progress=c.worker.progress, reason=verdict.reason,
+                            reports=len(s.stalls))
+            return
+        stalled = self.now - s.stall_since
+        # No culprit (yet): a network blip heals, a cut-off node is declared lost; a stall
+        # that outlives both is a hang of the whole generation.
+        if verdict.kind in (VerdictKind.STUCK, VerdictKind.WAIT) \
+                and stalled > self.config.stall_limit:
+            why = f"stalled {stalled:.0f}s and nobody to blame: {verdict.reason}"
+            fault = Fault(kind=FaultKind.HANG, attempt=s.attempt, detail=why)
+            self.say(f"hang with no single culprit ({why}): restarting every worker")
+            self.end(EndAction.RESTART, fault, why)
 
     # ------------------------------------------------------------ drains
     def _drain(self, index: int, request: DrainRequest) -> None:
@@ -561,6 +625,7 @@ class _Decision:
                     duration=round(self.now - s.recovery.started, 6) if s.recovery else None)
         s.gen, s.members = gen, members
         s.departed = {}
+        s.stalls, s.stall_since, s.blamed, s.stall_verdict = {}, None, [], None
         # A promised spare not in this plan may still join later (it is then awaited like a
         # replacement); it is no reason to wait `spare_wait` in the next recovery.
         for slot, spare in list(s.promised.items()):

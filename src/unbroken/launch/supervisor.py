@@ -17,10 +17,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unbroken.control.address import ControlAddress
-from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
+from unbroken.control.messages import (
+    AttemptPlan,
+    Fault,
+    FaultKind,
+    NodeOrder,
+    StallReport,
+    SwitchTarget,
+    WorkerProgress,
+)
 from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.blame import frozen
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
@@ -40,7 +49,7 @@ from unbroken.runtime.heartbeat import (
     PHASE_DONE,
     PHASE_RECOVERY,
     PHASE_SPARE_READY,
-    PHASE_TRAINING,
+    STEPPING,
     HeartbeatReader,
 )
 from unbroken.telemetry.event_names import Event
@@ -77,6 +86,7 @@ class NodeSupervisor:
         self._spares_started = 0
         self._spare_failures = 0
         self._hang_quiet_until = 0.0
+        self._stall_key: tuple | None = None  # what this node last reported of a stall
         self._peer_errors_since: float | None = None
         self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
@@ -95,6 +105,7 @@ class NodeSupervisor:
         self.tailer.retire()  # the last attempt's logs: copied to the end, then let go
         self._targets_written.clear()
         self._peer_errors_since = None
+        self._stall_key = None
         attempt_dir = self.node_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
@@ -144,17 +155,14 @@ class NodeSupervisor:
         env = dict(os.environ)
         env.update(contract.to_environ())
         env.update(self.control.credentials.to_environ())
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if cfg.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no oversubscription
-        return env
+        return launcher_defaults(env, cfg)
 
     def _watch(self, proc: subprocess.Popen, rank: int, local_rank: int, base: Path,
                wid: str, register: bool = True) -> WorkerProcess:
         cfg = self.cfg
         w = WorkerProcess(rank=rank, local_rank=local_rank, proc=proc,
                           heartbeat=HeartbeatReader(base.with_suffix(".hb")),
-                          hang=HangDetector(cfg.hang_timeout, cfg.startup_timeout),
+                          hang=self._hang_detector(),
                           error_file=base.with_suffix(".error.json"), wid=wid)
         w.pidfd = open_pidfd(proc.pid)
         if w.pidfd is not None and register:
@@ -240,12 +248,16 @@ class NodeSupervisor:
         self.spares.remove(spare)
         normal_priority(spare.pid)
         spare.rank = slot
-        spare.hang = HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout)
+        spare.hang = self._hang_detector()
         spare.heartbeat.promote(slot)
         self.workers.append(spare)
         if spare.pidfd is not None:
             self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
         self.events.emit(Event.SPARE_PROMOTED, wid=spare.wid, slot=slot, pid=spare.pid, by=by)
+
+    def _hang_detector(self) -> HangDetector:
+        return HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout,
+                            floor=self.cfg.hang_floor)
 
     def fill_pool(self, spawned_at: float) -> None:
         """Warm the next attempt's workers once this attempt is training, not in its start-up."""
@@ -335,8 +347,12 @@ class NodeSupervisor:
             fault.step = beat.step
         return fault
 
-    def find_hang(self) -> Fault | None:
-        """Kill the hung worker, if one is overdue; its death is then seen like any other."""
+    def find_hang(self, blamed_by_leader: bool) -> Fault | None:
+        """Kill the hung worker, if one is overdue; its death is then seen like any other.
+
+        `blamed_by_leader` (in place): a stall inside a step is the leader's to blame
+        (`stall_report`, `launch/blame.py`); only a start-up, checkpoint or recovery that
+        outlives its own timeout is decided here."""
         now = time.monotonic()
         if now < self._hang_quiet_until:
             return None  # peers of a worker just killed for hanging are still unblocking
@@ -349,6 +365,8 @@ class NodeSupervisor:
                 continue
             w.hang.observe(beat)
             beating.append(w)
+            if blamed_by_leader and beat.phase in STEPPING:
+                continue
             if w.hang.overdue(now) is not None:
                 overdue.append(w)
         if not overdue:
@@ -359,14 +377,65 @@ class NodeSupervisor:
         w = stopped[0] if stopped else min(overdue, key=lambda w: w.hang.last_beat.monotonic)
         timeout = w.hang.overdue(now) or w.hang.step_timeout()
         beat = w.hang.last_beat
-        os.kill(w.pid, signal.SIGKILL)  # reaped, with a bound, by stop_workers
-        self._hang_quiet_until = now + _HANG_QUIET
         silent = now - beat.monotonic
-        w.fault = Fault(kind=FaultKind.HANG, rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
-                        step=beat.step, silent_for=round(silent, 3),
-                        hang_started=round(time.time() - silent, 6), timeout=round(timeout, 3),
-                        detail=f"no heartbeat for {silent:.1f}s (timeout {timeout:.1f}s); killed")
+        self._kill_hung(w, timeout, f"no heartbeat for {silent:.1f}s (timeout {timeout:.1f}s); killed")
         return w.fault
+
+    def _kill_hung(self, w: WorkerProcess, timeout: float, detail: str) -> None:
+        """SIGKILL a hung worker (reaped, with a bound, by stop_workers or reap) and note why."""
+        now = time.monotonic()
+        beat = w.hang.last_beat
+        silent = now - beat.monotonic if beat is not None else 0.0
+        os.kill(w.pid, signal.SIGKILL)
+        self._hang_quiet_until = now + _HANG_QUIET
+        w.fault = Fault(kind=FaultKind.HANG, rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
+                        step=beat.step if beat is not None else None, silent_for=round(silent, 3),
+                        hang_started=round(time.time() - silent, 6), timeout=round(timeout, 3),
+                        detail=detail)
+
+    def stall_report(self) -> StallReport | None:
+        """In place: where this node's workers stand, once one of them has been inside its
+        step past its step timeout (a report with no workers once all move again); None
+        when nothing changed since the last report. Read from the heartbeat pages only."""
+        now = time.monotonic()
+        beats = {}
+        for w in self.workers:
+            beat = w.heartbeat.read() if w.proc.returncode is None else None
+            if beat is None or beat.generation < 0:
+                return None  # starting, or joining: not a member the leader can weigh yet
+            w.hang.observe(beat)
+            beats[w.wid] = beat
+        gens = {b.generation for b in beats.values()}
+        if len(gens) != 1:
+            return None  # mid-switch
+        workers = []
+        for w in self.workers:
+            beat = beats[w.wid]
+            timeout = w.hang.step_timeout()
+            workers.append(WorkerProgress(
+                wid=w.wid, slot=w.rank, step=beat.step, progress=beat.progress, phase=beat.phase,
+                silent_for=round(w.hang.silent_for(now), 3),
+                frozen_for=round(now - beat.alive, 3) if beat.alive is not None else None,
+                timeout=round(timeout, 3)))
+        stalled = any(p.phase in STEPPING and p.silent_for > p.timeout for p in workers)
+        report = StallReport(node=self.cfg.node_rank, gen=gens.pop(),
+                             workers=workers if stalled else [])
+        key = (report.gen, tuple((p.wid, p.step, p.progress, p.phase, frozen(p))
+                                 for p in report.workers))
+        quiet_before = self._stall_key is None or not self._stall_key[1]
+        if key == self._stall_key or (not stalled and quiet_before):
+            return None
+        self._stall_key = key
+        return report
+
+    def kill_blamed(self, order: NodeOrder) -> bool:
+        """The leader blamed worker `order.wid` for a hang: kill it (its death is published
+        like any other). False if it is no longer here or already dead."""
+        w = next((w for w in self.workers if w.wid == order.wid), None)
+        if w is None or w.proc.poll() is not None:
+            return False
+        self._kill_hung(w, w.hang.step_timeout(), f"blamed by the leader: {order.reason}; killed")
+        return True
 
     def mirror_target(self, target: SwitchTarget) -> None:
         """Hand the leader's switch request to the workers through their heartbeat pages."""
@@ -386,7 +455,7 @@ class NodeSupervisor:
         if self.standby and not self.workers:
             return True  # nothing of the job's runs here
         beats = [w.heartbeat.read() for w in self.workers if w.proc.returncode is None]
-        return bool(beats) and all(b is not None and b.phase == PHASE_TRAINING and b.step >= 0
+        return bool(beats) and all(b is not None and b.phase in STEPPING and b.step >= 0
                                    for b in beats)
 
     def all_resilient(self) -> bool:
@@ -435,6 +504,17 @@ class NodeSupervisor:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(self.cfg.nproc_per_node)]
         return devices[local_rank] if local_rank < len(devices) else str(local_rank)
+
+
+def launcher_defaults(env: dict[str, str], cfg: LaunchConfig) -> dict[str, str]:
+    """The variables a launcher sets unless the user did, as torchrun does: one thread per
+    worker when several share a node, and NCCL's error handling. In place, a communicator
+    error must abort the communicators without killing the process (2, CleanUpOnly): the
+    survivor leaves by the error and keeps its process. Otherwise torchrun's 1 (TearDown)."""
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if cfg.in_place else "1")
+    if cfg.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # no oversubscription
+    return env
 
 
 def _idle_priority(pid: int) -> None:

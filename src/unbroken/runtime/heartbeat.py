@@ -4,7 +4,16 @@ The worker stamps (step, time, phase) at every step boundary: stores into shared
 syscall, well under a microsecond, so invisible in step time. The clock is CLOCK_MONOTONIC,
 shared by all processes of a machine. The same page carries the other direction too: the
 generation the worker is in (-1 until it runs the resilient loop) and the generation the agent
-wants it to move to, with the step at which to move, read by the worker at each boundary.
+wants it to move to, with the step at which to move, read by the worker at each boundary and
+by its watchdog thread (which aborts the generation's groups if the move is due mid-step).
+
+Two more worker fields let the leader blame a hang on the right rank (`launch/blame.py`):
+- `progress`: a counter the worker bumps at points inside a step (0 at the step's start; the
+  model's forward entered, then returned: the gradient collective follows). Ranks of one
+  generation pass the same points, so a rank whose (step, progress) is behind the others',
+  while they wait, is the one they wait for.
+- `alive`: the time the worker's watchdog thread last ran. A process whose every thread is
+  stopped (SIGSTOP, a frozen host) stops it; one blocked in a collective does not.
 """
 
 from __future__ import annotations
@@ -16,12 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_FORMAT = "<qqqq"  # step, monotonic_ns, phase, pid: written by the worker
+_FORMAT = "<qqqqq"  # step, monotonic_ns, phase, pid, progress: written by the worker
+_PROGRESS_OFFSET = struct.calcsize("<qqqq")  # the last field of _FORMAT, bumped on its own
 _GEN_FORMAT = "<q"  # the generation the worker is in: written by the worker
 _TARGET_FORMAT = "<qq"  # generation to move to, and from which step: written by the agent
+_ALIVE_FORMAT = "<q"  # monotonic_ns of the watchdog thread's last run: written by the worker
 _GEN_OFFSET = struct.calcsize(_FORMAT)
 _TARGET_OFFSET = _GEN_OFFSET + struct.calcsize(_GEN_FORMAT)
-_SIZE = _TARGET_OFFSET + struct.calcsize(_TARGET_FORMAT)
+_ALIVE_OFFSET = _TARGET_OFFSET + struct.calcsize(_TARGET_FORMAT)
+_SIZE = _ALIVE_OFFSET + struct.calcsize(_ALIVE_FORMAT)
 
 PHASE_STARTING = 0  # process up, no step finished yet
 PHASE_TRAINING = 1  # between or inside steps
@@ -29,6 +41,8 @@ PHASE_CHECKPOINT = 2  # inside a checkpoint save or load: may legitimately take 
 PHASE_DONE = 3  # the training loop has finished
 PHASE_RECOVERY = 4  # re-forming the group in place: bounded by the leader, not by step time
 PHASE_SPARE_READY = 5  # a hot spare, warmed up, waiting to be promoted
+PHASE_LONG = 6  # a phase the script declared long (`run.phase("eval")`): no step timeout
+STEPPING = (PHASE_TRAINING, PHASE_LONG)  # inside the training loop, between two boundaries
 # In a spare's target field, this generation means "promoted": the step field is its slot.
 # Shared memory, so that an idle spare waits without a system call or a store round trip.
 SPARE_PROMOTION = -2
@@ -41,6 +55,8 @@ class Beat:
     phase: int
     pid: int
     generation: int = -1
+    progress: int = 0  # points passed inside the step (see the module docstring)
+    alive: float | None = None  # monotonic time the watchdog last ran; None: no watchdog
 
 
 class HeartbeatWriter:
@@ -56,10 +72,24 @@ class HeartbeatWriter:
         self._pid = os.getpid()
         struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, -1)
         struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, -1, 0)
+        struct.pack_into(_ALIVE_FORMAT, self._map, _ALIVE_OFFSET, 0)
+        self._progress = 0
         self.stamp(-1, PHASE_STARTING)
 
     def stamp(self, step: int, phase: int = PHASE_TRAINING) -> None:
-        struct.pack_into(_FORMAT, self._map, 0, step, time.monotonic_ns(), phase, self._pid)
+        """A step boundary or a change of phase: the progress counter starts again at 0."""
+        self._progress = 0
+        struct.pack_into(_FORMAT, self._map, 0, step, time.monotonic_ns(), phase, self._pid, 0)
+
+    def advance(self) -> None:
+        """One more point passed inside the step (one aligned 8-byte store: the step and its
+        time are left as they are, so the hang timeout still runs from the step's start)."""
+        self._progress += 1
+        struct.pack_into("<q", self._map, _PROGRESS_OFFSET, self._progress)
+
+    def tick(self) -> None:
+        """The watchdog thread ran: this process is not stopped."""
+        struct.pack_into(_ALIVE_FORMAT, self._map, _ALIVE_OFFSET, time.monotonic_ns())
 
     def set_generation(self, generation: int) -> None:
         struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, generation)
@@ -102,11 +132,13 @@ class HeartbeatReader:
             if again == raw:
                 break
             raw = again
-        step, ns, phase, pid = struct.unpack(_FORMAT, raw)
+        step, ns, phase, pid, progress = struct.unpack(_FORMAT, raw)
         if pid == 0 or ns == 0:
             return None
         (generation,) = struct.unpack_from(_GEN_FORMAT, self._map, _GEN_OFFSET)
-        return Beat(step=step, monotonic=ns / 1e9, phase=phase, pid=pid, generation=generation)
+        (alive,) = struct.unpack_from(_ALIVE_FORMAT, self._map, _ALIVE_OFFSET)
+        return Beat(step=step, monotonic=ns / 1e9, phase=phase, pid=pid, generation=generation,
+                    progress=progress, alive=alive / 1e9 if alive else None)
 
     def set_target(self, generation: int, step: int) -> bool:
         """Ask the worker to leave its generation at `step`; False until it has a heartbeat."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class AbortableGroups:
     def __init__(self) -> None:
         self._sockets: dict[int, str] = {}
         self.backend: str | None = None
+        self._lock = threading.Lock()  # interrupt() may come from the watchdog thread
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -51,7 +53,9 @@ class AbortableGroups:
             yield
         finally:
             after = _socket_inodes()
-            self._sockets.update({fd: ino for fd, ino in after.items() if before.get(fd) != ino})
+            with self._lock:
+                self._sockets.update({fd: ino for fd, ino in after.items()
+                                      if before.get(fd) != ino})
 
     def form(self, store: Store, rank: int, world_size: int, backend: str,
              join_timeout: float, timeout: float) -> CheckpointGroups | None:
@@ -70,29 +74,37 @@ class AbortableGroups:
                 return None
             return checkpoint_groups(join_timeout, timeout)
 
+    def interrupt(self) -> None:
+        """Make every collective on this generation's groups fail now, ours and our peers',
+        without tearing the groups down (safe from another thread, while the main thread is
+        blocked in one of them: see `runtime/watchdog.py`). Idempotent."""
+        with self._lock:
+            if self.backend == "nccl" and dist.is_initialized():
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except (RuntimeError, ValueError):
+                    pass  # already aborted or destroyed: nothing is blocked on it any more
+            current = _socket_inodes()
+            for fd, inode in self._sockets.items():
+                if current.get(fd) != inode:
+                    continue  # closed since, and the number perhaps reused: not ours any more
+                try:
+                    sock = socket.socket(fileno=fd)
+                except OSError:
+                    continue  # gloo closed it just now, after a peer's error
+                try:
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # not connected (any more): nobody can be blocked on it
+                finally:
+                    sock.detach()  # the fd stays gloo's to close
+
     def abort(self) -> None:
         """Make every peer blocked on this generation's groups fail now; then tear them down."""
-        if self.backend == "nccl" and dist.is_initialized():
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except (RuntimeError, ValueError):
-                pass  # already aborted or destroyed: nothing is blocked on it any more
-        current = _socket_inodes()
-        for fd, inode in self._sockets.items():
-            if current.get(fd) != inode:
-                continue  # closed since, and the number perhaps reused: not ours any more
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                continue  # gloo closed it just now, after a peer's error
-            try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # not connected (any more): nobody can be blocked on it
-            finally:
-                sock.detach()  # the fd stays gloo's to close
-        self._sockets.clear()
+        self.interrupt()
+        with self._lock:
+            self._sockets.clear()
         self.destroy()
 
     def destroy(self) -> None:

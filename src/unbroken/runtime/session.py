@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from unbroken.runtime.config import RunConfig
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
+    PHASE_LONG,
     PHASE_RECOVERY,
     PHASE_STARTING,
     PHASE_TRAINING,
@@ -69,6 +71,7 @@ from unbroken.runtime.process_group import (
 )
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.spare import await_promotion
+from unbroken.runtime.watchdog import Watchdog
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -190,6 +193,9 @@ class Run:
         self._view: Any = None
         self._generations: Generations | None = None
         self._holds_state = True
+        self._watchdog: Watchdog | None = None  # in place: liveness, and abort on notice
+        self._progress_hooks: list[Any] = []  # on the current view: forward entered, returned
+        self._long_depth = 0  # nested run.phase() blocks
 
     # ------------------------------------------------------------------ faults
     def _channel(self) -> Channel:
@@ -300,6 +306,33 @@ class Run:
         for name, value in metrics.items():
             self._metrics[name] = float(value.item() if isinstance(value, torch.Tensor) else value)
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Declare a part of a step long (an evaluation, a recompile, a large checkpoint of
+        the script's own): inside it no hang timeout runs, and a rank that others wait for
+        meanwhile is not blamed for their wait. Its time is not counted as step time.
+
+            def train_step(step, model):
+                if step % 100 == 0:
+                    with run.phase("eval"):
+                        evaluate(model)
+                ...
+
+        Use it only around work that may legitimately take many step times: a hang inside
+        it is not detected (a stopped process still is). Blocks may nest."""
+        t0 = time.monotonic()
+        self._long_depth += 1
+        if self._long_depth == 1:
+            self._stamp(self.step, PHASE_LONG)
+        try:
+            yield
+        finally:
+            self._long_depth -= 1
+            if self._long_depth == 0:
+                self._stamp(self.step, PHASE_TRAINING)  # the step's clock starts again here
+                self.events.emit(Event.PHASE, name=name, step=self.step,
+                                 duration=round(time.monotonic() - t0, 6))
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run, from the last committed one up to `total`."""
         if total < 0:
@@ -348,6 +381,10 @@ class Run:
                            timeout=self.env.recovery_timeout),
                 self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
                 record=self.events.emit, fault_point=self._faults.at_point)
+        if self.in_place and self._heartbeat is not None:
+            self._watchdog = Watchdog(self._heartbeat, self._groups.interrupt,
+                                      self._aborted_on_notice)
+            self._watchdog.start()
         if self.spare:
             self._warm_up(step_fn)
             self._await_promotion()
@@ -369,12 +406,14 @@ class Run:
                     continue
             self._metrics = {}
             t0 = time.perf_counter()
+            self._entered(step)
             try:
                 self._faults.at_step(step)
                 if self.seed is not None:
                     self._seed_step(step)
                 step_fn(step, self._view)
             except Exception as exc:
+                self._left()
                 if not self.in_place:
                     raise
                 self._step_failed(step, exc)
@@ -391,7 +430,9 @@ class Run:
             except Exception as exc:
                 if not (self.in_place and is_peer_error(exc)):
                     raise
+                self._left()
                 self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
+            self._left()
         if self.in_place:  # first: a done heartbeat means the leader counts this member done
             self._generations.membership.report_done(self.gen)
         self._stamp(self.step, PHASE_DONE)
@@ -443,9 +484,12 @@ class Run:
 
     def _build_view(self) -> Any:
         if not dist.is_initialized():
-            return self._model
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # build() may read them
-        return self._model if self._build is None else self._build()
+            view = self._model
+        else:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # build() reads them
+            view = self._model if self._build is None else self._build()
+        self._watch_progress(view)
+        return view
 
     def _commit(self) -> None:
         """The optimizer update: after it, this rank holds the state of the step."""
@@ -464,6 +508,35 @@ class Run:
 
     def _recovery_beat(self) -> None:
         self._stamp(self.step, PHASE_RECOVERY)
+
+    def _entered(self, step: int) -> None:
+        """Inside a step of this generation: the watchdog may abort it on notice."""
+        if self._watchdog is not None:
+            self._watchdog.entered(self.gen, step)
+
+    def _left(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.left()
+
+    def _aborted_on_notice(self, gen: int, target_gen: int, step: int) -> None:
+        """The watchdog thread aborted generation `gen`: the leader had broken it."""
+        self.events.emit(Event.ABORT_ON_NOTICE, gen=gen, target_gen=target_gen, step=step)
+
+    def _advance(self, *_: Any) -> None:
+        """A point inside the step passed (a forward hook): see `runtime.heartbeat`."""
+        if self._heartbeat is not None:
+            self._heartbeat.advance()
+
+    def _watch_progress(self, view: Any) -> None:
+        """Mark the model's forward, entered and returned, on the heartbeat page, so that a
+        rank stuck before it (data loading, a kernel) is seen behind the ranks already in the
+        gradient collective. On the current view only: the last view's hooks go with it."""
+        for handle in self._progress_hooks:
+            handle.remove()
+        self._progress_hooks = []
+        if self._heartbeat is not None and isinstance(view, torch.nn.Module):
+            self._progress_hooks = [view.register_forward_pre_hook(self._advance),
+                                    view.register_forward_hook(self._advance)]
 
     def _step_failed(self, step: int, exc: Exception) -> None:
         for optimizer in self._optimizers:
@@ -543,6 +616,9 @@ class Run:
 
     def close(self) -> None:
         """Tear down what `init` created; safe to call twice."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -10,6 +10,7 @@ from enum import StrEnum
 
 
 class Event(StrEnum):
+    ABORT_ON_NOTICE = "abort_on_notice"
     AGENT_ERROR = "agent_error"
     AGENT_EXIT = "agent_exit"
     AGENT_START = "agent_start"
@@ -33,6 +34,7 @@ class Event(StrEnum):
     GEN_PLAN = "gen_plan"
     GEN_SWITCH = "gen_switch"
     GEN_UP = "gen_up"
+    HANG_BLAMED = "hang_blamed"
     IN_PLACE_UNAVAILABLE = "in_place_unavailable"
     JOINER_UNUSED = "joiner_unused"
     LEADER_DEPOSED = "leader_deposed"
@@ -43,6 +45,7 @@ class Event(StrEnum):
     NODE_QUARANTINED = "node_quarantined"
     NODE_SET = "node_set"
     NODE_TAKEN_OVER = "node_taken_over"
+    PHASE = "phase"
     RECOVERY_FALLBACK = "recovery_fallback"
     RENDEZVOUS = "rendezvous"
     REPLACEMENT_STARTED = "replacement_started"
@@ -54,6 +57,8 @@ class Event(StrEnum):
     SPARE_READY = "spare_ready"
     SPARE_REQUEST_DECLINED = "spare_request_declined"
     SPARE_STARTED = "spare_started"
+    STALL = "stall"
+    STALL_REPORTED = "stall_reported"
     STANDBYS_STARTED = "standbys_started"
     STANDBY_IMPORTS = "standby_imports"
     STANDBY_READY = "standby_ready"

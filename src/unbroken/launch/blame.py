@@ -1,0 +1,93 @@
+"""Who is to blame for a stalled generation, as a pure function of every node's report.
+
+In lockstep training a hang stops every rank: the culprit, and the others blocked in a
+collective, waiting for it. Heartbeat times alone cannot tell them apart (each node used to
+kill its own longest-silent worker, so one hang killed one innocent per node). The leader
+reads where every member stands (`StallReport`, one per node, written by its agent when its
+workers stall) and decides, in this order:
+
+1. A member whose process is stopped (its watchdog thread has not run for half its timeout:
+   SIGSTOP, a frozen host) is the culprit: nothing else can be said of a process that runs
+   nothing. Such evidence needs no other node's report.
+2. A member in a phase the script declared long (`run.phase("eval")`) excuses the stall: the
+   others wait for it by design.
+3. Until every member is reported (a node that is cut off reports nothing; it is lost after
+   `--node-timeout`, which is a death of its own), and past its own timeout, nobody is
+   blamed: a member that moves ends the stall.
+4. The members behind the others (a lower (step, progress): they have not reached the
+   collective the others wait in) are the culprits.
+5. Every member alive, at the same point, and stalled: no single culprit (a network blip
+   that TCP will ride out, a collective that no rank can finish, a shared file system that
+   hangs). The planner waits up to its `stall_limit`, then restarts the attempt, charged once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from unbroken.control.messages import StallReport, WorkerProgress
+from unbroken.runtime.heartbeat import PHASE_LONG, STEPPING
+
+FROZEN_FRACTION = 0.5  # of its step timeout: a watchdog silent this long means a stopped process
+
+
+class VerdictKind(StrEnum):
+    KILL = "kill"  # the culprits are known: kill them, and only them
+    EXCUSED = "excused"  # a member is in a declared long phase: no kill
+    WAIT = "wait"  # not every member is reported yet
+    STUCK = "stuck"  # every member stalled at the same point: no single culprit
+
+
+@dataclass(frozen=True)
+class Culprit:
+    node: int
+    worker: WorkerProgress
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    reason: str
+    culprits: list[Culprit] = field(default_factory=list)
+
+
+def frozen(w: WorkerProgress) -> bool:
+    """Its process runs nothing: the watchdog thread has been silent for half its timeout."""
+    return w.frozen_for is not None and w.frozen_for >= FROZEN_FRACTION * w.timeout
+
+
+def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
+    """The verdict on a stall of the generation whose members are `members`, from the
+    latest report of each node that sent one (reports of that generation only)."""
+    placed = {w.wid: Culprit(node, w) for node, r in reports.items() for w in r.workers
+              if w.wid in members}
+    stopped = [c for c in placed.values() if c.worker.phase in STEPPING and frozen(c.worker)]
+    if stopped:
+        names = ", ".join(f"rank {c.worker.slot} (node {c.node})" for c in stopped)
+        worst = max(c.worker.frozen_for for c in stopped)
+        return Verdict(VerdictKind.KILL, f"{names} stopped: no thread of it ran for "
+                       f"{worst:.1f}s while the others waited", stopped)
+    long = [c for c in placed.values() if c.worker.phase == PHASE_LONG]
+    if long:
+        return Verdict(VerdictKind.EXCUSED, f"rank {long[0].worker.slot} is in a phase the "
+                       "script declared long; the others wait for it")
+    elsewhere = [c for c in placed.values() if c.worker.phase not in STEPPING]
+    if elsewhere:  # a checkpoint or a recovery: bounded by its own, longer, timeout
+        return Verdict(VerdictKind.WAIT, f"rank {elsewhere[0].worker.slot} is not stepping "
+                       f"(phase {elsewhere[0].worker.phase})")
+    missing = [m for m in members if m not in placed]
+    if missing:
+        return Verdict(VerdictKind.WAIT, f"no report yet on worker(s) {missing}")
+    moving = [c for c in placed.values() if c.worker.silent_for <= c.worker.timeout]
+    if moving:  # the stall is ending (or this one was never part of it)
+        return Verdict(VerdictKind.WAIT, f"rank {moving[0].worker.slot} is moving")
+    position = {wid: (c.worker.step, c.worker.progress) for wid, c in placed.items()}
+    low, high = min(position.values()), max(position.values())
+    if low < high:
+        behind = [placed[m] for m in members if position[m] == low]
+        names = ", ".join(f"rank {c.worker.slot} (node {c.node})" for c in behind)
+        return Verdict(VerdictKind.KILL, f"{names} behind: step {low[0]} point {low[1]} while "
+                       f"the others wait at step {high[0]} point {high[1]}", behind)
+    return Verdict(VerdictKind.STUCK, f"every rank stalled at step {low[0]} point {low[1]}, "
+                   "all alive: no single culprit")

@@ -1,0 +1,78 @@
+"""A worker's watchdog thread: proves the process runs, and aborts a generation on notice.
+
+Every `period` seconds it
+- ticks the heartbeat page's `alive` field: a stopped process (SIGSTOP, a frozen host) stops
+  ticking, a process blocked in a collective does not, which is how the leader tells the
+  culprit of a hang from the ranks waiting for it (`launch/blame.py`);
+- reads the switch target its agent mirrors from the leader. If the leader has broken the
+  worker's generation (a member died, hung or was cut off: the target names a newer
+  generation, due at a step this worker has already started) while the main thread is inside
+  a step, it aborts the generation's groups (`AbortableGroups.interrupt`). A collective
+  blocked on a peer that will never answer then fails at once, and the main thread leaves by
+  the normal path (a peer error), instead of waiting for a socket that never closes.
+
+The contract with the main thread (`Run.train`): it calls `entered(gen, step)` before a step's
+body and `left()` after the step's last collective (its checkpoint decision included). The
+watchdog only aborts between the two, under the same lock, so it never aborts groups being
+formed or a step already over; at the next boundary the main thread sees the due switch and
+leaves anyway. Each generation is aborted at most once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from unbroken.runtime.heartbeat import HeartbeatWriter
+
+
+class Watchdog:
+    def __init__(self, heartbeat: HeartbeatWriter, interrupt: Callable[[], None],
+                 on_abort: Callable[[int, int, int], None], period: float = 0.02) -> None:
+        """`interrupt()` aborts the current generation's groups without tearing them down;
+        `on_abort(gen, target_gen, step)` records that it did (called outside the lock)."""
+        self._heartbeat = heartbeat
+        self._interrupt = interrupt
+        self._on_abort = on_abort
+        self.period = period
+        self._lock = threading.Lock()
+        self._inside: tuple[int, int] | None = None  # (generation, step) of the running step
+        self._aborted_gen = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unbroken-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._heartbeat.tick()
+        self._thread.start()
+
+    def entered(self, gen: int, step: int) -> None:
+        with self._lock:
+            self._inside = (gen, step)
+
+    def left(self) -> None:
+        with self._lock:
+            self._inside = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._heartbeat.tick()
+            aborted = self._abort_if_due()
+            if aborted is not None:
+                self._on_abort(*aborted)
+
+    def _abort_if_due(self) -> tuple[int, int, int] | None:
+        target_gen, at_step = self._heartbeat.target()
+        with self._lock:
+            if self._inside is None:
+                return None
+            gen, step = self._inside
+            if target_gen <= gen or at_step > step or self._aborted_gen >= gen:
+                return None
+            self._aborted_gen = gen
+            self._interrupt()
+        return gen, target_gen, step
