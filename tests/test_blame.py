@@ -96,7 +96,10 @@ def test_workers_that_are_not_members_are_ignored():
 
 
 # ---------------------------------------------------------------- the planner
-def _decide(state, now=100.0, config=PlannerConfig(), **inbox):
+DEFAULT = PlannerConfig()
+
+
+def _decide(state, now=100.0, config=DEFAULT, **inbox):
     return decide(state, Inbox(now=now, **inbox), config)
 
 

@@ -33,7 +33,6 @@ from unbroken.launch.planner import (
     rebase,
 )
 
-
 _STALL_LOOK = 1.0  # seconds between looks at a stall while no news comes
 
 

@@ -28,8 +28,8 @@ from unbroken.control.messages import (
 )
 from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
-from unbroken.launch.config import LaunchConfig
 from unbroken.launch.blame import frozen
+from unbroken.launch.config import LaunchConfig
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
@@ -159,7 +159,6 @@ class NodeSupervisor:
 
     def _watch(self, proc: subprocess.Popen, rank: int, local_rank: int, base: Path,
                wid: str, register: bool = True) -> WorkerProcess:
-        cfg = self.cfg
         w = WorkerProcess(rank=rank, local_rank=local_rank, proc=proc,
                           heartbeat=HeartbeatReader(base.with_suffix(".hb")),
                           hang=self._hang_detector(),
