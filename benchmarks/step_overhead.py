@@ -3,8 +3,10 @@ in one process.
 
 The runtime's per-step work is a heartbeat stamp (two stores into a shared page), the fault
 check, and one event line appended to the log; `run.train` also seeds the RNG from the step
-and steps the optimizer itself. All loops train the example GPT on the same batches;
-rounds alternate so that machine noise hits all of them.
+and steps the optimizer itself. In place, `run.train` also runs a watchdog thread (a tick
+every 50 ms, abort on notice) and marks its step and the model's forward on the heartbeat
+page: the `watchdog` loop is `run.train` with both. All loops train the example GPT on the
+same batches; rounds alternate so that machine noise hits all of them.
 
     .venv/bin/python benchmarks/step_overhead.py
 
@@ -32,6 +34,7 @@ from data import CharCorpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 from unbroken.runtime.heartbeat import HeartbeatWriter  # noqa: E402
+from unbroken.runtime.watchdog import Watchdog  # noqa: E402
 
 
 def _setup(corpus: CharCorpus):
@@ -80,8 +83,11 @@ def with_runtime(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
     return elapsed
 
 
-def with_train(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
+def with_train(corpus: CharCorpus, steps: int, run_dir: Path, watchdog: bool = False) -> float:
     run, _, _ = _run(corpus, run_dir)
+    if watchdog:  # as in place (which needs an agent): the thread, and the progress hooks
+        run._watchdog = Watchdog(run._heartbeat, lambda: None, lambda *a: None)
+        run._watchdog.start()
 
     def step_fn(step: int, net: torch.nn.Module) -> None:
         x, y = corpus.batch(step, 0, 1, 4, 32)
@@ -112,10 +118,11 @@ def main() -> None:
     torch.set_num_threads(1)
     corpus = CharCorpus.load()
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-overhead-"))
-    times: dict[str, list[float]] = {"plain": [], "steps": [], "train": []}
+    times: dict[str, list[float]] = {"plain": [], "steps": [], "train": [], "watchdog": []}
     loops = {"plain": lambda r: plain(corpus, args.steps),
              "steps": lambda r: with_runtime(corpus, args.steps, tmp / f"s{r}"),
-             "train": lambda r: with_train(corpus, args.steps, tmp / f"t{r}")}
+             "train": lambda r: with_train(corpus, args.steps, tmp / f"t{r}"),
+             "watchdog": lambda r: with_train(corpus, args.steps, tmp / f"w{r}", watchdog=True)}
     plain(corpus, 20)  # warm caches and lazy imports for all
     for r in range(args.rounds):
         order = list(loops) if r % 2 == 0 else list(loops)[::-1]
@@ -127,7 +134,7 @@ def main() -> None:
     med = {name: statistics.median(ts) for name, ts in times.items()}
     result = {"benchmark": "step_overhead", "plain_ms": round(1000 * med["plain"], 4)}
     print()
-    for name in ("steps", "train"):
+    for name in ("steps", "train", "watchdog"):
         overhead = (med[name] - med["plain"]) / med["plain"]
         print(f"run.{name}(): {1000 * med[name]:.3f} ms/step against plain {1000 * med['plain']:.3f}: "
               f"overhead {100 * overhead:+.2f}% ({1e6 * (med[name] - med['plain']):.1f} us/step)")

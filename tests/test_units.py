@@ -3,6 +3,8 @@ state is packed to travel between peers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from unbroken.errors import UserError
@@ -97,7 +99,7 @@ def test_state_travels_whole_through_pack_and_unpack():
     equal (a view to another dtype needs an aligned offset: unpack must not rely on one)."""
     import torch
 
-    from unbroken.runtime.state_sync import _as_bytes, pack, unpack
+    from unbroken.runtime.state_sync import _byte_view, pack, unpack
 
     state = {
         "model": {"w": torch.randn(3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
@@ -107,13 +109,46 @@ def test_state_travels_whole_through_pack_and_unpack():
         "name": "x", "none": None,
     }
     header, tensors = pack(state)
-    back = unpack(header, _as_bytes(tensors))
+    back = unpack(header, torch.cat([_byte_view(t) for t in tensors]))
     assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert back["name"] == "x" and back["none"] is None
     for path in (("model", "w"), ("model", "b"), ("model", "n")):
         a, b = state[path[0]][path[1]], back[path[0]][path[1]]
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert torch.equal(back["optim"]["state"]["w"]["exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+
+def _stream_state(rank: int, store_path: str, out: str) -> None:
+    """One side of test_state_streams_in_chunks (a spawned process)."""
+    import torch
+    import torch.distributed as dist
+
+    from unbroken.runtime.state_sync import pack, recv_bytes, send_tensors, unpack
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4, 6).t(), "b": torch.arange(5, dtype=torch.bfloat16),
+             "e": torch.empty(0), "flag": torch.tensor([True, False])}
+    header, tensors = pack(state)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if rank == 0:
+        send_tensors(tensors, total, dst=1, group=None, device=torch.device("cpu"), chunk=7)
+    else:
+        back = unpack(header, recv_bytes(total, 0, None, torch.device("cpu"), chunk=7))
+        same = all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype
+                   for k in state)
+        Path(out).write_text(str(same))
+    dist.destroy_process_group()
+
+
+def test_state_streams_in_chunks_through_one_small_buffer(tmp_path):
+    """A 7-byte chunk: tensors split across chunks and chunks across tensors (a transposed,
+    non-contiguous one, an empty one, bfloat16 and bool), between two gloo processes."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "same.txt"
+    mp.spawn(_stream_state, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    assert out.read_text() == "True"
 
 
 def test_pack_refuses_what_cannot_travel():

@@ -5,8 +5,9 @@ set by where it falls in its bucket. A DDP built in a new generation starts with
 bucket layout than one that has run for a while (it re-buckets after its first step), so the
 same step can differ in the last bits after a recovery. This hook gathers every rank's bucket
 and sums in rank order, so each element is always ((g0 + g1) + g2) + ... / world: with it, a
-run with failures and replacements ends bit-identical to a failure-free one. It moves about
-twice the bytes of a ring all-reduce; use it when exactness is worth that.
+run with failures and replacements ends bit-identical to a failure-free one. Each rank
+receives world - 1 buckets (one broadcast per rank), about world/2 times what a ring
+all-reduce moves, and holds two extra buckets; use it when exactness is worth that.
 
     ddp = DDP(model); ddp.register_comm_hook(None, unbroken.exact_allreduce)
 
@@ -20,17 +21,24 @@ import torch.distributed as dist
 
 def exact_allreduce(process_group: dist.ProcessGroup | None,
                     bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over ranks, summing in rank order (a DDP comm hook)."""
+    """Average the bucket over ranks, summing in rank order (a DDP comm hook).
+
+    Each rank's bucket is broadcast in turn and added to the running sum, so the memory is
+    two extra buckets whatever the world size (an all-gather would hold one per rank)."""
     buffer = bucket.buffer()
     world = dist.get_world_size(process_group)
-    parts = [torch.empty_like(buffer) for _ in range(world)]
-    work = dist.all_gather(parts, buffer, group=process_group, async_op=True)
-
-    def reduce(done: torch.futures.Future) -> torch.Tensor:
-        done.value()  # raises if the gather failed (a peer died): never sum a partial gather
-        total = parts[0].clone()
-        for part in parts[1:]:
+    me = dist.get_rank(process_group)
+    total = torch.empty_like(buffer)
+    part = torch.empty_like(buffer)
+    for rank in range(world):
+        if rank == me:
+            part.copy_(buffer)
+        src = rank if process_group is None else dist.get_global_rank(process_group, rank)
+        dist.broadcast(part, src=src, group=process_group)  # raises if a peer died
+        if rank == 0:
+            total.copy_(part)
+        else:
             total += part
-        return total.div_(world)
-
-    return work.get_future().then(reduce)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(total.div_(world))
+    return done

@@ -5,7 +5,9 @@ Ranks publish (committed step, holds state); the highest step held is the truth.
 lacks it (a survivor one step behind, a replacement that has no state) receives it from a
 holder, holders taking turns so a second replacement does not wait on the first. The state
 travels as one JSON header (the nesting, and the non-tensor leaves such as learning rates)
-plus one byte buffer with every tensor, so a transfer is three messages whatever the model.
+plus the bytes of every tensor, streamed in chunks of at most `CHUNK_BYTES` through one
+buffer on the group's device: neither side ever holds a second full copy of the state on
+the device (the receiver assembles it in host memory, then `set_state` copies it in).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SyncResult:
 
 
 _SCALARS = (int, float, str, bool, type(None))
+CHUNK_BYTES = 64 << 20  # the one transfer buffer on the device, per side
 
 
 def pack(state: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -88,10 +91,48 @@ def unpack(header: dict[str, Any], buffer: torch.Tensor) -> Any:
     return walk(header["root"])
 
 
-def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([t.cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of one tensor, on its own device (a copy only if it is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def send_tensors(tensors: list[torch.Tensor], total: int, dst: int,
+                 group: dist.ProcessGroup | None, device: torch.device,
+                 chunk: int = CHUNK_BYTES) -> None:
+    """Stream the tensors' bytes (`total` of them) to `dst` in chunks of `chunk` bytes."""
+    if total == 0:
+        return
+    buf = torch.empty(min(chunk, total), dtype=torch.uint8, device=device)
+    fill = 0
+    for t in tensors:
+        view, pos = _byte_view(t), 0
+        while pos < view.numel():
+            n = min(buf.numel() - fill, view.numel() - pos)
+            buf[fill:fill + n].copy_(view[pos:pos + n])
+            fill, pos = fill + n, pos + n
+            if fill == buf.numel():
+                dist.send(buf, dst=dst, group=group)
+                fill = 0
+    if fill:
+        dist.send(buf[:fill], dst=dst, group=group)
+
+
+def recv_bytes(total: int, src: int, group: dist.ProcessGroup | None, device: torch.device,
+               chunk: int = CHUNK_BYTES) -> torch.Tensor:
+    """Receive `send_tensors`' stream into one host buffer, through one device chunk."""
+    payload = torch.empty(total, dtype=torch.uint8)
+    on_host = device.type == "cpu"
+    buf = None if on_host else torch.empty(min(chunk, total), dtype=torch.uint8, device=device)
+    pos = 0
+    while pos < total:
+        n = min(chunk, total - pos)
+        if on_host:
+            dist.recv(payload[pos:pos + n], src=src, group=group)
+        else:
+            dist.recv(buf[:n], src=src, group=group)
+            payload[pos:pos + n].copy_(buf[:n])
+        pos += n
+    return payload
 
 
 def sync_state(
@@ -124,20 +165,21 @@ def sync_state(
                 before_send(best)
             header, tensors = pack(get_state())
             blob = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-            payload = _as_bytes(tensors)
-            sizes = torch.tensor([blob.numel(), payload.numel()], dtype=torch.int64)
-            for t in (sizes, blob, payload):
-                dist.send(t.to(device), dst=_global(group, rank), group=group)
+            total = sum(t.numel() * t.element_size() for t in tensors)
+            sizes = torch.tensor([blob.numel(), total], dtype=torch.int64)
+            dst = _global(group, rank)
+            for t in (sizes, blob):
+                dist.send(t.to(device), dst=dst, group=group)
+            send_tensors(tensors, total, dst, group, device)
         elif me == rank:
             src = _global(group, sender)
             sizes = torch.zeros(2, dtype=torch.int64, device=device)
             dist.recv(sizes, src=src, group=group)
             blob = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-            payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
             dist.recv(blob, src=src, group=group)
-            dist.recv(payload, src=src, group=group)
             header = json.loads(bytes(blob.cpu().numpy()).decode())
-            set_state(unpack(header, payload.cpu()))
+            payload = recv_bytes(int(sizes[1]), src, group, device)
+            set_state(unpack(header, payload))
             source, received = sender, int(sizes[1])
     return SyncResult(step=best, source=source, received_bytes=received)
 

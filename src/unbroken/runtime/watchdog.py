@@ -28,7 +28,7 @@ from unbroken.runtime.heartbeat import HeartbeatWriter
 
 class Watchdog:
     def __init__(self, heartbeat: HeartbeatWriter, interrupt: Callable[[], None],
-                 on_abort: Callable[[int, int, int], None], period: float = 0.02) -> None:
+                 on_abort: Callable[[int, int, int], None], period: float = 0.05) -> None:
         """`interrupt()` aborts the current generation's groups without tearing them down;
         `on_abort(gen, target_gen, step)` records that it did (called outside the lock)."""
         self._heartbeat = heartbeat

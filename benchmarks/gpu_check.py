@@ -1,0 +1,204 @@
+"""What one GPU can check of the CUDA and NCCL paths, for when a GPU is lent (the `device`
+tool). Each check prints PASS or FAIL with its figures; the exit code is the number of
+failures (2 with no CUDA device: nothing was checked).
+
+1. **Checkpoint of CUDA tensors**: a model and AdamW on the GPU, three steps with
+   `run.steps()` and an async checkpoint each step; a fresh `Run` loads the newest one, and
+   every tensor equals the trained one.
+2. **State sync of CUDA tensors**: two processes (gloo transport, the state on the GPU)
+   stream a CUDA model's state through `send_tensors`/`recv_bytes` in 1 MiB chunks; the
+   receiver's state equals the sender's. (NCCL refuses two ranks on one GPU, so the
+   transport here is gloo; the NCCL transport needs two GPUs.)
+3. **An NCCL world of size 1** (`AbortableGroups.form`, bound to the device): created, an
+   all-reduce, aborted from another thread (`interrupt`, as the watchdog does), torn down,
+   created again under a new prefix, and an all-reduce again.
+4. **A device error is the worker's own**: a device-side assert in a subprocess raises,
+   and `errors.classify` says `own_device`.
+
+    .venv/bin/python benchmarks/gpu_check.py
+    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1-2 on CPU tensors
+
+`--dry-run` runs the first two checks with CPU tensors, so that the script itself is tested
+on a machine without a GPU; it proves nothing about CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+RESULTS: list[tuple[str, bool, str]] = []
+DEVICE = "cuda"  # "cpu" with --dry-run
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 16)).to(DEVICE)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def checkpoint_of_cuda_tensors(root: Path) -> None:
+    import unbroken
+
+    model, optimizer = _model()
+    run = unbroken.init(checkpoint_dir=root / "ckpt", checkpoint_every=1, backend="gloo")
+    run.track(model, optimizer)
+    for _ in run.steps(3):
+        model(torch.randn(32, 256, device=DEVICE)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run.close()
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = _model()
+    again = unbroken.init(checkpoint_dir=root / "ckpt", checkpoint_every=1, backend="gloo")
+    again.track(fresh, fresh_opt)
+    list(again.steps(3))  # loads the newest checkpoint, and has nothing left to run
+    again.close()
+    same = all(torch.equal(trained[k], v) for k, v in fresh.state_dict().items())
+    placed = all(v.device.type == DEVICE for v in fresh.state_dict().values())
+    check("checkpoint of CUDA tensors", again.step == 3 and same and placed,
+          f"resumed at step {again.step}, equal {same}, on {DEVICE} {placed}")
+
+
+def _sync_side(rank: int, store: str, out: str, device: str) -> None:
+    global DEVICE
+    DEVICE = device
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from unbroken.runtime.state_sync import pack, recv_bytes, send_tensors, unpack
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    model, optimizer = _model()
+    if rank == 0:  # the holder: a trained state
+        model(torch.randn(8, 256, device=DEVICE)).sum().backward()
+        optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, [optimizer])
+    header, tensors = pack({"model": model_sd, "optim": optim_sd})
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    sizes = torch.tensor([total])
+    dist.broadcast(sizes, src=0)
+    if rank == 0:
+        send_tensors(tensors, total, 1, None, torch.device("cpu"), chunk=1 << 20)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out + ".sent")
+    else:
+        got = unpack(header, recv_bytes(int(sizes[0]), 0, None, torch.device("cpu"),
+                                        chunk=1 << 20))
+        set_state_dict(model, [optimizer], model_state_dict=got["model"],
+                       optim_state_dict=got["optim"])
+        dist.barrier()
+        sent = torch.load(out + ".sent", weights_only=True)
+        same = all(torch.equal(sent[k], v.cpu()) and v.device.type == DEVICE
+                   for k, v in model.state_dict().items())
+        Path(out).write_text(f"{same} {int(sizes[0])}")
+    if rank == 0:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def state_sync_of_cuda_tensors(root: Path) -> None:
+    out = str(root / "sync.txt")
+    mp.spawn(_sync_side, args=(str(root / "store"), out, DEVICE), nprocs=2, join=True)
+    same, nbytes = Path(out).read_text().split()
+    check("state sync of CUDA tensors", same == "True", f"{int(nbytes)} bytes, equal {same}")
+
+
+def nccl_world_of_one(_: Path) -> None:
+    from unbroken.runtime.process_group import AbortableGroups
+
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+    groups = AbortableGroups()
+    t0 = time.monotonic()
+    groups.form(dist.PrefixStore("g1/", store), 0, 1, "nccl", 30, 60)
+    x = torch.ones(1024, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    formed = time.monotonic() - t0
+    aborter = threading.Thread(target=groups.interrupt)  # as the watchdog thread does
+    aborter.start()
+    aborter.join(timeout=30)
+    t1 = time.monotonic()
+    groups.abort()
+    torn = time.monotonic() - t1
+    t2 = time.monotonic()
+    groups.form(dist.PrefixStore("g2/", store), 0, 1, "nccl", 30, 60)
+    y = torch.full((1024,), 2.0, device="cuda")
+    dist.all_reduce(y)
+    torch.cuda.synchronize()
+    again = time.monotonic() - t2
+    groups.destroy()
+    check("NCCL world of one: create, abort, re-create", bool(y[0].item() == 2.0)
+          and not aborter.is_alive(),
+          f"formed {formed:.2f}s, torn down {torn:.2f}s, re-formed {again:.2f}s")
+
+
+_DEVICE_ERROR = """
+import torch
+from unbroken.errors import classify, current_device
+torch.cuda.set_device(0)
+try:
+    x = torch.zeros(4, device="cuda")
+    x[torch.tensor([10], device="cuda")] = 1.0
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as exc:
+    print(type(exc).__name__, classify(exc, current_device()).value)
+"""
+
+
+def device_error_is_own(_: Path) -> None:
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run([sys.executable, "-c", _DEVICE_ERROR], capture_output=True, text=True,
+                         env=env, timeout=120)
+    last = (out.stdout.strip().splitlines() or ["nothing"])[-1]
+    check("a device-side assert is the worker's own device error", last.endswith("own_device"),
+          last)
+
+
+def main() -> int:
+    global DEVICE
+    dry = "--dry-run" in sys.argv[1:]
+    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors]
+    if dry:
+        DEVICE = "cpu"
+        print("dry run: checks 1-2 with CPU tensors (nothing about CUDA is shown)")
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing was checked")
+        return 2
+    else:
+        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+        checks += [nccl_world_of_one, device_error_is_own]
+    with tempfile.TemporaryDirectory() as tmp:
+        for fn in checks:
+            try:
+                fn(Path(tmp))
+            except Exception as exc:  # a check that raised is a failed check, reported
+                check(fn.__name__, False, f"{type(exc).__name__}: {exc}")
+    failures = sum(1 for _, ok, _ in RESULTS if not ok)
+    print(f"{len(RESULTS) - failures} passed, {failures} failed")
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
