@@ -26,9 +26,9 @@ MEMBERS = ["0.0", "1.0", "2.0", "3.0"]
 
 
 def worker(slot, step=12, progress=2, phase=PHASE_TRAINING, silent=1.2, frozen=0.01,
-           timeout=1.0) -> WorkerProgress:
+           timeout=1.0, stopped=False) -> WorkerProgress:
     return WorkerProgress(wid=f"{slot}.0", slot=slot, step=step, progress=progress, phase=phase,
-                          silent_for=silent, frozen_for=frozen, timeout=timeout)
+                          silent_for=silent, frozen_for=frozen, timeout=timeout, stopped=stopped)
 
 
 def reports(*workers: WorkerProgress, gen=0) -> dict[int, StallReport]:
@@ -74,7 +74,25 @@ def test_a_rank_that_moves_again_ends_the_stall():
 def test_a_checkpoint_is_bounded_by_its_own_timeout_not_blamed():
     v = blame(MEMBERS, reports(worker(0, phase=PHASE_CHECKPOINT, progress=0), worker(1),
                                worker(2), worker(3)))
-    assert v.kind == VerdictKind.WAIT
+    assert v.kind == VerdictKind.EXCUSED
+
+
+def test_a_process_seen_stopped_in_proc_is_the_culprit_even_with_a_fresh_tick():
+    v = blame(MEMBERS, reports(worker(0), worker(1, stopped=True, frozen=0.0)))
+    assert v.kind == VerdictKind.KILL and [c.worker.slot for c in v.culprits] == [1]
+
+
+def test_a_long_c_call_inside_a_declared_phase_is_not_a_stopped_process():
+    v = blame(MEMBERS, reports(worker(0, phase=PHASE_LONG, frozen=30, silent=30), worker(1),
+                               worker(2), worker(3)))
+    assert v.kind == VerdictKind.EXCUSED
+
+
+def test_most_ranks_behind_one_is_no_culprit_that_one_did_more():
+    v = blame(MEMBERS, reports(worker(0, progress=4), worker(1), worker(2), worker(3)))
+    assert v.kind == VerdictKind.STUCK  # rank 0 ran an extra forward; nobody is killed
+    v = blame(["0.0", "1.0"], {0: StallReport(0, 0, [worker(0, progress=0), worker(1)])})
+    assert [c.worker.slot for c in v.culprits] == [0]  # one of two: it is the one behind
 
 
 def test_everyone_alive_at_the_same_point_is_stuck_with_no_single_culprit():
@@ -83,8 +101,8 @@ def test_everyone_alive_at_the_same_point_is_stuck_with_no_single_culprit():
 
 
 def test_a_watchdog_a_little_late_is_not_a_stopped_process():
-    v = blame(MEMBERS, reports(worker(0, frozen=0.3), worker(1), worker(2), worker(3)))
-    assert v.kind == VerdictKind.STUCK  # 0.3 s < half the 1 s timeout: not frozen
+    v = blame(MEMBERS, reports(worker(0, frozen=0.8), worker(1), worker(2), worker(3)))
+    assert v.kind == VerdictKind.STUCK  # 0.8 s < its 1 s timeout: not frozen
 
 
 def test_workers_that_are_not_members_are_ignored():
@@ -167,6 +185,23 @@ def test_the_default_hang_timeout_is_three_times_the_p99_step_with_a_one_second_
         t += 1.0
     assert abs(d.step_timeout() - 3.0) < 1e-9
     assert percentile([1, 2, 3, 4, 100], 0.99) == 100 and percentile([5], 0.5) == 5
+
+
+def test_the_first_step_after_a_recovery_gets_five_timeouts_and_a_checkpoint_is_no_step():
+    from unbroken.runtime.heartbeat import PHASE_CHECKPOINT as CKPT
+    from unbroken.runtime.heartbeat import PHASE_RECOVERY
+
+    d = HangDetector()
+    for step in range(10):
+        d.observe(Beat(step=step, monotonic=step * 0.05, phase=PHASE_TRAINING, pid=1))
+    d.observe(Beat(step=10, monotonic=0.5, phase=CKPT, pid=1))
+    d.observe(Beat(step=11, monotonic=9.5, phase=PHASE_TRAINING, pid=1))
+    assert d.step_timeout() == 1.0  # the 9 s checkpoint was no step time
+    d.observe(Beat(step=11, monotonic=9.6, phase=PHASE_RECOVERY, pid=1))
+    d.observe(Beat(step=11, monotonic=9.8, phase=PHASE_TRAINING, pid=1))
+    assert d.overdue(9.8 + 4.0) is None and d.overdue(9.8 + 5.5) == 5.0  # first step: 5 x
+    d.observe(Beat(step=12, monotonic=10.0, phase=PHASE_TRAINING, pid=1))
+    assert d.overdue(10.0 + 1.5) == 1.0  # the next one: the usual timeout
 
 
 def test_a_declared_long_phase_has_no_timeout_and_is_no_step_time():

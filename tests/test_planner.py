@@ -90,7 +90,7 @@ def test_nothing_new_means_nothing_to_do():
 
 def test_crash_with_a_spare_ready_waits_for_the_spare_and_keeps_the_world_size():
     s, out = run(fresh(), deaths=[death(1, node=0, spare="spare0-1")])
-    assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=1, step=0))]
+    assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=1, step=-1))]  # at once
     assert s.phase == Phase.BROKEN and s.budget.spent == 1 and s.promised == {1: "spare0-1"}
     # Every survivor has left, the spare has not registered yet: wait for it.
     s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=101)

@@ -57,7 +57,7 @@ def test_sigstop_hang_is_detected_killed_and_restarted(tmp_path):
     result = _run_with_fault(tmp_path, "hang:rank=0,step=12")
     fault = _assert_recovered(result, "hang", 0, 12)
     # Calibrated from ~tens-of-ms steps, so the 5 s floor applies: detected in seconds, not minutes.
-    assert 4.5 <= fault["silent_for"] < 15, fault
+    assert 0.9 <= fault["silent_for"] < 15, fault  # the calibrated timeout's 1 s floor
 
 
 def test_exception_traceback_is_recorded(tmp_path):

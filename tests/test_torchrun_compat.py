@@ -16,7 +16,8 @@ What is compared, and why:
 - in each file, every value a worker can rely on: ranks and sizes (RANK, LOCAL_RANK,
   WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_*, ROLE_*), TORCHELASTIC_RESTART_COUNT,
   TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_USE_AGENT_STORE, OMP_NUM_THREADS,
-  TORCH_NCCL_ASYNC_ERROR_HANDLING, CUDA_VISIBLE_DEVICES, `is_torchelastic_launched()`, `__main__`'s module name, and the all-reduce result.
+  TORCH_NCCL_ASYNC_ERROR_HANDLING (2 under unbroken in place, on purpose: ON_PURPOSE),
+  CUDA_VISIBLE_DEVICES, `is_torchelastic_launched()`, `__main__`'s module name, and the all-reduce result.
   Values that legitimately differ between two runs (MASTER_ADDR, MASTER_PORT,
   TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE's path) are compared by presence only;
   where a row fixes the run id, `expect` checks its value on both sides.
@@ -202,6 +203,11 @@ SCRIPT_PATHS = {"worker": str(SCRIPTS / "compat_worker.py"),
                 "shell": str(SCRIPTS / "compat_worker.sh"), "module": "compat_pkg.worker"}
 LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "unbroken": unbroken_cmd("run")}
+# Different on purpose (docs/torchrun-migration.md): in place, a survivor must outlive a
+# communicator error, so NCCL's handling aborts the communicators but keeps the process (2);
+# without in-place recovery (--no-python), torchrun's 1.
+ON_PURPOSE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": lambda args: "1" if "--no-python" in args
+              else "2"}
 # Inherited from the test's own environment, these would change what a launcher does.
 STRIPPED_PREFIXES = ("PET_", "TORCHELASTIC_", "UNBROKEN_")
 STRIPPED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -416,13 +422,16 @@ def _check_one(o: Outcome, case: Case) -> None:
         _check_root_cause(o, case)
 
 
-def _compare(t: Outcome, u: Outcome) -> None:
+def _compare(t: Outcome, u: Outcome, args: tuple[str, ...]) -> None:
     """Both launchers' workers saw the same thing (presence only where runs differ)."""
     assert sorted(u.files) == sorted(t.files), "[unbroken] other rank files than torchrun's"
     for name, ref in t.files.items():
         got = u.files[name]
         for key in sorted(set(ref) | set(got)):
-            if key in PRESENCE_ONLY:
+            if key in ON_PURPOSE:
+                assert ref.get(key) == "1" and got.get(key) == ON_PURPOSE[key](args), (
+                    f"[unbroken] {name}: {key}={got.get(key)!r}, torchrun {ref.get(key)!r}")
+            elif key in PRESENCE_ONLY:
                 assert (got.get(key) is None) == (ref.get(key) is None), (
                     f"[unbroken] {name}: {key} is set under torchrun ({ref.get(key)!r}), "
                     f"under unbroken {got.get(key)!r}")
@@ -440,7 +449,7 @@ def test_same_outcome_as_torchrun(case: Case, tmp_path: Path) -> None:
     _check(reference, case)
     ours = _run("unbroken", case, tmp_path / "unbroken")
     _check(ours, case)
-    _compare(reference, ours)
+    _compare(reference, ours, case.args)
 
 
 def test_the_table_covers_the_issue() -> None:

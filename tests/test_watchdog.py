@@ -8,7 +8,7 @@ import time
 
 from conftest import wait_for
 
-from unbroken.runtime.heartbeat import HeartbeatReader, HeartbeatWriter
+from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatReader, HeartbeatWriter
 from unbroken.runtime.watchdog import Watchdog
 
 
@@ -18,6 +18,7 @@ def _watchdog(tmp_path):
     interrupted, recorded = [], []
     dog = Watchdog(writer, lambda: interrupted.append(time.monotonic()),
                    lambda *a: recorded.append(a), period=0.005)
+    assert not dog.errors
     return writer, reader, dog, interrupted, recorded
 
 
@@ -38,7 +39,7 @@ def test_it_aborts_a_step_of_a_broken_generation_once(tmp_path):
     dog.start()
     try:
         dog.entered(gen=0, step=10)
-        reader.set_target(1, 0)  # the leader broke generation 0: leave now
+        reader.set_target(1, LEAVE_NOW)  # the leader broke generation 0: leave at once
         wait_for(lambda: interrupted, 5, "the abort")
         time.sleep(0.05)
         assert len(interrupted) == 1 and recorded == [(0, 1, 10)]
@@ -53,8 +54,10 @@ def test_it_leaves_a_planned_switch_and_a_step_boundary_alone(tmp_path):
         dog.entered(gen=0, step=10)
         reader.set_target(1, 12)  # a grow-back at step 12: made at that boundary
         time.sleep(0.1)
+        dog.entered(gen=0, step=13)  # even past it (a fast rank on another node)
+        time.sleep(0.1)
         dog.left()  # between steps: the main thread will see the switch itself
-        reader.set_target(1, 0)
+        reader.set_target(1, LEAVE_NOW)
         time.sleep(0.1)
         dog.entered(gen=1, step=11)  # already in the target generation
         time.sleep(0.1)

@@ -102,7 +102,8 @@ class NodeDone:
 
 @dataclass
 class SwitchTarget:
-    """Every member leaves its generation at `step` and joins generation `gen`."""
+    """Every member leaves its generation at `step` and joins generation `gen`; step -1
+    (`runtime.heartbeat.LEAVE_NOW`): at once, mid-step (the generation is broken)."""
 
     gen: int
     step: int
@@ -120,6 +121,7 @@ class WorkerProgress:
     silent_for: float  # seconds since its step (or phase) began
     frozen_for: float | None  # seconds since its watchdog thread last ran; None: no watchdog
     timeout: float  # its step timeout, calibrated from its step times
+    stopped: bool = False  # its process is stopped (state T in /proc, read by its agent)
 
 
 @dataclass

@@ -6,16 +6,19 @@ kill its own longest-silent worker, so one hang killed one innocent per node). T
 reads where every member stands (`StallReport`, one per node, written by its agent when its
 workers stall) and decides, in this order:
 
-1. A member whose process is stopped (its watchdog thread has not run for half its timeout:
-   SIGSTOP, a frozen host) is the culprit: nothing else can be said of a process that runs
-   nothing. Such evidence needs no other node's report.
-2. A member in a phase the script declared long (`run.phase("eval")`) excuses the stall: the
-   others wait for it by design.
+1. A member whose process is stopped (its agent reads state `T` in /proc: SIGSTOP), or
+   whose watchdog thread has not run for a whole step timeout outside a declared phase
+   (nothing in it runs: a C call holding the GIL for ever), is the culprit. Such evidence
+   needs no other node's report.
+2. A member in a phase the script declared long (`run.phase("eval")`), or in a checkpoint
+   or a recovery (bounded by their own, longer, timeouts), excuses the stall: the others
+   wait for it by design.
 3. Until every member is reported (a node that is cut off reports nothing; it is lost after
    `--node-timeout`, which is a death of its own), and past its own timeout, nobody is
    blamed: a member that moves ends the stall.
 4. The members behind the others (a lower (step, progress): they have not reached the
-   collective the others wait in) are the culprits.
+   collective the others wait in) are the culprits, if they are at most half the members:
+   most ranks behind one means that one did more (an extra forward), not that the rest hang.
 5. Every member alive, at the same point, and stalled: no single culprit (a network blip
    that TCP will ride out, a collective that no rank can finish, a shared file system that
    hangs). The planner waits up to its `stall_limit`, then restarts the attempt, charged once.
@@ -27,9 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.control.messages import StallReport, WorkerProgress
-from unbroken.runtime.heartbeat import PHASE_LONG, STEPPING
-
-FROZEN_FRACTION = 0.5  # of its step timeout: a watchdog silent this long means a stopped process
+from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_TRAINING, STEPPING
 
 
 class VerdictKind(StrEnum):
@@ -53,8 +54,10 @@ class Verdict:
 
 
 def frozen(w: WorkerProgress) -> bool:
-    """Its process runs nothing: the watchdog thread has been silent for half its timeout."""
-    return w.frozen_for is not None and w.frozen_for >= FROZEN_FRACTION * w.timeout
+    """Its process runs nothing: stopped, or its watchdog thread silent for a whole step
+    timeout inside a step (not in a declared phase: a long C call there is allowed)."""
+    return w.stopped or (w.phase == PHASE_TRAINING and w.frozen_for is not None
+                         and w.frozen_for >= w.timeout)
 
 
 def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
@@ -65,7 +68,7 @@ def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
     stopped = [c for c in placed.values() if c.worker.phase in STEPPING and frozen(c.worker)]
     if stopped:
         names = ", ".join(f"rank {c.worker.slot} (node {c.node})" for c in stopped)
-        worst = max(c.worker.frozen_for for c in stopped)
+        worst = max(c.worker.frozen_for or 0.0 for c in stopped)
         return Verdict(VerdictKind.KILL, f"{names} stopped: no thread of it ran for "
                        f"{worst:.1f}s while the others waited", stopped)
     long = [c for c in placed.values() if c.worker.phase == PHASE_LONG]
@@ -74,8 +77,8 @@ def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
                        "script declared long; the others wait for it")
     elsewhere = [c for c in placed.values() if c.worker.phase not in STEPPING]
     if elsewhere:  # a checkpoint or a recovery: bounded by its own, longer, timeout
-        return Verdict(VerdictKind.WAIT, f"rank {elsewhere[0].worker.slot} is not stepping "
-                       f"(phase {elsewhere[0].worker.phase})")
+        return Verdict(VerdictKind.EXCUSED, f"rank {elsewhere[0].worker.slot} is not "
+                       f"stepping (phase {elsewhere[0].worker.phase}): its own timeout bounds it")
     missing = [m for m in members if m not in placed]
     if missing:
         return Verdict(VerdictKind.WAIT, f"no report yet on worker(s) {missing}")
@@ -86,6 +89,9 @@ def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
     low, high = min(position.values()), max(position.values())
     if low < high:
         behind = [placed[m] for m in members if position[m] == low]
+        if 2 * len(behind) > len(members):
+            return Verdict(VerdictKind.STUCK, f"{len(behind)} of {len(members)} ranks at step "
+                           f"{low[0]} point {low[1]}, the rest further: no single culprit")
         names = ", ".join(f"rank {c.worker.slot} (node {c.node})" for c in behind)
         return Verdict(VerdictKind.KILL, f"{names} behind: step {low[0]} point {low[1]} while "
                        f"the others wait at step {high[0]} point {high[1]}", behind)

@@ -24,9 +24,11 @@ from unbroken.runtime.heartbeat import (
     Beat,
 )
 
-_UNTIMED = (PHASE_STARTING, PHASE_RECOVERY, PHASE_LONG)  # an interval from these is no step time
+# An interval from these is no step time.
+_UNTIMED = (PHASE_STARTING, PHASE_RECOVERY, PHASE_LONG, PHASE_CHECKPOINT)
 DEFAULT_FLOOR = 1.0
 DEFAULT_FACTOR = 3.0
+FIRST_STEP_FACTOR = 5.0  # the first step after a start or a recovery (DDP rebuckets, caches warm)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,6 +55,7 @@ class HangDetector:
         self._intervals: deque[float] = deque(maxlen=window)
         self._timeout: float | None = None  # cached until the next interval
         self._last: Beat | None = None
+        self._first_step = False  # the step under way is the first after a start or recovery
 
     def observe(self, beat: Beat) -> None:
         last = self._last
@@ -60,6 +63,9 @@ class HangDetector:
             self._intervals.append((beat.monotonic - last.monotonic) / (beat.step - last.step))
             self._timeout = None
         if last is None or beat.step != last.step or beat.phase != last.phase:
+            if last is not None and beat.phase not in _UNTIMED:
+                self._first_step = last.phase in (PHASE_STARTING, PHASE_RECOVERY) or (
+                    self._first_step and beat.step == last.step)
             self._last = beat
 
     def step_timeout(self) -> float:
@@ -82,6 +88,8 @@ class HangDetector:
             return self.startup_timeout
         if beat.phase in (PHASE_CHECKPOINT, PHASE_RECOVERY):
             return self.checkpoint_timeout  # a recovery is bounded by the leader's watchdog
+        if self._first_step and self.fixed_timeout is None:
+            return FIRST_STEP_FACTOR * self.step_timeout()
         return self.step_timeout()
 
     def overdue(self, now: float) -> float | None:

@@ -268,6 +268,7 @@ class Leader(Role):
             return None
         cfg = self.cfg
         config = PlannerConfig(policy=Policy(cfg.on_fault), recovery_timeout=cfg.recovery_timeout,
+                               stall_limit=max(60.0, 3 * cfg.node_timeout),
                                join_timeout=cfg.join_timeout)
         if resume and (ex := PlanExecutor.resume(self.channel, attempt, config, self.events.emit,
                                                  self.say)) is not None:

@@ -45,6 +45,7 @@ from unbroken.control.messages import (
 )
 from unbroken.launch.blame import VerdictKind, blame
 from unbroken.launch.budget import RestartBudget
+from unbroken.runtime.heartbeat import LEAVE_NOW
 from unbroken.telemetry.event_names import Event
 
 
@@ -72,7 +73,7 @@ class PlannerConfig:
     """How long a promised spare is waited for, under any policy, before planning without it."""
     replacement_delay: float = 2.0
     """`shrink`: a replacement is ordered once survivors run the next generation, or by then."""
-    stall_limit: float = 60.0
+    stall_limit: float = 60.0  # the leader makes it at least 3 x --node-timeout
     """A stall nobody can be blamed for (a member unreported and not lost, or every member
     alive at the same point: a network blip, a stuck file system) that lasts this long
     ends the attempt for a full restart."""
@@ -553,7 +554,7 @@ class _Decision:
         for m in s.members:
             if m in s.dead and s.dead[m] not in s.recovery.faults:
                 s.recovery.faults.append(s.dead[m])
-        self._request_switch(0)  # every member leaves at its next step boundary
+        self._request_switch(LEAVE_NOW)  # every member leaves at once (mid-step: aborted)
 
     def _settle(self) -> None:
         s, config = self.s, self.config

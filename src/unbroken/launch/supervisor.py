@@ -8,6 +8,7 @@ orphan guard holds their process groups).
 
 from __future__ import annotations
 
+import itertools
 import os
 import selectors
 import signal
@@ -198,10 +199,12 @@ class NodeSupervisor:
         self._spares_started += 1
         wid = f"spare{cfg.node_rank}-{self._spares_started}"
         base = self.node_dir / f"attempt_{self._attempt}" / wid
-        # On a standby node each spare has a device of its own; elsewhere spares share one.
+        # Each spare gets a device of its own, not used by a live worker or spare: on a
+        # standby node the node's devices, elsewhere those beyond the workers' (LOCAL_RANK
+        # nproc, nproc + 1, ...). On a GPU node without one, the spare refuses to start
+        # (`Run`, one line); it keeps its device when promoted.
         taken = {p.local_rank for p in (*self.spares, *self.workers) if p.proc.poll() is None}
-        local_rank = (next((i for i in range(cfg.nproc_per_node) if i not in taken), 0)
-                      if self.standby else 0)
+        local_rank = next(i for i in itertools.count() if i not in taken)
         env = self._env(-1, local_rank, base, slot=-1, worker_id=wid, joining=True,
                         role=Role.SPARE)
         # A spare is no rank yet: its output goes to its own file once worker logs go to files.
@@ -399,28 +402,30 @@ class NodeSupervisor:
         now = time.monotonic()
         beats = {}
         for w in self.workers:
-            beat = w.heartbeat.read() if w.proc.returncode is None else None
+            beat = w.heartbeat.read() if w.proc.poll() is None else None
             if beat is None or beat.generation < 0:
-                return None  # starting, or joining: not a member the leader can weigh yet
+                continue  # exited, or joining: not a member the leader weighs
             w.hang.observe(beat)
             beats[w.wid] = beat
         gens = {b.generation for b in beats.values()}
         if len(gens) != 1:
-            return None  # mid-switch
+            return None  # nobody here to weigh, or mid-switch
         workers = []
         for w in self.workers:
-            beat = beats[w.wid]
+            beat = beats.get(w.wid)
+            if beat is None:
+                continue
             timeout = w.hang.step_timeout()
             workers.append(WorkerProgress(
                 wid=w.wid, slot=w.rank, step=beat.step, progress=beat.progress, phase=beat.phase,
                 silent_for=round(w.hang.silent_for(now), 3),
                 frozen_for=round(now - beat.alive, 3) if beat.alive is not None else None,
-                timeout=round(timeout, 3)))
+                timeout=round(timeout, 3), stopped=_is_stopped(w.pid)))
         stalled = any(p.phase in STEPPING and p.silent_for > p.timeout for p in workers)
         report = StallReport(node=self.cfg.node_rank, gen=gens.pop(),
                              workers=workers if stalled else [])
-        key = (report.gen, tuple((p.wid, p.step, p.progress, p.phase, frozen(p))
-                                 for p in report.workers))
+        key = (report.gen, tuple((p.wid, p.step, p.progress, p.phase, frozen(p),
+                                  p.silent_for > p.timeout) for p in report.workers))
         quiet_before = self._stall_key is None or not self._stall_key[1]
         if key == self._stall_key or (not stalled and quiet_before):
             return None

@@ -43,6 +43,9 @@ PHASE_RECOVERY = 4  # re-forming the group in place: bounded by the leader, not 
 PHASE_SPARE_READY = 5  # a hot spare, warmed up, waiting to be promoted
 PHASE_LONG = 6  # a phase the script declared long (`run.phase("eval")`): no step timeout
 STEPPING = (PHASE_TRAINING, PHASE_LONG)  # inside the training loop, between two boundaries
+# In the target's step field: leave at once (the leader broke the generation), which the
+# watchdog acts on mid-step; a step >= 0 is a planned switch, made at that step boundary.
+LEAVE_NOW = -1
 # In a spare's target field, this generation means "promoted": the step field is its slot.
 # Shared memory, so that an idle spare waits without a system call or a store round trip.
 SPARE_PROMOTION = -2
@@ -73,30 +76,40 @@ class HeartbeatWriter:
         struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, -1)
         struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, -1, 0)
         struct.pack_into(_ALIVE_FORMAT, self._map, _ALIVE_OFFSET, 0)
+        self._words = memoryview(self._map).cast("q")  # aligned 8-byte stores, each whole
         self._progress = 0
+        self.phase = PHASE_STARTING
         self.stamp(-1, PHASE_STARTING)
 
     def stamp(self, step: int, phase: int = PHASE_TRAINING) -> None:
         """A step boundary or a change of phase: the progress counter starts again at 0."""
         self._progress = 0
+        self.phase = phase
         struct.pack_into(_FORMAT, self._map, 0, step, time.monotonic_ns(), phase, self._pid, 0)
 
     def advance(self) -> None:
         """One more point passed inside the step (one aligned 8-byte store: the step and its
         time are left as they are, so the hang timeout still runs from the step's start)."""
         self._progress += 1
-        struct.pack_into("<q", self._map, _PROGRESS_OFFSET, self._progress)
+        self._words[_PROGRESS_OFFSET // 8] = self._progress
 
     def tick(self) -> None:
         """The watchdog thread ran: this process is not stopped."""
-        struct.pack_into(_ALIVE_FORMAT, self._map, _ALIVE_OFFSET, time.monotonic_ns())
+        self._words[_ALIVE_OFFSET // 8] = time.monotonic_ns()
 
     def set_generation(self, generation: int) -> None:
         struct.pack_into(_GEN_FORMAT, self._map, _GEN_OFFSET, generation)
 
     def target(self) -> tuple[int, int]:
-        """(generation, step): the agent asks the worker to leave its generation at that step."""
-        return struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
+        """(generation, step): the agent asks the worker to leave its generation at that step
+        (`LEAVE_NOW`: at once). Read until two reads agree: the agent may be writing it."""
+        seen = struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
+        for _ in range(100):
+            again = struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
+            if again == seen:
+                break
+            seen = again
+        return seen
 
     def promotion(self) -> int | None:
         """A spare's slot, once its agent has promoted it."""
@@ -144,7 +157,11 @@ class HeartbeatReader:
         """Ask the worker to leave its generation at `step`; False until it has a heartbeat."""
         if self._map is None and self.read() is None:
             return False
-        struct.pack_into(_TARGET_FORMAT, self._map, _TARGET_OFFSET, generation, step)
+        # The step first: a reader that sees the new generation sees its step too.
+        words = memoryview(self._map).cast("q")
+        words[_TARGET_OFFSET // 8 + 1] = step
+        words[_TARGET_OFFSET // 8] = generation
+        words.release()
         return True
 
     def promote(self, slot: int) -> bool:

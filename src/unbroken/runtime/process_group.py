@@ -80,10 +80,7 @@ class AbortableGroups:
         blocked in one of them: see `runtime/watchdog.py`). Idempotent."""
         with self._lock:
             if self.backend == "nccl" and dist.is_initialized():
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except (RuntimeError, ValueError):
-                    pass  # already aborted or destroyed: nothing is blocked on it any more
+                _abort_nccl_groups()
             current = _socket_inodes()
             for fd, inode in self._sockets.items():
                 if current.get(fd) != inode:
@@ -114,6 +111,31 @@ class AbortableGroups:
             except (RuntimeError, ValueError):
                 pass  # a broken group can fail to destroy cleanly; it is gone either way
         self.backend = None
+
+
+def _abort_nccl_groups() -> None:
+    """Abort every process group's communicators, as `_abort_process_group()` does, but
+    leave torch's registry of groups alone: the main thread, blocked in a collective, must
+    fail with the communicator's error, not find the default group gone (a ValueError that
+    would pass for the script's own). The main thread tears the groups down afterwards."""
+    c10d = dist.distributed_c10d
+    groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+    try:
+        backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError):
+        backend = None
+    nccl = c10d.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
+    if nccl:
+        backend._group_start()  # one NCCL group: communicators' aborts cannot deadlock
+    try:
+        for group in groups:
+            try:
+                group.abort()
+            except RuntimeError:
+                pass  # already aborted (NCCL's own error handling got there first)
+    finally:
+        if nccl:
+            backend._group_end()
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,12 @@ class Run:
             self.in_place = False
             self.events.emit(Event.IN_PLACE_UNAVAILABLE, reason="process group initialised by the script")
         if self.backend == "nccl":
+            if self.spare and self.local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"a hot spare needs a GPU of its own, and this node has "
+                    f"{torch.cuda.device_count()} for {env.local_world_size} worker(s) and the "
+                    f"spares before this one: run fewer --spares (GPUs - workers per node), "
+                    f"or put the spares on a --standby node")
             torch.cuda.set_device(self.local_rank)
         with self._groups.recording():
             if self.world_size > 1 and not dist.is_initialized() and not self.joining:
@@ -322,6 +328,7 @@ class Run:
         it is not detected (a stopped process still is). Blocks may nest."""
         t0 = time.monotonic()
         self._long_depth += 1
+        outer = self._heartbeat.phase if self._heartbeat is not None else PHASE_TRAINING
         if self._long_depth == 1:
             self._stamp(self.step, PHASE_LONG)
         try:
@@ -329,7 +336,7 @@ class Run:
         finally:
             self._long_depth -= 1
             if self._long_depth == 0:
-                self._stamp(self.step, PHASE_TRAINING)  # the step's clock starts again here
+                self._stamp(self.step, outer)  # a step's clock starts again here
                 self.events.emit(Event.PHASE, name=name, step=self.step,
                                  duration=round(time.monotonic() - t0, 6))
 
@@ -618,6 +625,8 @@ class Run:
         """Tear down what `init` created; safe to call twice."""
         if self._watchdog is not None:
             self._watchdog.stop()
+            for error in self._watchdog.errors:
+                print(f"unbroken: the watchdog thread failed: {error}", file=sys.stderr)
             self._watchdog = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -6,8 +6,9 @@ Every `period` seconds it
   culprit of a hang from the ranks waiting for it (`launch/blame.py`);
 - reads the switch target its agent mirrors from the leader. If the leader has broken the
   worker's generation (a member died, hung or was cut off: the target names a newer
-  generation, due at a step this worker has already started) while the main thread is inside
-  a step, it aborts the generation's groups (`AbortableGroups.interrupt`). A collective
+  generation, to be left at once, `LEAVE_NOW`) while the main thread is inside a step, it
+  aborts the generation's groups (`AbortableGroups.interrupt`). A planned switch (a
+  grow-back, a drain: a step number) is made at that step boundary, never aborted. A collective
   blocked on a peer that will never answer then fails at once, and the main thread leaves by
   the normal path (a peer error), instead of waiting for a socket that never closes.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from unbroken.runtime.heartbeat import HeartbeatWriter
+from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatWriter
 
 
 class Watchdog:
@@ -39,6 +40,7 @@ class Watchdog:
         self._inside: tuple[int, int] | None = None  # (generation, step) of the running step
         self._aborted_gen = -1
         self._stop = threading.Event()
+        self.errors: list[str] = []  # what failed in the thread (it goes on ticking)
         self._thread = threading.Thread(target=self._run, name="unbroken-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -61,9 +63,12 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._heartbeat.tick()
-            aborted = self._abort_if_due()
-            if aborted is not None:
-                self._on_abort(*aborted)
+            try:
+                aborted = self._abort_if_due()
+                if aborted is not None:
+                    self._on_abort(*aborted)
+            except Exception as exc:  # noqa: BLE001 - the thread must go on ticking
+                self.errors.append(f"{type(exc).__name__}: {exc}")  # read by the worker
 
     def _abort_if_due(self) -> tuple[int, int, int] | None:
         target_gen, at_step = self._heartbeat.target()
@@ -71,7 +76,7 @@ class Watchdog:
             if self._inside is None:
                 return None
             gen, step = self._inside
-            if target_gen <= gen or at_step > step or self._aborted_gen >= gen:
+            if target_gen <= gen or at_step != LEAVE_NOW or self._aborted_gen >= gen:
                 return None
             self._aborted_gen = gen
             self._interrupt()
