@@ -100,8 +100,12 @@ def test_the_leaders_host_cut_off_the_job_goes_on_without_it_in_place(netns_host
     assert [e["lost_node"] for e in events_of(run_dir, "node_lost")] == [0]
     assert not [e for e in events_of(run_dir, "rendezvous") if e["attempt"] > 0]
     assert [e["world_size"] for e in events_of(run_dir, "gen_plan")] == [2]
+    # The first survivor whose watchdog aborts the broken generation shuts its sockets, so
+    # the other may fail out of the collective by that peer error before its own notice.
     aborted = {e["node"] for e in events_of(run_dir, "abort_on_notice")}
-    assert aborted == {1, 2}, aborted  # each survivor left its collective on notice
+    assert aborted and aborted <= {1, 2}, aborted
+    left = {e["node"]: e["reason"] for e in events_of(run_dir, "gen_leave") if e["gen"] == 0}
+    assert left == {1: "peer", 2: "peer"}, left
     assert not events_of(run_dir, "hang_blamed")  # alive and waiting: nobody to blame
     assert summarize(run_dir)["steps"] == 200
 

@@ -205,9 +205,9 @@ LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "unbroken": unbroken_cmd("run")}
 # Different on purpose (docs/torchrun-migration.md): in place, a survivor must outlive a
 # communicator error, so NCCL's handling aborts the communicators but keeps the process (2);
-# without in-place recovery (--no-python), torchrun's 1.
-ON_PURPOSE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": lambda args: "1" if "--no-python" in args
-              else "2"}
+# without in-place recovery (--no-python, or PET_NO_PYTHON), torchrun's 1.
+ON_PURPOSE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": lambda case: "1" if (
+    "--no-python" in case.args or case.env.get("PET_NO_PYTHON") == "1") else "2"}
 # Inherited from the test's own environment, these would change what a launcher does.
 STRIPPED_PREFIXES = ("PET_", "TORCHELASTIC_", "UNBROKEN_")
 STRIPPED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -422,14 +422,14 @@ def _check_one(o: Outcome, case: Case) -> None:
         _check_root_cause(o, case)
 
 
-def _compare(t: Outcome, u: Outcome, args: tuple[str, ...]) -> None:
+def _compare(t: Outcome, u: Outcome, case: Case) -> None:
     """Both launchers' workers saw the same thing (presence only where runs differ)."""
     assert sorted(u.files) == sorted(t.files), "[unbroken] other rank files than torchrun's"
     for name, ref in t.files.items():
         got = u.files[name]
         for key in sorted(set(ref) | set(got)):
             if key in ON_PURPOSE:
-                assert ref.get(key) == "1" and got.get(key) == ON_PURPOSE[key](args), (
+                assert ref.get(key) == "1" and got.get(key) == ON_PURPOSE[key](case), (
                     f"[unbroken] {name}: {key}={got.get(key)!r}, torchrun {ref.get(key)!r}")
             elif key in PRESENCE_ONLY:
                 assert (got.get(key) is None) == (ref.get(key) is None), (
@@ -449,7 +449,7 @@ def test_same_outcome_as_torchrun(case: Case, tmp_path: Path) -> None:
     _check(reference, case)
     ours = _run("unbroken", case, tmp_path / "unbroken")
     _check(ours, case)
-    _compare(reference, ours, case.args)
+    _compare(reference, ours, case)
 
 
 def test_the_table_covers_the_issue() -> None:
