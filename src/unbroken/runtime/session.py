@@ -71,6 +71,7 @@ from unbroken.runtime.process_group import (
 )
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.spare import await_promotion
+from unbroken.runtime.state_sync import pack
 from unbroken.runtime.watchdog import Watchdog
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -401,6 +402,7 @@ class Run:
         else:
             self._resume()
             self._view = self._build_view()
+            self._check_in_place()
         self.events.emit(Event.RESUME, step=self.step, total=steps, gen=self.gen)
         if self._heartbeat is not None and self.in_place:
             self._heartbeat.set_generation(self.gen)
@@ -444,6 +446,25 @@ class Run:
             self._generations.membership.report_done(self.gen)
         self._stamp(self.step, PHASE_DONE)
         self.events.emit(Event.TRAINING_DONE, step=self.step, gen=self.gen, pid=os.getpid())
+
+    def _check_in_place(self) -> None:
+        """Before the first step, not at the first fault: state that cannot travel between
+        peers (sharded: DTensors) cannot be recovered in place, so faults restart every
+        worker from the checkpoint at once, with no switch tried first. Said in one line."""
+        if not self.in_place:
+            return
+        try:
+            pack(self._peer_state())
+        except TypeError as exc:
+            why = f"{exc}: a fault restarts every worker from the last checkpoint"
+            self.events.emit(Event.IN_PLACE_UNAVAILABLE, reason=why)
+            if self.rank == 0:
+                print(f"unbroken: in-place recovery is not available: {why}", file=sys.stderr,
+                      flush=True)
+            self.in_place = False
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
