@@ -410,24 +410,23 @@ class NodeSupervisor:
         gens = {b.generation for b in beats.values()}
         if len(gens) != 1:
             return None  # nobody here to weigh, or mid-switch
-        workers = []
-        for w in self.workers:
-            beat = beats.get(w.wid)
-            if beat is None:
-                continue
-            timeout = w.hang.step_timeout()
-            workers.append(WorkerProgress(
-                wid=w.wid, slot=w.rank, step=beat.step, progress=beat.progress, phase=beat.phase,
-                silent_for=round(w.hang.silent_for(now), 3),
-                frozen_for=round(now - beat.alive, 3) if beat.alive is not None else None,
-                timeout=round(timeout, 3), stopped=_is_stopped(w.pid)))
-        stalled = any(p.phase in STEPPING and p.silent_for > p.timeout for p in workers)
-        report = StallReport(node=self.cfg.node_rank, gen=gens.pop(),
-                             workers=workers if stalled else [])
+        live = [w for w in self.workers if w.wid in beats]
+        stalled = any(beats[w.wid].phase in STEPPING
+                      and w.hang.silent_for(now) > w.hang.step_timeout() for w in live)
+        quiet_before = self._stall_key is None or not self._stall_key[1]
+        if not stalled and quiet_before:
+            return None  # the usual look: nothing to say, and nothing read from /proc
+        workers = [WorkerProgress(
+            wid=w.wid, slot=w.rank, step=beats[w.wid].step, progress=beats[w.wid].progress,
+            phase=beats[w.wid].phase, silent_for=round(w.hang.silent_for(now), 3),
+            frozen_for=(round(now - beats[w.wid].alive, 3)
+                        if beats[w.wid].alive is not None else None),
+            timeout=round(w.hang.step_timeout(), 3), stopped=_is_stopped(w.pid))
+            for w in live] if stalled else []
+        report = StallReport(node=self.cfg.node_rank, gen=gens.pop(), workers=workers)
         key = (report.gen, tuple((p.wid, p.step, p.progress, p.phase, frozen(p),
                                   p.silent_for > p.timeout) for p in report.workers))
-        quiet_before = self._stall_key is None or not self._stall_key[1]
-        if key == self._stall_key or (not stalled and quiet_before):
+        if key == self._stall_key:
             return None
         self._stall_key = key
         return report

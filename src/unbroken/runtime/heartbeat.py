@@ -22,8 +22,12 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _FORMAT = "<qqqqq"  # step, monotonic_ns, phase, pid, progress: written by the worker
 _PROGRESS_OFFSET = struct.calcsize("<qqqq")  # the last field of _FORMAT, bumped on its own
@@ -49,6 +53,18 @@ LEAVE_NOW = -1
 # In a spare's target field, this generation means "promoted": the step field is its slot.
 # Shared memory, so that an idle spare waits without a system call or a store round trip.
 SPARE_PROMOTION = -2
+
+
+def _settled(read: Callable[[], T]) -> T:
+    """`read()` until two reads in a row agree: the other side may be writing the fields,
+    which are not written at once, and stores reach us in program order."""
+    seen = read()
+    for _ in range(100):
+        again = read()
+        if again == seen:
+            break
+        seen = again
+    return seen
 
 
 @dataclass(frozen=True)
@@ -102,14 +118,8 @@ class HeartbeatWriter:
 
     def target(self) -> tuple[int, int]:
         """(generation, step): the agent asks the worker to leave its generation at that step
-        (`LEAVE_NOW`: at once). Read until two reads agree: the agent may be writing it."""
-        seen = struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
-        for _ in range(100):
-            again = struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET)
-            if again == seen:
-                break
-            seen = again
-        return seen
+        (`LEAVE_NOW`: at once)."""
+        return _settled(lambda: struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET))
 
     def promotion(self) -> int | None:
         """A spare's slot, once its agent has promoted it."""
@@ -136,15 +146,9 @@ class HeartbeatReader:
                 self._map = mmap.mmap(fd, _SIZE)
             finally:
                 os.close(fd)
-        # The worker may be stamping while we read, and the 32 bytes are not written at
-        # once: a read can pair a new pid with an old (at first, zero) time. Two equal reads
-        # in a row are whole (stores reach us in program order), and a zero time is no stamp.
-        raw = self._map[:_GEN_OFFSET]
-        for _ in range(100):
-            again = self._map[:_GEN_OFFSET]
-            if again == raw:
-                break
-            raw = again
+        # The worker may be stamping while we read: a read can pair a new pid with an old (at
+        # first, zero) time. A settled read is whole, and a zero time is no stamp.
+        raw = _settled(lambda: self._map[:_GEN_OFFSET])
         step, ns, phase, pid, progress = struct.unpack(_FORMAT, raw)
         if pid == 0 or ns == 0:
             return None

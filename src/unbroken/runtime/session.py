@@ -389,10 +389,6 @@ class Run:
                            timeout=self.env.recovery_timeout),
                 self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
                 record=self.events.emit, fault_point=self._faults.at_point)
-        if self.in_place and self._heartbeat is not None:
-            self._watchdog = Watchdog(self._heartbeat, self._groups.interrupt,
-                                      self._aborted_on_notice)
-            self._watchdog.start()
         if self.spare:
             self._warm_up(step_fn)
             self._await_promotion()
@@ -406,6 +402,9 @@ class Run:
         self.events.emit(Event.RESUME, step=self.step, total=steps, gen=self.gen)
         if self._heartbeat is not None and self.in_place:
             self._heartbeat.set_generation(self.gen)
+            self._watchdog = Watchdog(self._heartbeat, self._groups.interrupt,
+                                      self._aborted_on_notice)
+            self._watchdog.start()
         while self.step < steps:
             step = self.step
             if self._heartbeat is not None:
@@ -433,15 +432,16 @@ class Run:
             self.events.emit(Event.STEP, step=step, duration=round(duration, 6), gen=self.gen,
                              **self._metrics)
             try:
-                self._after_step(duration)
-                if self.step == steps:
-                    self._finish_checkpoints()
+                try:
+                    self._after_step(duration)
+                    if self.step == steps:
+                        self._finish_checkpoints()
+                finally:
+                    self._left()
             except Exception as exc:
                 if not (self.in_place and is_peer_error(exc)):
                     raise
-                self._left()
                 self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
-            self._left()
         if self.in_place:  # first: a done heartbeat means the leader counts this member done
             self._generations.membership.report_done(self.gen)
         self._stamp(self.step, PHASE_DONE)
@@ -462,9 +462,6 @@ class Run:
                 print(f"unbroken: in-place recovery is not available: {why}", file=sys.stderr,
                       flush=True)
             self.in_place = False
-            if self._watchdog is not None:
-                self._watchdog.stop()
-                self._watchdog = None
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
