@@ -163,6 +163,7 @@ class Departure:
     t: float
     error: str | None = None
     traceback: str | None = None
+    sharded: bool = False  # its state is sharded: the job cannot shrink in place
 
 
 @dataclass

@@ -584,7 +584,9 @@ class _Decision:
             if not self._charge(fault):
                 return
         if any(r.reason == LeaveReason.NO_STATE for r in left.values()):
-            return self._fallback("no live worker holds the committed state")
+            why = next((r.error for r in left.values()
+                        if r.reason == LeaveReason.NO_STATE and r.error), None)
+            return self._fallback(why or "no live worker holds the committed state")
         if not any(r.holds_state for r in left.values()):
             return self._fallback("every worker that held the committed state is gone")
         members = list(left)
@@ -595,7 +597,10 @@ class _Decision:
         # spare is warm and joins in milliseconds, and the world size stays as it was.
         if set(s.promised) - filled and self.now - rec.started < config.spare_wait:
             return
-        if config.policy == Policy.WAIT and missing - filled:
+        # Sharded state cannot shrink in place (it would need resharding): such a job
+        # always waits for its lost ranks' replacements.
+        policy = Policy.WAIT if any(r.sharded for r in left.values()) else config.policy
+        if policy == Policy.WAIT and missing - filled:
             coming = set(s.promised) | set(s.awaited) | {r.slot for r in s.refills}
             hopeless = sorted(missing - filled - coming)
             if hopeless:  # e.g. a standby node's rank: it starts no fresh worker

@@ -31,8 +31,17 @@ class RunConfig:
     """Also keep every checkpoint whose step is a multiple of this."""
     checkpoint_timeout: float = 600.0
     """A save not committed within this is reported and skipped over."""
+    snapshot_every: int | None = None
+    """Sharded state, in place: an in-memory snapshot every N steps; None: chosen so that
+    snapshots cost at most 1 % of step time; 0: no snapshots (HSDP replicas only)."""
+    snapshot_replicas: int = 1
+    """Sharded state, in place: buddies on other nodes that hold a copy of each snapshot."""
 
     def __post_init__(self) -> None:
+        if self.snapshot_every is not None and self.snapshot_every < 0:
+            raise UserError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
+        if self.snapshot_replicas < 1:
+            raise UserError(f"snapshot_replicas must be at least 1, got {self.snapshot_replicas}")
         if self.keep_checkpoints < 1:
             raise UserError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.keep_every is not None and self.keep_every < 1:

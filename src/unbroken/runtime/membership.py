@@ -65,11 +65,12 @@ class Membership:
         return self.channel.read(self.keys.latest_gen) or 0
 
     def leave(self, gen: int, step: int, holds_state: bool, reason: LeaveReason,
-              error: str | None = None, traceback: str | None = None) -> None:
+              error: str | None = None, traceback: str | None = None,
+              sharded: bool = False) -> None:
         g = self.keys.gen(gen)
         self.channel.append(g.departures, Departure(
             wid=self.wid, gen=gen, step=step, holds_state=holds_state, reason=LeaveReason(reason),
-            t=time.time(), error=error, traceback=traceback))
+            t=time.time(), error=error, traceback=traceback, sharded=sharded))
 
     def register_joiner(self, slot: int) -> None:
         self.channel.append(self.keys.joiners, Joiner(wid=self.wid, slot=slot))
@@ -77,6 +78,11 @@ class Membership:
     def finished(self) -> bool:
         """The job finished: a joiner or spare still waiting goes home."""
         return bool(self.channel.read(self.keys.finished))
+
+    def await_finished(self) -> None:
+        """Wait (bounded by the recovery timeout) for the job to end or the agent to stop
+        us: after a switch that cannot succeed, the leader restarts every worker."""
+        self._poll(lambda: True if self.finished() else None, "the leader's fallback")
 
     def _poll(self, ready: Callable[[], Any], what: str) -> Any:
         """Poll until `ready()` returns something other than None, keeping the heartbeat fresh."""

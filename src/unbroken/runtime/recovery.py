@@ -49,6 +49,7 @@ class Generations:
         self.record = record
         self.fault_point = fault_point  # injected faults at recovery points (tests, benchmarks)
         self.gen = 0
+        self.sharded = False  # set by the run: departures say so, and the leader waits
 
     def report_up(self, switch: Switch) -> None:
         """Tell the leader we are ready to train in the switch's generation."""
@@ -57,15 +58,30 @@ class Generations:
     def leave(self, step: int, holds_state: bool, reason: LeaveReason, **detail: Any) -> None:
         """Leave the current generation; peers blocked on it fail now."""
         self.groups.abort()
-        self.membership.leave(self.gen, step, holds_state, reason, **detail)
+        self.membership.leave(self.gen, step, holds_state, reason, sharded=self.sharded,
+                              **detail)
 
-    def join(self, position: Callable[[], tuple[int, bool]], get_state: Callable[[], Any],
-             set_state: Callable[[Any], None], build: Callable[[], Any],
+    def replicated(self, get_state: Callable[[], Any], set_state: Callable[[Any], None],
+                   ) -> Callable[[Plan, int, bool], SyncResult]:
+        """The state step of a switch for replicated state (DDP): the newest committed
+        state, whole, from a member that holds it (`state_sync`)."""
+        def sync(plan: Plan, committed_step: int, holds_state: bool) -> SyncResult:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if self.backend == "nccl" else None)
+            return sync_state(None, committed_step, holds_state, get_state, set_state,
+                              device=device,
+                              before_send=lambda step: self.fault_point("send", step))
+        return sync
+
+    def join(self, position: Callable[[], tuple[int, bool]],
+             sync: Callable[[Plan, int, bool], SyncResult], build: Callable[[], Any],
              joining: bool = False,
              formed: Callable[[Plan, CheckpointGroups | None], None] = lambda plan, groups: None,
              ) -> Switch:
         """Join the next generation that names us, with the newest committed state, and
         rebuild what depends on the group (`build`: DDP's constructor is collective too).
+        `sync(plan, committed_step, holds_state)` brings every member the state to resume
+        from (collective over the new default group; `replicated`, or `ShardedSync.sync`).
         `formed(plan, groups)` runs once the state is synced, before `build`: collectives it
         issues (the checkpointer's) fail over to the next plan like the rest of the switch."""
         tries = 0
@@ -90,11 +106,7 @@ class Generations:
                                               plan.world_size, self.backend, self.join_timeout,
                                               self.timeout)
                 t3 = time.monotonic()
-                device = (torch.device("cuda", torch.cuda.current_device())
-                          if self.backend == "nccl" else None)
-                result = sync_state(None, committed_step, holds_state, get_state, set_state,
-                                    device=device,
-                                    before_send=lambda step: self.fault_point("send", step))
+                result = sync(plan, committed_step, holds_state)
                 t4 = time.monotonic()
                 formed(plan, ckpt_groups)
                 view = build()
@@ -102,7 +114,8 @@ class Generations:
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
                 self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
-                self.leave(committed_step, holds_state, LeaveReason.NO_STATE)
+                self.leave(committed_step, holds_state, LeaveReason.NO_STATE,
+                           error=first_line(exc))
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):

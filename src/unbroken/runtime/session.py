@@ -62,7 +62,7 @@ from unbroken.runtime.heartbeat import (
     PHASE_TRAINING,
     HeartbeatWriter,
 )
-from unbroken.runtime.membership import Drained, JobFinished, Membership
+from unbroken.runtime.membership import Drained, JobFinished, Membership, RecoveryTimeout
 from unbroken.runtime.process_group import (
     AbortableGroups,
     bound_device,
@@ -70,8 +70,11 @@ from unbroken.runtime.process_group import (
     default_backend,
 )
 from unbroken.runtime.recovery import Generations
+from unbroken.runtime.shard_sync import ShardedSync
+from unbroken.runtime.shards import LocalShards, fake_world, is_fake_world, is_sharded
+from unbroken.runtime.snapshots import PeerSnapshots, auto_every, host_bytes
 from unbroken.runtime.spare import await_promotion
-from unbroken.runtime.state_sync import pack
+from unbroken.runtime.state_sync import NoStateError, SyncResult, pack
 from unbroken.runtime.watchdog import Watchdog
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -165,6 +168,10 @@ class Run:
             # Checkpoint collectives get groups of their own, never the training one.
             self._ckpt_groups = (checkpoint_groups(timeout, timeout)
                                  if dist.is_initialized() else None)
+        if self.in_place and self.joining and self.world_size > 1 and not dist.is_initialized():
+            # A joiner shards its model (if the script does) exactly as its rank will, in a
+            # stand-in world that communicates nothing; the real one replaces it at join.
+            fake_world(0 if self.spare else self.slot, self.world_size)
         pg_seconds = time.monotonic() - t0
         started = _process_start_time()
         self.events.emit(
@@ -203,6 +210,10 @@ class Run:
         self._watchdog: Watchdog | None = None  # in place: liveness, and abort on notice
         self._progress_hooks: list[Any] = []  # on the current view: forward entered, returned
         self._long_depth = 0  # nested run.phase() blocks
+        # Sharded state, in place: its local shards, their in-memory snapshots, the switch.
+        self._shards: LocalShards | None = None
+        self._snapshots: PeerSnapshots | None = None
+        self._sharded_sync: ShardedSync | None = None
 
     # ------------------------------------------------------------------ faults
     def _channel(self) -> Channel:
@@ -285,6 +296,7 @@ class Run:
         self._step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
         if self._checkpointer is not None and self._checkpointer.due(self.step):
             self.save_checkpoint()
+        self._snapshot()
 
     def _finish_checkpoints(self) -> None:
         """The final state, committed before we report done (bounded by checkpoint_timeout)."""
@@ -389,11 +401,15 @@ class Run:
                            timeout=self.env.recovery_timeout),
                 self._groups, self.backend, self.timeout, join_timeout=_JOIN_TIMEOUT,
                 record=self.events.emit, fault_point=self._faults.at_point)
+        if self.in_place and is_sharded(self._model):
+            self._setup_sharded()
         if self.spare:
             self._warm_up(step_fn)
             self._await_promotion()
             self._join(reason="spare")
         elif self.joining:
+            if self._shards is not None:
+                self._shards.prime()
             self._join(reason="replacement")
         else:
             self._resume()
@@ -453,15 +469,88 @@ class Run:
         worker from the checkpoint at once, with no switch tried first. Said in one line."""
         if not self.in_place:
             return
+        if self._sharded_sync is not None:
+            # Generation 0's mesh on groups a leave can abort (the script's may not be).
+            self._sharded_sync.form(self.rank, self.world_size)
+            return
         try:
             pack(self._peer_state())
         except TypeError as exc:
-            why = f"{exc}: a fault restarts every worker from the last checkpoint"
-            self.events.emit(Event.IN_PLACE_UNAVAILABLE, reason=why)
+            self._in_place_unavailable(str(exc))
+
+    def _in_place_unavailable(self, why: str) -> None:
+        why = f"{why}: a fault restarts every worker from the last checkpoint"
+        self.events.emit(Event.IN_PLACE_UNAVAILABLE, reason=why)
+        if self.rank == 0:
+            print(f"unbroken: in-place recovery is not available: {why}", file=sys.stderr,
+                  flush=True)
+        self.in_place = False
+
+    def _setup_sharded(self) -> None:
+        """Sharded state (FSDP2, HSDP) recovers in place from peers: replicas, and in-memory
+        snapshots replicated to buddies (`runtime/snapshots.py`). What cannot is named in one
+        line now, not at the first fault; snapshots that would not fit in host memory are
+        refused with the figures, and faults then need a live replica or the checkpoint."""
+        try:
+            shards = LocalShards(self._model, self._optimizers, self._extra)
+        except TypeError as exc:
+            return self._in_place_unavailable(str(exc))
+        why = shards.unsupported()
+        if why is not None:
+            return self._in_place_unavailable(why)
+        config, env = self.config, self.env
+        snapshots = None
+        if config.snapshot_every != 0:
+            if self.joining:
+                shards.prime()  # a replacement's optimizer state exists before we measure
+            need = host_bytes(shards.nbytes(), config.snapshot_replicas)
+            available = _available_memory() // max(1, env.local_world_size)
+            if need > 0.8 * available:
+                why = (f"in-memory snapshots need {need / 2**20:.0f} MiB of host memory per "
+                       f"rank (2 x {shards.nbytes() / 2**20:.0f} MiB x (1 + "
+                       f"{config.snapshot_replicas} replica(s))) and {available / 2**20:.0f} "
+                       "MiB is available per rank: a fault that loses a shard with no live "
+                       "replica restarts from the storage checkpoint")
+                self.events.emit(Event.SNAPSHOTS_REFUSED, reason=why, need_bytes=need,
+                                 available_bytes=available)
+                if self.rank == 0:
+                    print(f"unbroken: {why}", file=sys.stderr, flush=True)
+            else:
+                snapshots = PeerSnapshots(shards, config.snapshot_replicas,
+                                          config.snapshot_every, self.events.emit)
+        self._shards, self._snapshots = shards, snapshots
+        self._sharded_sync = ShardedSync(shards, snapshots, self._groups, env.local_world_size,
+                                         self.timeout, self.events.emit)
+        self._generations.sharded = True
+
+    def _snapshot(self) -> None:
+        """After a committed step: start an in-memory snapshot if one is due. The first is
+        measured, and the ranks then agree on the interval (`snapshot_every=None`)."""
+        snaps = self._snapshots
+        if snaps is None or snaps.failed is not None:
+            return
+        if snaps.every is None:
+            if snaps.last_step < 0:
+                if self.step % 5 == 0:  # past the first, slow steps; the same on every rank
+                    snaps.take(self.step)
+                return
+            snaps.wait()
+            proposal = torch.tensor([auto_every(snaps.round_seconds or 0.0,
+                                                self._step_time or 0.0)])
+            dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=snaps.group)
+            snaps.every = int(proposal.item())
+            self.events.emit(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=True,
+                             replicas=snaps.replicas, shard_bytes=self._shards.nbytes(),
+                             host_bytes=host_bytes(self._shards.nbytes(), snaps.replicas),
+                             round_s=round(snaps.round_seconds or 0.0, 6),
+                             step_s=round(self._step_time or 0.0, 6))
             if self.rank == 0:
-                print(f"unbroken: in-place recovery is not available: {why}", file=sys.stderr,
-                      flush=True)
-            self.in_place = False
+                print(f"unbroken: in-memory snapshot every {snaps.every} step(s) (a round "
+                      f"takes {snaps.round_seconds or 0:.3f} s, a step {self._step_time or 0:.3f}"
+                      f" s: at most 1 % of step time); {host_bytes(self._shards.nbytes(), snaps.replicas) / 2**20:.0f}"
+                      " MiB of host memory per rank", file=sys.stderr, flush=True)
+        elif snaps.due(self.step):
+            snaps.take(self.step)
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
@@ -469,6 +558,19 @@ class Run:
         is replaced by a peer's when the spare is promoted."""
         t0 = time.monotonic()
         steps = self.env.shadow_steps
+        if self._shards is not None:
+            # Sharded: warm up as rank 0 of the stand-in world of the real size, so that
+            # only shard-sized state is ever allocated. Any slot can take these shapes only
+            # if every sharded dimension divides evenly.
+            uneven = self._shards.rank_independent()
+            if uneven is not None:
+                raise UserError(f"a hot spare cannot serve this sharded model: {uneven} does "
+                                "not divide evenly, so each rank's shard has its own shape; "
+                                "make the sharded dimensions divisible by the world size, "
+                                "or run without --spares (replacements start per slot)")
+            return self._warm_up_sharded(step_fn, steps, t0)
+        if is_fake_world():
+            dist.destroy_process_group()
         self.rank, self.world_size = 0, 1
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
@@ -485,6 +587,24 @@ class Run:
         self._holds_state = False
         self.events.emit(Event.SPARE_READY, wid=self.wid, shadow_steps=steps,
                          duration=round(time.monotonic() - t0, 6))
+
+    def _warm_up_sharded(self, step_fn: Callable[[int, Any], Any], steps: int,
+                         t0: float) -> None:
+        self.rank = 0
+        view = self._model if self._build is None else self._build()
+        for step in range(steps):
+            self._stamp(step, PHASE_STARTING)
+            if self.seed is not None:
+                self._seed_step(step)
+            step_fn(step, view)
+            self._commit()
+        del view
+        self._shards.prime()
+        self._holds_state = False
+        largest = max((t.numel() * t.element_size() for t in self._shards.tensors()), default=0)
+        self.events.emit(Event.SPARE_READY, wid=self.wid, shadow_steps=steps,
+                         duration=round(time.monotonic() - t0, 6), sharded=True,
+                         largest_tensor_bytes=largest, shard_bytes=self._shards.nbytes())
 
     def _await_promotion(self) -> None:
         """Wait until the agent assigns us a slot, or exit 0 if the job ends first."""
@@ -598,9 +718,15 @@ class Run:
         if self.joining:
             self._channel()  # connect before we announce ourselves
             gens.membership.register_joiner(self.slot)
+        if is_fake_world():
+            dist.destroy_process_group()  # the stand-in world; the plan's replaces it
+        if self._sharded_sync is not None:
+            sync = self._sync_shards
+        else:
+            sync = gens.replicated(self._peer_state, self._restore)
         try:
-            switch = gens.join(lambda: (self.step, self._holds_state), self._peer_state,
-                               self._restore, self._build_view, joining=self.joining,
+            switch = gens.join(lambda: (self.step, self._holds_state), sync,
+                               self._build_view, joining=self.joining,
                                formed=self._checkpoints_formed)
         except JobFinished:
             self.events.emit(Event.JOINER_UNUSED, slot=self.slot)
@@ -610,8 +736,18 @@ class Run:
             self.events.emit(Event.DRAINED, slot=self.slot, step=self.step, pid=os.getpid())
             self.close()
             sys.exit(0)  # a spare took over this rank, with the state it left with
+        except NoStateError:
+            # We left saying why (`switch_failed`); the leader now restarts every worker from
+            # the checkpoint, and stops us. Exiting first would read as a fault of our own.
+            try:
+                gens.membership.await_finished()
+            except RecoveryTimeout:
+                pass
+            raise
         self.joining = False
         self._holds_state = True
+        lost = self.step - switch.sync.step  # steps rolled back (sharded, from a snapshot)
+        self.step = switch.sync.step
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
         self._ckpt_groups = switch.ckpt_groups
         self._view = switch.view
@@ -624,8 +760,25 @@ class Run:
         self.events.emit(Event.GEN_SWITCH, gen=self.gen, reason=reason, step=self.step,
                          world_size=self.world_size, state_from=switch.sync.source,
                          received_bytes=switch.sync.received_bytes, tries=switch.tries,
+                         rolled_back=max(0, lost),
                          duration=round(time.monotonic() - t0, 6),
                          **switch.phases)
+
+    def _sync_shards(self, plan: Any, committed_step: int, holds_state: bool) -> SyncResult:
+        """The state step of a sharded switch (`ShardedSync`): this rank's shard at the step
+        every shard is held at, from itself, a replica or a buddy's snapshot."""
+        self.rank, self.world_size = plan.rank, plan.world_size
+        if self._snapshots is not None:
+            self._snapshots.wait()
+        result = self._sharded_sync.sync(plan.rank, plan.world_size, committed_step,
+                                         holds_state)
+        shard_plan = self._sharded_sync.plan
+        self.events.emit(Event.SHARD_SYNC, gen=plan.gen, step=result.step,
+                         committed=committed_step if holds_state else None,
+                         restored=plan.rank in shard_plan.restore,
+                         source=result.source, received_bytes=result.received_bytes,
+                         transfers=[[t.src, t.dst, t.live] for t in shard_plan.transfers])
+        return result
 
     def _checkpoints_formed(self, plan: Any, groups: Any) -> None:
         """In a new generation: checkpoint over its groups, on a schedule its members agree."""
@@ -658,6 +811,17 @@ class Run:
         self.close()
 
 
+def _available_memory() -> int:
+    """Host memory the kernel can give without swapping (MemAvailable), in bytes."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def init(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
@@ -670,6 +834,8 @@ def init(
     checkpoint_mtbf_hours: float | None = None,
     keep_every: int | None = None,
     checkpoint_timeout: float = 600.0,
+    snapshot_every: int | None = None,
+    snapshot_replicas: int = 1,
 ) -> Run:
     """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
     script already did, and set up heartbeat, events, faults and checkpoints.
@@ -681,10 +847,16 @@ def init(
     kept, and every one whose step is a multiple of `keep_every`. A save not committed within
     `checkpoint_timeout` seconds is reported and skipped over; the loop never waits for it.
 
+    Sharded state (FSDP2, HSDP) under `unbroken run` recovers in place: from a live replica
+    (HSDP), or from in-memory snapshots of every rank's shards taken every `snapshot_every`
+    steps (None: at most 1 % of step time; 0: none) and copied to `snapshot_replicas` buddies
+    on other nodes.
+
     `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
     redone or run by a replacement draws the same numbers; None leaves the RNG alone.
     """
     return Run(RunConfig(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed,
                          checkpoint_every_seconds=checkpoint_every_seconds,
                          checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
-                         checkpoint_timeout=checkpoint_timeout))
+                         checkpoint_timeout=checkpoint_timeout, snapshot_every=snapshot_every,
+                         snapshot_replicas=snapshot_replicas))

@@ -1,0 +1,129 @@
+"""Switching a sharded job into a new generation: rebind the model to the new groups, agree
+on the step to resume from (`shard_plan`), and bring each rank its shard, from itself, a
+replica or a buddy's in-memory snapshot; never from storage.
+
+Collective over the new generation, called by `Generations.join` once the default group is
+formed. A world of another size (a shrink) is refused: sharded state would have to be
+resharded, so a sharded job waits for the lost ranks' replacements (the leader's policy
+for sharded departures) and falls back to the storage checkpoint rather than corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime.process_group import AbortableGroups
+from unbroken.runtime.shard_plan import Holding, ShardPlan, Unrecoverable, plan_shards
+from unbroken.runtime.shards import LocalShards, new_mesh
+from unbroken.runtime.snapshots import PeerSnapshots
+from unbroken.runtime.state_sync import NoStateError, SyncResult, recv_bytes, send_tensors
+
+_ROW = 34  # int64s per member in the inventory: every, count, then (shard, step, live) x 10
+
+
+def snapshot_group(timeout: float) -> dist.ProcessGroup:
+    """The gloo group snapshots and shard transfers travel on (collective)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+class ShardedSync:
+    """One sharded job's switches; `sync` is `Generations.join`'s state step."""
+
+    def __init__(self, shards: LocalShards, snapshots: PeerSnapshots | None,
+                 groups: AbortableGroups, local_world: int, timeout: float,
+                 record: Callable[..., None]) -> None:
+        self.shards, self.snapshots, self.groups = shards, snapshots, groups
+        self.local_world, self.timeout, self.record = local_world, timeout, record
+        self.plan: ShardPlan | None = None  # the last switch's
+
+    def form(self, rank: int, world: int) -> dist.ProcessGroup:
+        """Rebuild the mesh on the current default group, rebind the model to it, and form
+        the snapshot group, all recorded so that leaving aborts them (collective)."""
+        if world != self.shards.shape.size:
+            raise NoStateError(
+                f"sharded state cannot move to a world of {world} in place (it is sharded "
+                f"over {self.shards.shape.size}): resharding needs the storage checkpoint")
+        self.shards.reset_iteration()
+        with self.groups.recording():
+            fresh = new_mesh(self.shards.shape)
+            group = snapshot_group(self.timeout)
+        self.shards.rebind(fresh)
+        if self.snapshots is not None:
+            self.snapshots.set_rank(rank)
+            self.snapshots.use_group(group, rank, world, self.local_world)
+        return group
+
+    def sync(self, rank: int, world: int, committed_step: int, holds_state: bool) -> SyncResult:
+        group = self.form(rank, world)
+        snaps = self.snapshots
+        mine: list[tuple[int, int, int]] = []
+        if holds_state:
+            mine.append((self.shards.shard_index(rank), committed_step, 1))
+        if snaps is not None:
+            mine += [(shard, step, 0) for shard, step in snaps.holdings()]
+        row = [snaps.every or 0 if snaps else 0, len(mine[:10])]
+        for entry in mine[:10]:
+            row += list(entry)
+        row += [0] * (_ROW - len(row))
+        table = [torch.zeros(_ROW, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(table, torch.tensor(row, dtype=torch.int64), group=group)
+        holdings, every = [], 0
+        for member, t in enumerate(table):
+            values = t.tolist()
+            every = max(every, values[0])
+            for i in range(values[1]):
+                shard, step, live = values[2 + 3 * i: 5 + 3 * i]
+                holdings.append(Holding(member, shard, step, bool(live)))
+        needs = [self.shards.shard_index(r) for r in range(world)]
+        plan = plan_shards(needs, holdings)
+        if isinstance(plan, Unrecoverable):
+            raise NoStateError(plan.reason)
+        self.plan = plan
+        if snaps is not None and every and snaps.every is None:
+            snaps.every = every  # a joiner learns the interval the others agreed
+        source, received = None, 0
+        for t in plan.transfers:
+            if t.src == rank:
+                if t.live:
+                    meta, tensors = self.shards.meta(), self.shards.tensors()
+                else:
+                    copy = snaps.find(needs[t.dst], plan.step)
+                    meta, tensors = copy.meta, [copy.buf]
+                send_shard(meta, tensors, t.dst, group)
+            elif t.dst == rank:
+                received = receive_shard(self.shards, t.src, group)
+                source = t.src
+        if rank in plan.restore:
+            snaps.restore(plan.step)
+        if snaps is not None:
+            snaps.forget_after(plan.step)
+        return SyncResult(step=plan.step, source=source, received_bytes=received)
+
+
+def send_shard(meta: dict[str, Any], tensors: list[torch.Tensor], dst: int,
+               group: dist.ProcessGroup) -> None:
+    """Send one shard (live tensors, or a snapshot's flat buffer) and its plain data to
+    `dst`, streamed through one host chunk."""
+    blob = json.dumps(meta).encode()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    dist.send(torch.tensor([len(blob), total], dtype=torch.int64), dst=dst, group=group)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=dst, group=group)
+    send_tensors(tensors, total, dst, group, torch.device("cpu"))
+
+
+def receive_shard(shards: LocalShards, src: int, group: dist.ProcessGroup) -> int:
+    """Receive `send_shard`'s stream from `src` into the live state; the bytes received."""
+    sizes = torch.zeros(2, dtype=torch.int64)
+    dist.recv(sizes, src=src, group=group)
+    blob = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    dist.recv(blob, src=src, group=group)
+    payload = recv_bytes(int(sizes[1]), src, group, torch.device("cpu"))
+    shards.load(payload)
+    shards.load_meta(json.loads(bytes(blob.numpy()).decode()))
+    return int(sizes[1])

@@ -1,0 +1,243 @@
+"""A rank's local shards of a sharded model (FSDP2, HSDP): what they are, how to copy them
+out and back, and how to move them onto a new generation's groups.
+
+Sharded state is never gathered whole: each rank's part is the local tensors of its
+DTensors (`to_local()`), plus its plain tensors (buffers, unsharded parameters) and the
+optimizer state of both, in one fixed order (`LocalShards.tensors`). Ranks whose mesh
+coordinates agree on every sharded dimension hold identical parts (HSDP's replica groups):
+they share a *shard index* and can stand in for each other.
+
+A new generation forms new process groups; the model's DTensors and FSDP2's cached groups
+still name the old ones. `rebind` re-points the model's mesh at the new generation's groups
+in place (same shape, same rank at each coordinate), so no parameter is re-created and the
+optimizers keep their references.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True if any parameter is a DTensor (FSDP2, HSDP, tensor parallel)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """What a generation needs to rebuild the model's mesh: its shape and dimension names."""
+
+    device_type: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...] | None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class LocalShards:
+    """The tracked model's and optimizers' state as this rank holds it, as a flat list.
+
+    Order: parameters, buffers, then each optimizer's state per parameter in group order,
+    keys sorted. Ranks of one shard index produce the same list of shapes."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                 extra: dict[str, Any]) -> None:
+        self.model, self.optimizers, self.extra = model, optimizers, extra
+        self.mesh = self._the_mesh()
+        self.shape = MeshShape(self.mesh.device_type, tuple(self.mesh.mesh.shape),
+                               tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names
+                               else None)
+        # Mesh dimensions some parameter is sharded over; the others replicate.
+        self.shard_dims = sorted({d for p in model.parameters() if isinstance(p, DTensor)
+                                  for d, pl in enumerate(p.placements) if isinstance(pl, Shard)})
+
+    def _the_mesh(self) -> DeviceMesh:
+        meshes = {id(p.device_mesh): p.device_mesh for p in self.model.parameters()
+                  if isinstance(p, DTensor)}
+        if len(meshes) != 1:
+            raise TypeError(f"the parameters live on {len(meshes)} device meshes; in-place "
+                            "recovery of sharded state handles one (FSDP2 or HSDP)")
+        return next(iter(meshes.values()))
+
+    def unsupported(self) -> str | None:
+        """Why this state cannot be snapshotted and recovered in place, or None."""
+        for name, p in self.model.named_parameters():
+            if isinstance(p, DTensor):
+                if p.device_mesh is not self.mesh:
+                    return f"parameter {name} is on a second device mesh"
+                bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
+                if bad:
+                    return f"parameter {name} has placement {bad[0]} (only Shard and Replicate)"
+        params = {id(p) for p in self.model.parameters()}
+        for i, opt in enumerate(self.optimizers):
+            for group in opt.param_groups:
+                if any(id(p) not in params for p in group["params"]):
+                    return f"optimizer {i} updates a tensor that is not a tracked parameter"
+                for key, value in group.items():
+                    if key != "params" and not isinstance(value, (int, float, bool, str, type(None), tuple, list)):
+                        return f"optimizer {i}'s {key!r} is a {type(value).__name__}"
+        try:
+            json.dumps(self.meta())
+        except TypeError as exc:
+            return f"state beside the tensors is not plain data: {exc}"
+        return None
+
+    def rank_independent(self) -> str | None:
+        """None if every rank's shards have the same shapes (each sharded dimension divides
+        evenly); else the first parameter that does not. A spare sharded as one rank can
+        take any slot only then."""
+        for name, p in self.model.named_parameters():
+            if not isinstance(p, DTensor):
+                continue
+            for dim, pl in enumerate(p.placements):
+                if isinstance(pl, Shard) and p.shape[pl.dim] % self.mesh.size(dim) != 0:
+                    return (f"parameter {name}: dimension {pl.dim} ({p.shape[pl.dim]}) over "
+                            f"{self.mesh.size(dim)} ranks")
+        return None
+
+    def shard_index(self, rank: int) -> int:
+        """The shard a rank holds: its mesh coordinates on the sharded dimensions."""
+        coords = []
+        for dim in range(len(self.shape.shape)):
+            stride = math.prod(self.shape.shape[dim + 1:])
+            coords.append(rank // stride % self.shape.shape[dim])
+        index = 0
+        for dim in self.shard_dims:
+            index = index * self.shape.shape[dim] + coords[dim]
+        return index
+
+    def tensors(self) -> list[torch.Tensor]:
+        """This rank's tensors, detached local views (no copy)."""
+        out = [_local(p).detach() for p in self.model.parameters()]
+        out += [_local(b).detach() for b in self.model.buffers()]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    out += [_local(state[k]).detach() for k in sorted(state)
+                            if isinstance(state[k], torch.Tensor)]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def meta(self) -> dict[str, Any]:
+        """The plain data beside the tensors: hyperparameters (a scheduler changes the
+        learning rate) and the extra objects' state."""
+        return {"groups": [[{k: v for k, v in g.items() if k != "params"}
+                            for g in opt.param_groups] for opt in self.optimizers],
+                "extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        for opt, groups in zip(self.optimizers, meta["groups"], strict=True):
+            for group, saved in zip(opt.param_groups, groups, strict=True):
+                group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v
+                              for k, v in saved.items()})
+        for name, obj in self.extra.items():
+            obj.load_state_dict(meta["extra"][name])
+
+    def prime(self) -> None:
+        """Create the optimizers' lazily made state (a fresh replacement has none), so that
+        its tensor list matches a holder's. The values are overwritten by the state received."""
+        for opt in self.optimizers:
+            if all(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
+                continue
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            with torch.no_grad():
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def load(self, flat: torch.Tensor) -> None:
+        """Copy a flat byte buffer (as `copy_into` wrote it) into this rank's tensors."""
+        pos = 0
+        with torch.no_grad():
+            for t in self.tensors():
+                n = t.numel() * t.element_size()
+                if pos + n > flat.numel():
+                    raise ValueError("the state received is shorter than this rank's shards")
+                chunk = flat[pos:pos + n]
+                if pos % t.element_size():
+                    chunk = chunk.clone()  # a dtype view needs an aligned offset
+                t.copy_(chunk.view(t.dtype).view(t.shape))
+                pos += n
+        if pos != flat.numel():
+            raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "
+                             f"shards have {pos}")
+
+    def copy_into(self, flat: torch.Tensor) -> None:
+        """Copy this rank's tensors, back to back, into a flat host byte buffer."""
+        pos = 0
+        for t in self.tensors():
+            n = t.numel() * t.element_size()
+            flat[pos:pos + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            pos += n
+
+    def reset_iteration(self) -> None:
+        """Put FSDP2 back in its between-steps state after a step aborted mid-flight (its
+        parameters unsharded, reductions pending): every group resharded, per-iteration
+        trackers cleared, the failed step's gradients dropped. Its pending collectives
+        belong to the aborted generation: their failures are the fault being recovered."""
+        for module in self.model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            if state is None or not state()._is_root:
+                continue
+            for fsdp_state in state()._state_ctx.all_states:
+                for group in fsdp_state._fsdp_param_groups:
+                    result = group._all_gather_result
+                    if result is not None and result.all_gather_work is not None:
+                        group._all_gather_result = None  # never waited on: it failed
+            module.reset_iter_state()
+
+    def rebind(self, fresh: DeviceMesh) -> None:
+        """Point the model's mesh (and every DTensor and FSDP2 group on it) at `fresh`, a
+        mesh of the same shape on the new generation's groups. Collective-free."""
+        if tuple(fresh.mesh.shape) != self.shape.shape:
+            raise ValueError(f"new mesh {tuple(fresh.mesh.shape)} != {self.shape.shape}")
+        self.mesh.__dict__.update(fresh.__dict__)
+        for module in self.model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            group = state()._fsdp_param_group if state is not None else None
+            if group is None:
+                continue
+            for info in (group.mesh_info, group.post_forward_mesh_info):
+                if info is not None:
+                    info.__post_init__()  # re-reads the groups and this rank's place
+
+
+def new_mesh(shape: MeshShape) -> DeviceMesh:
+    """The mesh of `shape` over the current default group (collective)."""
+    return init_device_mesh(shape.device_type, shape.shape, mesh_dim_names=shape.names)
+
+
+def fake_world(rank: int, world_size: int) -> None:
+    """A one-process stand-in for the real world (collectives do nothing), so that a joiner
+    shards its model exactly as rank `rank` of `world_size` would: shard-sized memory, and
+    no group to wait for. Replaced by the real group when the joiner joins."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if "fake" not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            "fake", lambda opts, backend_opts: FakeProcessGroup._create_internal(
+                opts.group_rank, opts.group_size, backend_opts),
+            extended_api=True, devices=["cpu", "cuda"])
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
+def is_fake_world() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"

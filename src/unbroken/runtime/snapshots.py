@@ -1,0 +1,231 @@
+"""In-memory snapshots of a rank's shards, replicated to buddies on other nodes.
+
+Every `every` committed steps each rank copies its shards (`LocalShards`) into a host
+buffer and sends the copy to `replicas` buddies: ranks `rank + k * local_world_size` (mod
+the world), a ring across nodes, so that a node's loss leaves a copy of each of its shards
+elsewhere. The copy and the exchange run on a thread of their own, over a gloo group of
+their own; the only wait on the loop is the optimizer's step pre-hook, which holds the next
+update until the copy of the tensors it overwrites is done.
+
+Two buffers per stream (our own, and each buddy's): a round fills the older one, so the
+newest complete snapshot is never overwritten; a buffer is marked with its step only once
+it is whole, and a half-received one is never reported (`holdings`). Rounds start at the same
+committed steps on every rank (the main thread decides, and waits for the previous round
+to end first), so the exchanges always pair up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime.shards import LocalShards
+
+
+@dataclass
+class Copy:
+    """One snapshot buffer: whole (and usable) only when `step >= 0`."""
+
+    buf: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    step: int = -1
+
+
+def _pair() -> list[Copy]:
+    return [Copy(), Copy()]
+
+
+def _writable(pair: list[Copy]) -> Copy:
+    """The buffer a new round may fill: never the newest whole one."""
+    return min(pair, key=lambda c: c.step)
+
+
+def buddies(rank: int, world: int, local_world: int, replicas: int) -> tuple[list[int], list[int]]:
+    """(ranks we send our snapshot to, ranks we receive one from): a ring across nodes."""
+    stride = local_world if world > local_world else 1
+    send = [(rank + k * stride) % world for k in range(1, replicas + 1)]
+    recv = [(rank - k * stride) % world for k in range(1, replicas + 1)]
+    send = [r for r in dict.fromkeys(send) if r != rank]
+    recv = [r for r in dict.fromkeys(recv) if r != rank]
+    return send, recv
+
+
+def host_bytes(nbytes: int, replicas: int) -> int:
+    """Host memory a rank needs: two buffers for its own shards and for each buddy's."""
+    return 2 * nbytes * (1 + replicas)
+
+
+def auto_every(round_seconds: float, step_seconds: float, budget: float = 0.01) -> int:
+    """Snapshot interval (steps) that keeps a round's cost within `budget` of step time."""
+    if step_seconds <= 0:
+        return 1
+    return max(1, math.ceil(round_seconds / (budget * step_seconds)))
+
+
+class PeerSnapshots:
+    """A rank's in-memory snapshots and its buddies'. Main thread: `take`, `wait`,
+    `holdings`, `restore`, `send`/`receive` (between generations, with no round running)."""
+
+    def __init__(self, shards: LocalShards, replicas: int, every: int | None,
+                 record: Callable[..., None]) -> None:
+        self.shards, self.replicas, self.every = shards, replicas, every
+        self.record = record
+        self.own = _pair()
+        self.held: dict[int, list[Copy]] = {}  # shard index -> a buddy's two buffers
+        self._group: dist.ProcessGroup | None = None
+        self._send: list[int] = []
+        self._recv: list[int] = []
+        self._shard_of: Callable[[int], int] = shards.shard_index
+        self._rank = 0  # the rank (so the shard index) this process holds state for
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._failed: str | None = None
+        self.round_seconds: float | None = None  # the last round's copy plus exchange
+        self.last_step = -1  # the step of the last round started
+        self.stalls = 0.0  # seconds the loop waited for copies or rounds
+        for opt in shards.optimizers:
+            opt.register_step_pre_hook(lambda *_: self._wait_copied())
+
+    # ------------------------------------------------------------ per generation
+    def use_group(self, group: dist.ProcessGroup, rank: int, world: int,
+                  local_world: int) -> None:
+        """Replicate over `group` (gloo, formed in the new generation) from now on."""
+        self.wait()
+        self._group = group
+        self._send, self._recv = buddies(rank, world, local_world, self.replicas)
+        self._failed = None
+
+    # ------------------------------------------------------------ rounds
+    def due(self, step: int) -> bool:
+        return (self._group is not None and self._failed is None and step > self.last_step
+                and (self.every is None or step % self.every == 0))
+
+    def take(self, step: int) -> None:
+        """Start a round for committed step `step` (same steps on every rank). Waits for
+        the previous round first, so that rounds pair up across ranks."""
+        t0 = time.monotonic()
+        self.wait()
+        self.stalls += time.monotonic() - t0
+        if self._failed is not None:
+            return
+        target = _writable(self.own)
+        target.step = -1
+        target.meta = self.shards.meta()
+        self.last_step = step
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._round, args=(step, target),
+                                        name="unbroken-snapshot", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the current round (if any) has ended, whole or failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _wait_copied(self) -> None:
+        if not self._copied.is_set():
+            t0 = time.monotonic()
+            self._copied.wait()
+            self.stalls += time.monotonic() - t0
+
+    def _round(self, step: int, target: Copy) -> None:
+        t0 = time.monotonic()
+        try:
+            nbytes = self.shards.nbytes()
+            if target.buf is None or target.buf.numel() != nbytes:
+                target.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.shards.copy_into(target.buf)
+        finally:
+            self._copied.set()
+        target.step = step
+        try:
+            self._exchange(step, target)
+        except Exception as exc:  # a buddy died or the generation was aborted: no harm done
+            self._failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return
+        self.round_seconds = time.monotonic() - t0
+
+    def _exchange(self, step: int, mine: Copy) -> None:
+        """Send ours to each buddy while receiving each of theirs (non-blocking both ways,
+        so the ring cannot deadlock)."""
+        group = self._group
+        meta = json.dumps(mine.meta).encode()
+        header = torch.tensor([step, len(meta), mine.buf.numel()], dtype=torch.int64)
+        blob = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        sends = [dist.isend(t, dst=dst, group=group, tag=k)
+                 for dst in self._send for k, t in enumerate((header, blob, mine.buf))]
+        heads = {src: torch.zeros(3, dtype=torch.int64) for src in self._recv}
+        head_work = {src: dist.irecv(heads[src], src=src, group=group, tag=0)
+                     for src in self._recv}
+        incoming = []
+        for src in self._recv:
+            head_work[src].wait()
+            _, meta_len, nbytes = (int(v) for v in heads[src])
+            target = _writable(self.held.setdefault(self._shard_of(src), _pair()))
+            target.step = -1
+            if target.buf is None or target.buf.numel() != nbytes:
+                target.buf = torch.empty(nbytes, dtype=torch.uint8)
+            meta_buf = torch.empty(meta_len, dtype=torch.uint8)
+            incoming.append((target, meta_buf,
+                             dist.irecv(meta_buf, src=src, group=group, tag=1),
+                             dist.irecv(target.buf, src=src, group=group, tag=2)))
+        for w in sends:
+            w.wait()
+        for target, meta_buf, w_meta, w_buf in incoming:
+            w_meta.wait()
+            w_buf.wait()
+            target.meta = json.loads(bytes(meta_buf.numpy()).decode())
+            target.step = step  # whole: only now usable
+
+    # ------------------------------------------------------------ recovery
+    def holdings(self) -> list[tuple[int, int]]:
+        """(shard index, step) of every whole snapshot this rank holds."""
+        mine = self._shard_of(self._rank)
+        out = [(mine, c.step) for c in self.own if c.step >= 0]
+        for shard, pair in self.held.items():
+            out += [(shard, c.step) for c in pair if c.step >= 0]
+        return out
+
+    def set_rank(self, rank: int) -> None:
+        """The rank (hence shard index) this process holds state for."""
+        self._rank = rank
+
+    def find(self, shard: int, step: int) -> Copy:
+        for c in (self.own if shard == self._shard_of(self._rank) else []) + \
+                self.held.get(shard, []):
+            if c.step == step:
+                return c
+        raise KeyError(f"no snapshot of shard {shard} at step {step}")
+
+    def restore(self, step: int) -> None:
+        """Load our own snapshot of `step` into the live state."""
+        copy = self.find(self._shard_of(self._rank), step)
+        self.shards.load(copy.buf)
+        self.shards.load_meta(copy.meta)
+
+    def forget_after(self, step: int) -> None:
+        """After a rollback to `step`: snapshots of later steps belong to a timeline that no
+        longer exists, and must never be mixed with the replayed one."""
+        for pair in [self.own, *self.held.values()]:
+            for c in pair:
+                if c.step > step:
+                    c.step = -1
+        self.last_step = min(self.last_step, step)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    @property
+    def failed(self) -> str | None:
+        return self._failed
