@@ -108,3 +108,13 @@ def test_a_round_never_overwrites_the_newest_whole_snapshot():
     assert _writable(pair) is pair[1]  # a failed round's buffer is reused, 10 survives
     pair = [Copy(step=-1), Copy(step=-1)]
     assert _writable(pair) is pair[0]
+
+
+def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_figures():
+    from unbroken.runtime.snapshots import refusal
+
+    mib = 2**20
+    assert refusal(100 * mib, 1, 1000 * mib) is None  # 400 MiB of 1000: fits
+    why = refusal(300 * mib, 1, 1000 * mib)  # 1200 MiB of 1000
+    assert why is not None and "1200 MiB" in why and "1000 MiB is available" in why
+    assert "2 x 300 MiB x (1 + 1 replica(s))" in why and "storage checkpoint" in why

@@ -72,7 +72,7 @@ from unbroken.runtime.process_group import (
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.shard_sync import ShardedSync
 from unbroken.runtime.shards import LocalShards, fake_world, is_fake_world, is_sharded
-from unbroken.runtime.snapshots import PeerSnapshots, auto_every, host_bytes
+from unbroken.runtime.snapshots import PeerSnapshots, auto_every, host_bytes, refusal
 from unbroken.runtime.spare import await_promotion
 from unbroken.runtime.state_sync import NoStateError, SyncResult, pack
 from unbroken.runtime.watchdog import Watchdog
@@ -212,8 +212,7 @@ class Run:
         self._long_depth = 0  # nested run.phase() blocks
         # Sharded state, in place: its local shards, their in-memory snapshots, the switch.
         self._shards: LocalShards | None = None
-        self._snapshots: PeerSnapshots | None = None
-        self._sharded_sync: ShardedSync | None = None
+        self._sharded_sync: ShardedSync | None = None  # and its snapshots, if any
 
     # ------------------------------------------------------------------ faults
     def _channel(self) -> Channel:
@@ -502,55 +501,69 @@ class Run:
         snapshots = None
         if config.snapshot_every != 0:
             if self.joining:
-                shards.prime()  # a replacement's optimizer state exists before we measure
-            need = host_bytes(shards.nbytes(), config.snapshot_replicas)
-            available = _available_memory() // max(1, env.local_world_size)
-            if need > 0.8 * available:
-                why = (f"in-memory snapshots need {need / 2**20:.0f} MiB of host memory per "
-                       f"rank (2 x {shards.nbytes() / 2**20:.0f} MiB x (1 + "
-                       f"{config.snapshot_replicas} replica(s))) and {available / 2**20:.0f} "
-                       "MiB is available per rank: a fault that loses a shard with no live "
-                       "replica restarts from the storage checkpoint")
-                self.events.emit(Event.SNAPSHOTS_REFUSED, reason=why, need_bytes=need,
-                                 available_bytes=available)
-                if self.rank == 0:
-                    print(f"unbroken: {why}", file=sys.stderr, flush=True)
-            else:
-                snapshots = PeerSnapshots(shards, config.snapshot_replicas,
-                                          config.snapshot_every, self.events.emit)
-        self._shards, self._snapshots = shards, snapshots
+                shards.prime()  # its tensor list then matches the holders'
+            snapshots = PeerSnapshots(shards, config.snapshot_replicas, config.snapshot_every,
+                                      self.events.emit)
+        self._shards = shards
         self._sharded_sync = ShardedSync(shards, snapshots, self._groups, env.local_world_size,
                                          self.timeout, self.events.emit)
         self._generations.sharded = True
 
     def _snapshot(self) -> None:
-        """After a committed step: start an in-memory snapshot if one is due. The first is
-        measured, and the ranks then agree on the interval (`snapshot_every=None`)."""
-        snaps = self._snapshots
+        """After a committed step: start an in-memory snapshot if one is due. Before the
+        first, the ranks agree that it fits in host memory (the optimizer state exists by
+        then); with `snapshot_every=None` the first is timed, and the ranks then agree on
+        the interval. Every decision is the same on every rank, so rounds pair up."""
+        sync = self._sharded_sync
+        snaps = sync.snapshots if sync is not None else None
         if snaps is None or snaps.failed is not None:
             return
-        if snaps.every is None:
-            if snaps.last_step < 0:
-                if self.step % 5 == 0:  # past the first, slow steps; the same on every rank
+        if not snaps.started:
+            if self.step % 5 == 0:  # past the first, slow steps; the same on every rank
+                if self._snapshots_fit(snaps):
                     snaps.take(self.step)
-                return
+            return
+        if snaps.every is None:
             snaps.wait()
             proposal = torch.tensor([auto_every(snaps.round_seconds or 0.0,
                                                 self._step_time or 0.0)])
             dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=snaps.group)
             snaps.every = int(proposal.item())
+            host = host_bytes(self._shards.nbytes(), snaps.replicas)
             self.events.emit(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=True,
                              replicas=snaps.replicas, shard_bytes=self._shards.nbytes(),
-                             host_bytes=host_bytes(self._shards.nbytes(), snaps.replicas),
-                             round_s=round(snaps.round_seconds or 0.0, 6),
+                             host_bytes=host, round_s=round(snaps.round_seconds or 0.0, 6),
                              step_s=round(self._step_time or 0.0, 6))
             if self.rank == 0:
-                print(f"unbroken: in-memory snapshot every {snaps.every} step(s) (a round "
-                      f"takes {snaps.round_seconds or 0:.3f} s, a step {self._step_time or 0:.3f}"
-                      f" s: at most 1 % of step time); {host_bytes(self._shards.nbytes(), snaps.replicas) / 2**20:.0f}"
-                      " MiB of host memory per rank", file=sys.stderr, flush=True)
+                print(f"unbroken: an in-memory snapshot every {snaps.every} step(s): a round "
+                      f"takes {snaps.round_seconds or 0:.3f} s and a step "
+                      f"{self._step_time or 0:.3f} s, so at most 1 % of step time; "
+                      f"{host / 2**20:.0f} MiB of host memory per rank", file=sys.stderr,
+                      flush=True)
         elif snaps.due(self.step):
             snaps.take(self.step)
+
+    def _snapshots_fit(self, snaps: PeerSnapshots) -> bool:
+        """Agree (collective) that snapshots fit in every rank's host memory; if one rank's
+        do not, none takes any, and each says why with the figures."""
+        available = _available_memory() // max(1, self.env.local_world_size)
+        why = refusal(self._shards.nbytes(), snaps.replicas, available)
+        fits = torch.tensor([0 if why else 1])
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=snaps.group)
+        if fits.item():
+            if snaps.every is not None:
+                self.events.emit(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=False,
+                                 replicas=snaps.replicas, shard_bytes=self._shards.nbytes(),
+                                 host_bytes=host_bytes(self._shards.nbytes(), snaps.replicas))
+            return True
+        why = why or "another rank's in-memory snapshots would not fit in its host memory"
+        self.events.emit(Event.SNAPSHOTS_REFUSED, reason=why,
+                         need_bytes=host_bytes(self._shards.nbytes(), snaps.replicas),
+                         available_bytes=available)
+        if self.rank == 0:
+            print(f"unbroken: {why}", file=sys.stderr, flush=True)
+        self._sharded_sync.snapshots = None
+        return False
 
     def _warm_up(self, step_fn: Callable[[int, Any], Any]) -> None:
         """A spare's shadow iterations: the real step on a private one-process group (real
@@ -768,8 +781,6 @@ class Run:
         """The state step of a sharded switch (`ShardedSync`): this rank's shard at the step
         every shard is held at, from itself, a replica or a buddy's snapshot."""
         self.rank, self.world_size = plan.rank, plan.world_size
-        if self._snapshots is not None:
-            self._snapshots.wait()
         result = self._sharded_sync.sync(plan.rank, plan.world_size, committed_step,
                                          holds_state)
         shard_plan = self._sharded_sync.plan

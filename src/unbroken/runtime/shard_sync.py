@@ -24,7 +24,9 @@ from unbroken.runtime.shards import LocalShards, new_mesh
 from unbroken.runtime.snapshots import PeerSnapshots
 from unbroken.runtime.state_sync import NoStateError, SyncResult, recv_bytes, send_tensors
 
-_ROW = 34  # int64s per member in the inventory: every, count, then (shard, step, live) x 10
+# int64s per member in the inventory: started (-1: no snapshots), interval (0: undecided),
+# count, then (shard, step, live) x 10
+_ROW = 35
 
 
 def snapshot_group(timeout: float) -> dist.ProcessGroup:
@@ -67,26 +69,28 @@ class ShardedSync:
             mine.append((self.shards.shard_index(rank), committed_step, 1))
         if snaps is not None:
             mine += [(shard, step, 0) for shard, step in snaps.holdings()]
-        row = [snaps.every or 0 if snaps else 0, len(mine[:10])]
+        row = [int(snaps.started) if snaps else -1, (snaps.every or 0) if snaps else 0,
+               len(mine[:10])]
         for entry in mine[:10]:
             row += list(entry)
         row += [0] * (_ROW - len(row))
         table = [torch.zeros(_ROW, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(table, torch.tensor(row, dtype=torch.int64), group=group)
-        holdings, every = [], 0
+        holdings, rounds = [], []
         for member, t in enumerate(table):
             values = t.tolist()
-            every = max(every, values[0])
-            for i in range(values[1]):
-                shard, step, live = values[2 + 3 * i: 5 + 3 * i]
+            rounds.append((values[0], values[1]))
+            for i in range(values[2]):
+                shard, step, live = values[3 + 3 * i: 6 + 3 * i]
                 holdings.append(Holding(member, shard, step, bool(live)))
         needs = [self.shards.shard_index(r) for r in range(world)]
         plan = plan_shards(needs, holdings)
         if isinstance(plan, Unrecoverable):
             raise NoStateError(plan.reason)
         self.plan = plan
-        if snaps is not None and every and snaps.every is None:
-            snaps.every = every  # a joiner learns the interval the others agreed
+        if snaps is not None:
+            self._align_rounds(snaps, rounds, plan.step)
+            snaps = self.snapshots
         source, received = None, 0
         for t in plan.transfers:
             if t.src == rank:
@@ -104,6 +108,20 @@ class ShardedSync:
         if snaps is not None:
             snaps.forget_after(plan.step)
         return SyncResult(step=plan.step, source=source, received_bytes=received)
+
+    def _align_rounds(self, snaps: PeerSnapshots, rounds: list[tuple[int, int]],
+                      step: int) -> None:
+        """Every member leaves the switch at the same point of the snapshot schedule, so
+        that later rounds pair up: none if any member takes none; the agreed interval if
+        the members that started have one (a joiner adopts it); else all start over."""
+        if any(started < 0 for started, _ in rounds):
+            self.snapshots = None
+            return
+        agreed = {every for started, every in rounds if started == 1}
+        if len(agreed) == 1 and (every := agreed.pop()) > 0:
+            snaps.adopt(every, step)
+        else:
+            snaps.restart_rounds()
 
 
 def send_shard(meta: dict[str, Any], tensors: list[torch.Tensor], dst: int,

@@ -63,6 +63,18 @@ def host_bytes(nbytes: int, replicas: int) -> int:
     return 2 * nbytes * (1 + replicas)
 
 
+def refusal(shard_bytes: int, replicas: int, available: int) -> str | None:
+    """Why snapshots of `shard_bytes` with `replicas` buddies would not fit in `available`
+    bytes of host memory per rank (at most 80 % of it is used), with the figures; or None."""
+    need = host_bytes(shard_bytes, replicas)
+    if need <= 0.8 * available:
+        return None
+    return (f"in-memory snapshots need {need / 2**20:.0f} MiB of host memory per rank (2 x "
+            f"{shard_bytes / 2**20:.0f} MiB x (1 + {replicas} replica(s))) and "
+            f"{available / 2**20:.0f} MiB is available per rank: a fault that loses a shard "
+            "with no live replica restarts from the storage checkpoint")
+
+
 def auto_every(round_seconds: float, step_seconds: float, budget: float = 0.01) -> int:
     """Snapshot interval (steps) that keeps a round's cost within `budget` of step time."""
     if step_seconds <= 0:
@@ -77,6 +89,8 @@ class PeerSnapshots:
     def __init__(self, shards: LocalShards, replicas: int, every: int | None,
                  record: Callable[..., None]) -> None:
         self.shards, self.replicas, self.every = shards, replicas, every
+        self.configured = every  # None: the ranks agree on one after the first round
+        self.started = False  # the first round is taken (so the ranks agreed it fits)
         self.record = record
         self.own = _pair()
         self.held: dict[int, list[Copy]] = {}  # shard index -> a buddy's two buffers
@@ -121,6 +135,7 @@ class PeerSnapshots:
         target.step = -1
         target.meta = self.shards.meta()
         self.last_step = step
+        self.started = True
         self._copied.clear()
         self._thread = threading.Thread(target=self._round, args=(step, target),
                                         name="unbroken-snapshot", daemon=True)
@@ -212,6 +227,16 @@ class PeerSnapshots:
         copy = self.find(self._shard_of(self._rank), step)
         self.shards.load(copy.buf)
         self.shards.load_meta(copy.meta)
+
+    def restart_rounds(self) -> None:
+        """Back to before the first round (the ranks disagree on where they stand: a joiner
+        arrived before the interval was agreed); whole snapshots held stay usable."""
+        self.every, self.started, self.last_step = self.configured, False, -1
+
+    def adopt(self, every: int, step: int) -> None:
+        """Take the interval the others agreed, resuming at `step`: rounds stay in step."""
+        self.every, self.started = every, True
+        self.last_step = step if self.last_step < 0 else min(self.last_step, step)
 
     def forget_after(self, step: int) -> None:
         """After a rollback to `step`: snapshots of later steps belong to a timeline that no

@@ -1,0 +1,202 @@
+"""Recovery of a sharded (FSDP2) job: in place from in-memory snapshots, against today's
+full restart from the checkpoint and torchrun, side by side in one run; plus the per-step
+cost of the snapshots and the host memory they take.
+
+Each arm runs benchmarks/fsdp_worker.py: 4 workers, FSDP2 over gloo, 201 MB of model and
+AdamW state in total, a storage checkpoint every 20 steps, `--step-sleep 0.04` standing in
+for accelerator time. Once training passes step KILL_AT (and in the in-memory arm the spare
+is warm and the snapshot interval agreed) the benchmark SIGKILLs rank 1 and measures the
+time from the kill to the first step the recovered job completes, and the committed steps
+lost. Arms:
+
+- `torchrun`: `python -m torch.distributed.run --max-restarts 3`: every worker restarts and
+  loads the checkpoint;
+- `restart`: `unbroken run --on-fault restart`: today's path for a sharded job, the same;
+- `in_memory`: `unbroken run --spares 1`: the spare takes rank 1 with its shard from the
+  buddy's in-memory snapshot; the survivors roll back to it in memory.
+
+Snapshot cost: steady runs with snapshots at the automatic interval against
+`--snapshot-every 0` (none), alternating; the figure is the median of the per-round ratios
+of rank 0's median step time.
+
+    .venv/bin/python benchmarks/sharded_recovery.py --tries 10 --baseline-tries 3
+
+The last line printed is one JSON object with the figures and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "benchmarks" / "fsdp_worker.py"
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from harness import EventTail, kill_and_time, kill_everything, wait_for_victim  # noqa: E402
+from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
+
+KILL_AT = 45
+STEP_SLEEP = "0.04"
+ARMS = ["torchrun", "restart", "in_memory"]
+
+
+def _command(arm: str, run_dir: Path, workers: int, steps: int, snapshot_every: int | None,
+             checkpoints: bool = True) -> list[str]:
+    args = ["--steps", str(steps), "--step-sleep", STEP_SLEEP]
+    if checkpoints:
+        args += ["--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every", "20"]
+    if snapshot_every is not None:
+        args += ["--snapshot-every", str(snapshot_every)]
+    if arm == "torchrun":
+        return _torchrun(workers, WORKER, run_dir, *args)
+    extra = ["--on-fault", "restart"] if arm == "restart" else ["--spares", "1"] \
+        if arm == "in_memory" else []
+    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node",
+            str(workers), "--max-restarts", "3", "--run-dir", str(run_dir), *extra,
+            str(WORKER), *args]
+
+
+def _ready(arm: str):
+    if arm != "in_memory":
+        return lambda events: True
+    return lambda events: (any(e["event"] == "spare_ready" for e in events)
+                           and any(e["event"] == "snapshot_config" for e in events))
+
+
+def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
+    run_dir = root / f"{arm}-{index}"
+    proc = _launch(_command(arm, run_dir, workers, 1000, None), run_dir)
+    tail = EventTail(run_dir)
+    try:
+        victim = wait_for_victim(proc, tail, KILL_AT, rank=1, timeout=400, ready=_ready(arm))
+        if victim is None:
+            return {"arm": arm, "error": "never reached the kill step (or the spare never got ready)"}
+        killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
+        if isinstance(resumed, str):
+            return {"arm": arm, "error": resumed}
+        if resumed is None:
+            return {"arm": arm, "hang": True}
+        time.sleep(0.5)
+        evs = _events(run_dir)
+        committed = max((e["step"] for e in evs if e["event"] == "step" and e["t"] <= killed_at),
+                        default=-1)
+        config = [e for e in evs if e["event"] == "snapshot_config"]
+        return {"arm": arm, "recovery": resumed["t"] - killed_at,
+                "lost_steps": max(0, committed + 1 - resumed["step"]),
+                "every": config[0]["every"] if config else None,
+                "host_bytes": config[0]["host_bytes"] if config else None,
+                "promoted": any(e["event"] == "spare_promoted" for e in evs),
+                "from_storage": any(e["event"] == "checkpoint_loaded" and e["t"] > killed_at
+                                    for e in evs)}
+    finally:
+        kill_everything(proc, run_dir)
+
+
+def steady(snapshot_every: int | None, root: Path, index: int, workers: int, steps: int,
+           ) -> tuple[float | None, dict | None]:
+    """Rank 0's median step time once the interval is agreed; the snapshot_config event."""
+    run_dir = root / f"steady-{snapshot_every}-{index}"
+    proc = _launch(_command("unbroken", run_dir, workers, steps, snapshot_every,
+                            checkpoints=False), run_dir)
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        kill_everything(proc, run_dir)
+        return None, None
+    evs = _events(run_dir)
+    config = next((e for e in evs if e["event"] == "snapshot_config"), None)
+    durations = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0 and e["step"] >= 20]
+    gaps = [b - a for a, b in zip(durations, durations[1:], strict=False)]
+    return (statistics.median(gaps) if len(gaps) > 20 else None), config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tries", type=int, default=10, help="faults in the in-memory arm (>= 10)")
+    p.add_argument("--baseline-tries", type=int, default=3,
+                   help="faults in the torchrun and restart arms (each takes tens of seconds)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="steady-state rounds per side")
+    p.add_argument("--steady-steps", type=int, default=220)
+    p.add_argument("--hang-after", type=float, default=120.0)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-sharded-"))
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    try:
+        for i in range(max(args.tries, args.baseline_tries)):
+            for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
+                if (arm == "in_memory" and i >= args.tries) or \
+                        (arm != "in_memory" and i >= args.baseline_tries):
+                    continue
+                r = one_fault(arm, root, i, args.workers, args.hang_after)
+                results[arm].append(r)
+                shown = (f"{r['recovery']:.3f}s, {r['lost_steps']} lost step(s), snapshot every "
+                         f"{r['every']}, spare promoted: {r['promoted']}, from storage: "
+                         f"{r['from_storage']}" if "recovery" in r
+                         else "HANG" if r.get("hang") else r.get("error"))
+                print(f"try {i + 1:2d} {arm:10s} kill-to-resumed-step {shown}", flush=True)
+        times: dict[str, list[float]] = {"none": [], "auto": []}
+        paired, configs = [], []
+        for i in range(args.rounds):
+            got = {}
+            for side in ("none", "auto") if i % 2 == 0 else ("auto", "none"):
+                t, config = steady(0 if side == "none" else None, root, i, args.workers,
+                                   args.steady_steps)
+                if config:
+                    configs.append(config)
+                if t is not None:
+                    times[side].append(t)
+                    got[side] = t
+                every_note = f" (every {config['every']} steps)" if config else ""
+                print(f"steady round {i + 1} snapshots={side} "
+                      f"{f'{1000 * t:.2f} ms/step' if t else 'FAILED'}{every_note}", flush=True)
+            if len(got) == 2:
+                paired.append(got["auto"] / got["none"] - 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary = {arm: _stats(rs) for arm, rs in results.items()}
+    mem = results["in_memory"]
+    summary["in_memory"]["from_storage"] = sum(1 for r in mem if r.get("from_storage"))
+    summary["in_memory"]["spare_promoted"] = sum(1 for r in mem if r.get("promoted"))
+    every = sorted({r["every"] for r in mem if r.get("every")})
+    host = [r["host_bytes"] for r in mem if r.get("host_bytes")]
+    host_mb = round(host[0] / 1e6, 1) if host else None
+    overhead = round(100 * statistics.median(paired), 2) if paired else None
+    t, r, m = summary["torchrun"], summary["restart"], summary["in_memory"]
+
+    def ratio(a: dict, b: dict) -> float | None:
+        return round(a["median_s"] / b["median_s"], 1) if a["median_s"] and b["median_s"] else None
+
+    print()
+    for arm, st in summary.items():
+        print(f"{arm:10s} median {st['median_s']}s  p90 {st['p90_s']}s  lost steps max "
+              f"{st['lost_steps_max']}  hangs {st['hangs']}/{st['tries']}  failed {st['failed']}")
+    print(f"torchrun / in-memory: {ratio(t, m)}x;  restart / in-memory: {ratio(r, m)}x;  "
+          f"snapshot every {every} step(s), {host_mb} MB of host memory per rank, "
+          f"per-step overhead {overhead}% (per round: {[round(100 * x, 2) for x in paired]})")
+    print(json.dumps({
+        "benchmark": "sharded_recovery", "workers": args.workers, "kill_at_step": KILL_AT,
+        "state_mb_total": 201.3, "step_sleep_s": float(STEP_SLEEP),
+        "in_memory": m, "restart": r, "torchrun": t,
+        "ratio_torchrun_over_in_memory": ratio(t, m),
+        "ratio_restart_over_in_memory": ratio(r, m),
+        "snapshot_every": every, "snapshot_overhead_pct": overhead,
+        "snapshot_overhead_per_round_pct": [round(100 * x, 2) for x in paired],
+        "steady_none_ms": round(1000 * statistics.median(times["none"]), 3) if times["none"] else None,
+        "steady_auto_ms": round(1000 * statistics.median(times["auto"]), 3) if times["auto"] else None,
+        "host_mb_per_rank": host_mb,
+    }))
+
+
+if __name__ == "__main__":
+    main()

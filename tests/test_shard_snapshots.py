@@ -1,0 +1,73 @@
+"""In-memory snapshots between two real processes: FSDP2 over gloo, the snapshot thread,
+and a buddy SIGKILLed in the middle of a round."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from datetime import timedelta
+
+from conftest import free_port
+
+
+def _worker(rank: int, port: int, out: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unbroken.runtime.shards import LocalShards
+    from unbroken.runtime.snapshots import PeerSnapshots
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    shards = LocalShards(model, [opt], {})
+    snaps = PeerSnapshots(shards, replicas=1, every=5, record=lambda *a, **k: None)
+    snaps.set_rank(rank)
+    snaps.use_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=20)), rank, 2, 1)
+    at_5 = None
+    for step in range(1, 11):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 5:
+            at_5 = [t.clone() for t in shards.tensors()]
+        if step == 10 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the buddy dies as the round starts
+        if snaps.due(step):
+            snaps.take(step)
+            snaps.wait()
+    # Rank 0: the round of step 10 failed; its own copy of 10 is whole (copied before the
+    # exchange), but of shard 1 only the whole copy of step 5 is held. Load our snapshot of
+    # step 5 back: it must equal the state we had then.
+    snaps.restore(5)
+    same = all(torch.equal(a, b) for a, b in zip(at_5, shards.tensors(), strict=True))
+    out.put({"holdings": sorted(snaps.holdings()), "failed": snaps.failed, "same": same})
+
+
+def test_a_buddy_killed_mid_round_leaves_the_previous_whole_snapshot_in_force():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert result["failed"], "the round with a dead buddy must fail"
+    assert result["holdings"] == [(0, 5), (0, 10), (1, 5)], result
+    assert result["same"]
