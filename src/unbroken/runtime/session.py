@@ -524,6 +524,9 @@ class Run:
                     snaps.take(self.step)
             return
         if snaps.every is None:
+            if snaps.rounds < 2:
+                snaps.take(self.step)  # a second round, timed with its buffers warm
+                return
             snaps.wait()
             proposal = torch.tensor([auto_every(snaps.round_seconds or 0.0,
                                                 self._step_time or 0.0)])

@@ -43,6 +43,13 @@ def _pair() -> list[Copy]:
     return [Copy(), Copy()]
 
 
+def _allocate(pair: list[Copy], nbytes: int) -> None:
+    """Both buffers of a stream at once, touched (so the second round is timed warm)."""
+    for c in pair:
+        if c.buf is None or c.buf.numel() != nbytes:
+            c.buf, c.step = torch.zeros(nbytes, dtype=torch.uint8), -1
+
+
 def _writable(pair: list[Copy]) -> Copy:
     """The buffer a new round may fill: never the newest whole one."""
     return min(pair, key=lambda c: c.step)
@@ -91,6 +98,7 @@ class PeerSnapshots:
         self.shards, self.replicas, self.every = shards, replicas, every
         self.configured = every  # None: the ranks agree on one after the first round
         self.started = False  # the first round is taken (so the ranks agreed it fits)
+        self.rounds = 0  # rounds started since (re)starting the schedule
         self.record = record
         self.own = _pair()
         self.held: dict[int, list[Copy]] = {}  # shard index -> a buddy's two buffers
@@ -136,6 +144,7 @@ class PeerSnapshots:
         target.meta = self.shards.meta()
         self.last_step = step
         self.started = True
+        self.rounds += 1
         self._copied.clear()
         self._thread = threading.Thread(target=self._round, args=(step, target),
                                         name="unbroken-snapshot", daemon=True)
@@ -154,15 +163,16 @@ class PeerSnapshots:
             self.stalls += time.monotonic() - t0
 
     def _round(self, step: int, target: Copy) -> None:
-        t0 = time.monotonic()
         try:
-            nbytes = self.shards.nbytes()
-            if target.buf is None or target.buf.numel() != nbytes:
-                target.buf = torch.empty(nbytes, dtype=torch.uint8)
+            _allocate(self.own, self.shards.nbytes())
+            t0 = time.monotonic()  # a round's cost, once its buffers exist
             self.shards.copy_into(target.buf)
+            target.step = step
+        except Exception as exc:  # out of host memory, say: no more rounds, said at the switch
+            self._failed = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            return
         finally:
             self._copied.set()
-        target.step = step
         try:
             self._exchange(step, target)
         except Exception as exc:  # a buddy died or the generation was aborted: no harm done
@@ -186,10 +196,10 @@ class PeerSnapshots:
         for src in self._recv:
             head_work[src].wait()
             _, meta_len, nbytes = (int(v) for v in heads[src])
-            target = _writable(self.held.setdefault(self._shard_of(src), _pair()))
+            pair = self.held.setdefault(self._shard_of(src), _pair())
+            _allocate(pair, nbytes)
+            target = _writable(pair)
             target.step = -1
-            if target.buf is None or target.buf.numel() != nbytes:
-                target.buf = torch.empty(nbytes, dtype=torch.uint8)
             meta_buf = torch.empty(meta_len, dtype=torch.uint8)
             incoming.append((target, meta_buf,
                              dist.irecv(meta_buf, src=src, group=group, tag=1),
@@ -232,6 +242,7 @@ class PeerSnapshots:
         """Back to before the first round (the ranks disagree on where they stand: a joiner
         arrived before the interval was agreed); whole snapshots held stay usable."""
         self.every, self.started, self.last_step = self.configured, False, -1
+        self.rounds = 0
 
     def adopt(self, every: int, step: int) -> None:
         """Take the interval the others agreed, resuming at `step`: rounds stay in step."""
