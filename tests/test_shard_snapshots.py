@@ -31,7 +31,6 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     shards = LocalShards(model, [opt], {})
     snaps = PeerSnapshots(shards, replicas=1, every=5, record=lambda *a, **k: None)
-    snaps.set_rank(rank)
     snaps.use_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=20)), rank, 2, 1)
     at_5 = None
     for step in range(1, 11):

@@ -210,6 +210,8 @@ class Run:
         self._watchdog: Watchdog | None = None  # in place: liveness, and abort on notice
         self._progress_hooks: list[Any] = []  # on the current view: forward entered, returned
         self._long_depth = 0  # nested run.phase() blocks
+        self._total_steps = 0  # run.train's
+        self._rolled_back = 0  # committed steps the last sharded switch gave up
         # Sharded state, in place: its local shards, their in-memory snapshots, the switch.
         self._shards: LocalShards | None = None
         self._sharded_sync: ShardedSync | None = None  # and its snapshots, if any
@@ -393,6 +395,7 @@ class Run:
         if self._model is None:
             raise UserError("call run.track(model, optimizer) before run.train()")
         self._build = build
+        self._total_steps = steps
         self._holds_state = not self.joining
         if self.in_place:
             self._generations = Generations(
@@ -494,7 +497,7 @@ class Run:
             shards = LocalShards(self._model, self._optimizers, self._extra)
         except TypeError as exc:
             return self._in_place_unavailable(str(exc))
-        why = shards.unsupported()
+        why = shards.unsupported(self.world_size)
         if why is not None:
             return self._in_place_unavailable(why)
         config, env = self.config, self.env
@@ -516,8 +519,8 @@ class Run:
         the interval. Every decision is the same on every rank, so rounds pair up."""
         sync = self._sharded_sync
         snaps = sync.snapshots if sync is not None else None
-        if snaps is None or snaps.failed is not None:
-            return
+        if snaps is None or self.step >= self._total_steps:
+            return  # the last step: the run ends, and no fault can need this snapshot
         if not snaps.started:
             if self.step % 5 == 0:  # past the first, slow steps; the same on every rank
                 if self._snapshots_fit(snaps):
@@ -762,8 +765,8 @@ class Run:
             raise
         self.joining = False
         self._holds_state = True
-        lost = self.step - switch.sync.step  # steps rolled back (sharded, from a snapshot)
         self.step = switch.sync.step
+        lost, self._rolled_back = self._rolled_back, 0
         self.gen, self.rank, self.world_size = switch.plan.gen, switch.plan.rank, switch.plan.world_size
         self._ckpt_groups = switch.ckpt_groups
         self._view = switch.view
@@ -776,7 +779,7 @@ class Run:
         self.events.emit(Event.GEN_SWITCH, gen=self.gen, reason=reason, step=self.step,
                          world_size=self.world_size, state_from=switch.sync.source,
                          received_bytes=switch.sync.received_bytes, tries=switch.tries,
-                         rolled_back=max(0, lost),
+                         rolled_back=lost,
                          duration=round(time.monotonic() - t0, 6),
                          **switch.phases)
 
@@ -785,7 +788,11 @@ class Run:
         every shard is held at, from itself, a replica or a buddy's snapshot."""
         self.rank, self.world_size = plan.rank, plan.world_size
         result = self._sharded_sync.sync(plan.rank, plan.world_size, committed_step,
-                                         holds_state)
+                                         holds_state, torn=self._torn)
+        # Before `formed` (the checkpoint schedule) and `build`: every member now stands at
+        # the resumed step, holding its state.
+        self._rolled_back = max(0, committed_step - result.step) if holds_state else 0
+        self.step, self._holds_state = result.step, True
         shard_plan = self._sharded_sync.plan
         self.events.emit(Event.SHARD_SYNC, gen=plan.gen, step=result.step,
                          committed=committed_step if holds_state else None,
@@ -793,6 +800,9 @@ class Run:
                          source=result.source, received_bytes=result.received_bytes,
                          transfers=[[t.src, t.dst, t.live] for t in shard_plan.transfers])
         return result
+
+    def _torn(self) -> None:
+        self._holds_state = False  # being overwritten: no committed state until it is whole
 
     def _checkpoints_formed(self, plan: Any, groups: Any) -> None:
         """In a new generation: checkpoint over its groups, on a schedule its members agree."""
@@ -808,6 +818,8 @@ class Run:
 
     def close(self) -> None:
         """Tear down what `init` created; safe to call twice."""
+        if self._sharded_sync is not None and self._sharded_sync.snapshots is not None:
+            self._sharded_sync.snapshots.wait()
         if self._watchdog is not None:
             self._watchdog.stop()
             for error in self._watchdog.errors:

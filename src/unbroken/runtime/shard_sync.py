@@ -25,8 +25,9 @@ from unbroken.runtime.snapshots import PeerSnapshots
 from unbroken.runtime.state_sync import NoStateError, SyncResult, recv_bytes, send_tensors
 
 # int64s per member in the inventory: started (-1: no snapshots), interval (0: undecided),
-# count, then (shard, step, live) x 10
-_ROW = 35
+# count, then (shard, step, live) for up to _HOLDINGS copies
+_HOLDINGS = 32
+_ROW = 3 + 3 * _HOLDINGS
 
 
 def snapshot_group(timeout: float) -> dist.ProcessGroup:
@@ -57,11 +58,13 @@ class ShardedSync:
             group = snapshot_group(self.timeout)
         self.shards.rebind(fresh)
         if self.snapshots is not None:
-            self.snapshots.set_rank(rank)
             self.snapshots.use_group(group, rank, world, self.local_world)
         return group
 
-    def sync(self, rank: int, world: int, committed_step: int, holds_state: bool) -> SyncResult:
+    def sync(self, rank: int, world: int, committed_step: int, holds_state: bool,
+             torn: Callable[[], None] = lambda: None) -> SyncResult:
+        """`torn()` is called just before this rank's live state is first overwritten (a
+        receipt or a restore): from then on it holds no committed state until this returns."""
         group = self.form(rank, world)
         snaps = self.snapshots
         mine: list[tuple[int, int, int]] = []
@@ -69,9 +72,12 @@ class ShardedSync:
             mine.append((self.shards.shard_index(rank), committed_step, 1))
         if snaps is not None:
             mine += [(shard, step, 0) for shard, step in snaps.holdings()]
+        if len(mine) > _HOLDINGS:
+            raise NoStateError(f"this rank holds {len(mine)} copies; at most {_HOLDINGS} can "
+                               "be announced (fewer snapshot_replicas)")
         row = [int(snaps.started) if snaps else -1, (snaps.every or 0) if snaps else 0,
-               len(mine[:10])]
-        for entry in mine[:10]:
+               len(mine)]
+        for entry in mine:
             row += list(entry)
         row += [0] * (_ROW - len(row))
         table = [torch.zeros(_ROW, dtype=torch.int64) for _ in range(world)]
@@ -89,8 +95,7 @@ class ShardedSync:
             raise NoStateError(plan.reason)
         self.plan = plan
         if snaps is not None:
-            self._align_rounds(snaps, rounds, plan.step)
-            snaps = self.snapshots
+            self._align_rounds(snaps, rounds, plan.step)  # may drop self.snapshots
         source, received = None, 0
         for t in plan.transfers:
             if t.src == rank:
@@ -101,12 +106,14 @@ class ShardedSync:
                     meta, tensors = copy.meta, [copy.buf]
                 send_shard(meta, tensors, t.dst, group)
             elif t.dst == rank:
+                torn()
                 received = receive_shard(self.shards, t.src, group)
                 source = t.src
         if rank in plan.restore:
+            torn()
             snaps.restore(plan.step)
-        if snaps is not None:
-            snaps.forget_after(plan.step)
+        if self.snapshots is not None:
+            self.snapshots.forget_after(plan.step)
         return SyncResult(step=plan.step, source=source, received_bytes=received)
 
     def _align_rounds(self, snaps: PeerSnapshots, rounds: list[tuple[int, int]],
@@ -142,6 +149,9 @@ def receive_shard(shards: LocalShards, src: int, group: dist.ProcessGroup) -> in
     blob = torch.empty(int(sizes[0]), dtype=torch.uint8)
     dist.recv(blob, src=src, group=group)
     payload = recv_bytes(int(sizes[1]), src, group, torch.device("cpu"))
-    shards.load(payload)
+    try:
+        shards.load(payload)
+    except ValueError as exc:  # another layout than ours: never load it half
+        raise NoStateError(f"the shard from rank {src} does not fit this rank's: {exc}") from exc
     shards.load_meta(json.loads(bytes(blob.numpy()).decode()))
     return int(sizes[1])

@@ -73,8 +73,13 @@ class LocalShards:
                             "recovery of sharded state handles one (FSDP2 or HSDP)")
         return next(iter(meshes.values()))
 
-    def unsupported(self) -> str | None:
+    def unsupported(self, world_size: int) -> str | None:
         """Why this state cannot be snapshotted and recovered in place, or None."""
+        if self.shape.size != world_size:
+            return (f"the device mesh spans {self.shape.size} of the {world_size} ranks "
+                    "(one mesh over every rank is handled)")
+        if self.mesh.mesh.flatten().tolist() != list(range(world_size)):
+            return "the device mesh orders its ranks its own way (init_device_mesh's is handled)"
         for name, p in self.model.named_parameters():
             if isinstance(p, DTensor):
                 if p.device_mesh is not self.mesh:
@@ -91,8 +96,11 @@ class LocalShards:
                     if key != "params" and not isinstance(value, (int, float, bool, str, type(None), tuple, list)):
                         return f"optimizer {i}'s {key!r} is a {type(value).__name__}"
         try:
-            json.dumps(self.meta())
-        except TypeError as exc:
+            meta = self.meta()
+            if json.loads(json.dumps(meta)) != _plain(meta):
+                return ("state beside the tensors (an extra object's state_dict) does not "
+                        "survive JSON unchanged: keep it to str keys and plain values")
+        except (TypeError, ValueError) as exc:
             return f"state beside the tensors is not plain data: {exc}"
         return None
 
@@ -180,13 +188,14 @@ class LocalShards:
             raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "
                              f"shards have {pos}")
 
-    def copy_into(self, flat: torch.Tensor) -> None:
-        """Copy this rank's tensors, back to back, into a flat host byte buffer."""
-        pos = 0
-        for t in self.tensors():
-            n = t.numel() * t.element_size()
-            flat[pos:pos + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-            pos += n
+    def deferrable(self) -> list[bool]:
+        """Per tensor of `tensors()`: True if only an optimizer update changes it (parameters,
+        optimizer state), so that its copy may wait until just before the next update;
+        False for buffers, which a forward pass may change."""
+        n_params = sum(1 for _ in self.model.parameters())
+        n_buffers = sum(1 for _ in self.model.buffers())
+        total = len(self.tensors())
+        return [True] * n_params + [False] * n_buffers + [True] * (total - n_params - n_buffers)
 
     def reset_iteration(self) -> None:
         """Put FSDP2 back in its between-steps state after a step aborted mid-flight (its
@@ -218,6 +227,16 @@ class LocalShards:
             for info in (group.mesh_info, group.post_forward_mesh_info):
                 if info is not None:
                     info.__post_init__()  # re-reads the groups and this rank's place
+
+
+def _plain(obj: Any) -> Any:
+    """`obj` with tuples as lists: what a JSON round trip may change without harm
+    (`load_meta` turns a hyperparameter that was a tuple back into one)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
 
 
 def new_mesh(shape: MeshShape) -> DeviceMesh:

@@ -2,16 +2,19 @@
 
 Every `every` committed steps each rank copies its shards (`LocalShards`) into a host
 buffer and sends the copy to `replicas` buddies: ranks `rank + k * local_world_size` (mod
-the world), a ring across nodes, so that a node's loss leaves a copy of each of its shards
-elsewhere. The copy and the exchange run on a thread of their own, over a gloo group of
-their own; the only wait on the loop is the optimizer's step pre-hook, which holds the next
-update until the copy of the tensors it overwrites is done.
+the world), a ring across nodes where there are several, so that a node's loss leaves a
+copy of each of its shards elsewhere. The list of tensors is taken, and the buffers (which
+a forward pass may change) copied, on the main thread between steps; parameters and
+optimizer state are copied by a thread of its own, which then exchanges the copies over a
+gloo group of their own. The optimizer's step pre-hook holds the next update until that
+copy is done; with the wait for the previous round, that is the loop's only wait.
 
 Two buffers per stream (our own, and each buddy's): a round fills the older one, so the
 newest complete snapshot is never overwritten; a buffer is marked with its step only once
-it is whole, and a half-received one is never reported (`holdings`). Rounds start at the same
-committed steps on every rank (the main thread decides, and waits for the previous round
-to end first), so the exchanges always pair up.
+it is whole, and a half-received one is never reported (`holdings`). Rounds start at the
+same committed steps on every rank (the main thread decides, and waits for the previous
+round to end first), and a rank whose copy failed still sends a header saying so, so the
+exchanges always pair up; a received header for another step fails the round.
 """
 
 from __future__ import annotations
@@ -91,17 +94,17 @@ def auto_every(round_seconds: float, step_seconds: float, budget: float = 0.01) 
 
 class PeerSnapshots:
     """A rank's in-memory snapshots and its buddies'. Main thread: `take`, `wait`,
-    `holdings`, `restore`, `send`/`receive` (between generations, with no round running)."""
+    `holdings`, `find`, `restore` (between steps, or in a switch with no round running)."""
 
     def __init__(self, shards: LocalShards, replicas: int, every: int | None,
                  record: Callable[..., None]) -> None:
         self.shards, self.replicas, self.every = shards, replicas, every
-        self.configured = every  # None: the ranks agree on one after the first round
+        self.configured = every  # None: the ranks agree on one after the first rounds
         self.started = False  # the first round is taken (so the ranks agreed it fits)
         self.rounds = 0  # rounds started since (re)starting the schedule
         self.record = record
         self.own = _pair()
-        self.held: dict[int, list[Copy]] = {}  # shard index -> a buddy's two buffers
+        self.held: dict[int, list[Copy]] = {}  # the sending rank -> its two buffers
         self._group: dist.ProcessGroup | None = None
         self._send: list[int] = []
         self._recv: list[int] = []
@@ -110,43 +113,53 @@ class PeerSnapshots:
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
-        self._failed: str | None = None
-        self.round_seconds: float | None = None  # the last round's copy plus exchange
+        self.failed: str | None = None  # why the last round failed, if it did
+        self.round_seconds: float | None = None  # the last whole round's copy and exchange
         self.last_step = -1  # the step of the last round started
         self.stalls = 0.0  # seconds the loop waited for copies or rounds
         for opt in shards.optimizers:
             opt.register_step_pre_hook(lambda *_: self._wait_copied())
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
 
     # ------------------------------------------------------------ per generation
     def use_group(self, group: dist.ProcessGroup, rank: int, world: int,
                   local_world: int) -> None:
         """Replicate over `group` (gloo, formed in the new generation) from now on."""
         self.wait()
-        self._group = group
+        self._group, self._rank = group, rank
         self._send, self._recv = buddies(rank, world, local_world, self.replicas)
-        self._failed = None
+        self.failed = None
 
     # ------------------------------------------------------------ rounds
     def due(self, step: int) -> bool:
-        return (self._group is not None and self._failed is None and step > self.last_step
-                and (self.every is None or step % self.every == 0))
+        return (self._group is not None and self.every is not None and step > self.last_step
+                and step % self.every == 0)
 
     def take(self, step: int) -> None:
-        """Start a round for committed step `step` (same steps on every rank). Waits for
-        the previous round first, so that rounds pair up across ranks."""
+        """Start a round for committed step `step` (the same steps on every rank), between
+        steps. Waits for the previous round first, so that rounds pair up across ranks."""
         t0 = time.monotonic()
         self.wait()
-        self.stalls += time.monotonic() - t0
-        if self._failed is not None:
-            return
+        tensors = self.shards.tensors()  # now: inside a forward FSDP2 swaps parameters
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         target = _writable(self.own)
-        target.step = -1
-        target.meta = self.shards.meta()
-        self.last_step = step
-        self.started = True
+        target.step, target.meta = -1, self.shards.meta()
+        late, copied = [], None
+        try:
+            _allocate(self.own, nbytes)
+            # What a forward may change (buffers) now; what only the optimizer changes,
+            # on the thread, before the next update (the pre-hook waits for it).
+            late = copy_tensors(tensors, target.buf, self.shards.deferrable())
+        except Exception as exc:  # out of host memory, say: this round carries no snapshot
+            copied = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        self.stalls += time.monotonic() - t0
+        self.last_step, self.started = step, True
         self.rounds += 1
         self._copied.clear()
-        self._thread = threading.Thread(target=self._round, args=(step, target),
+        self._thread = threading.Thread(target=self._round, args=(step, target, late, copied),
                                         name="unbroken-snapshot", daemon=True)
         self._thread.start()
 
@@ -162,41 +175,51 @@ class PeerSnapshots:
             self._copied.wait()
             self.stalls += time.monotonic() - t0
 
-    def _round(self, step: int, target: Copy) -> None:
+    def _round(self, step: int, target: Copy,
+               late: list[tuple[torch.Tensor, torch.Tensor]], failed: str | None) -> None:
+        t0 = time.monotonic()
         try:
-            _allocate(self.own, self.shards.nbytes())
-            t0 = time.monotonic()  # a round's cost, once its buffers exist
-            self.shards.copy_into(target.buf)
-            target.step = step
-        except Exception as exc:  # out of host memory, say: no more rounds, said at the switch
-            self._failed = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
-            return
+            if failed is None:
+                for src, dst in late:
+                    dst.copy_(src)
+                target.step = step
+        except Exception as exc:
+            failed = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
         finally:
             self._copied.set()
         try:
-            self._exchange(step, target)
+            self._exchange(step, None if failed else target)
         except Exception as exc:  # a buddy died or the generation was aborted: no harm done
-            self._failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return
-        self.round_seconds = time.monotonic() - t0
+            failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.failed = failed
+        if failed is None:
+            self.round_seconds = time.monotonic() - t0
 
-    def _exchange(self, step: int, mine: Copy) -> None:
+    def _exchange(self, step: int, mine: Copy | None) -> None:
         """Send ours to each buddy while receiving each of theirs (non-blocking both ways,
-        so the ring cannot deadlock)."""
+        so the ring cannot deadlock). `mine` None: our copy failed; the header says so."""
         group = self._group
-        meta = json.dumps(mine.meta).encode()
-        header = torch.tensor([step, len(meta), mine.buf.numel()], dtype=torch.int64)
-        blob = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        if mine is None:
+            outgoing = [torch.tensor([-1, 0, 0], dtype=torch.int64)]
+        else:
+            meta = json.dumps(mine.meta).encode()
+            outgoing = [torch.tensor([step, len(meta), mine.buf.numel()], dtype=torch.int64),
+                        torch.frombuffer(bytearray(meta), dtype=torch.uint8), mine.buf]
         sends = [dist.isend(t, dst=dst, group=group, tag=k)
-                 for dst in self._send for k, t in enumerate((header, blob, mine.buf))]
+                 for dst in self._send for k, t in enumerate(outgoing)]
         heads = {src: torch.zeros(3, dtype=torch.int64) for src in self._recv}
         head_work = {src: dist.irecv(heads[src], src=src, group=group, tag=0)
                      for src in self._recv}
         incoming = []
         for src in self._recv:
             head_work[src].wait()
-            _, meta_len, nbytes = (int(v) for v in heads[src])
-            pair = self.held.setdefault(self._shard_of(src), _pair())
+            sent_step, meta_len, nbytes = (int(v) for v in heads[src])
+            if sent_step == -1:
+                continue  # its copy failed: nothing more comes from it this round
+            if sent_step != step:
+                raise RuntimeError(f"rank {src} sent the snapshot of step {sent_step} in the "
+                                   f"round of step {step}")
+            pair = self.held.setdefault(src, _pair())
             _allocate(pair, nbytes)
             target = _writable(pair)
             target.step = -1
@@ -217,19 +240,18 @@ class PeerSnapshots:
         """(shard index, step) of every whole snapshot this rank holds."""
         mine = self._shard_of(self._rank)
         out = [(mine, c.step) for c in self.own if c.step >= 0]
-        for shard, pair in self.held.items():
-            out += [(shard, c.step) for c in pair if c.step >= 0]
+        for src, pair in self.held.items():
+            out += [(self._shard_of(src), c.step) for c in pair if c.step >= 0]
         return out
 
-    def set_rank(self, rank: int) -> None:
-        """The rank (hence shard index) this process holds state for."""
-        self._rank = rank
-
     def find(self, shard: int, step: int) -> Copy:
-        for c in (self.own if shard == self._shard_of(self._rank) else []) + \
-                self.held.get(shard, []):
-            if c.step == step:
-                return c
+        """A whole snapshot of `shard` at `step` that this rank holds."""
+        pairs = [self.own] if shard == self._shard_of(self._rank) else []
+        pairs += [pair for src, pair in self.held.items() if self._shard_of(src) == shard]
+        for pair in pairs:
+            for c in pair:
+                if c.step == step:
+                    return c
         raise KeyError(f"no snapshot of shard {shard} at step {step}")
 
     def restore(self, step: int) -> None:
@@ -258,10 +280,18 @@ class PeerSnapshots:
                     c.step = -1
         self.last_step = min(self.last_step, step)
 
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        return self._group
 
-    @property
-    def failed(self) -> str | None:
-        return self._failed
+def copy_tensors(tensors: list[torch.Tensor], flat: torch.Tensor,
+                 late: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy `tensors`, back to back, into the flat byte buffer: now, except those `late`
+    marks to defer; returns the deferred (source, destination) pairs."""
+    deferred, pos = [], 0
+    for t, defer in zip(tensors, late, strict=True):
+        n = t.numel() * t.element_size()
+        src = t.contiguous().view(-1).view(torch.uint8)
+        if defer:
+            deferred.append((src, flat[pos:pos + n]))
+        else:
+            flat[pos:pos + n].copy_(src)
+        pos += n
+    return deferred
