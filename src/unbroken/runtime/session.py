@@ -876,7 +876,7 @@ def init(
     Sharded state (FSDP2, HSDP) under `unbroken run` recovers in place: from a live replica
     (HSDP), or from in-memory snapshots of every rank's shards taken every `snapshot_every`
     steps (None: at most 1 % of step time; 0: none) and copied to `snapshot_replicas` buddies
-    on other nodes.
+    (on other nodes, where there are several).
 
     `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
     redone or run by a replacement draws the same numbers; None leaves the RNG alone.
