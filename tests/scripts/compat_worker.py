@@ -42,8 +42,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _main(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
-    print(f"compat-stdout rank={rank}", flush=True)
-    print(f"compat-stderr rank={rank}", file=sys.stderr, flush=True)
+    # One write per line: print() writes the text and the newline separately when
+    # unbuffered, and two ranks sharing the launcher's stdout could interleave between them.
+    sys.stdout.write(f"compat-stdout rank={rank}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"compat-stderr rank={rank}\n")
+    sys.stderr.flush()
     if args.fail_first and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         sys.exit(3)
     if args.init == "tcp":
