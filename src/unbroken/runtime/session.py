@@ -818,8 +818,11 @@ class Run:
 
     def close(self) -> None:
         """Tear down what `init` created; safe to call twice."""
-        if self._sharded_sync is not None and self._sharded_sync.snapshots is not None:
-            self._sharded_sync.snapshots.wait()
+        snaps = self._sharded_sync.snapshots if self._sharded_sync is not None else None
+        if snaps is not None and not snaps.wait(timeout=30.0):
+            # A daemon thread: it dies with the process. Said, not waited for.
+            print("unbroken: an in-memory snapshot round was still running at close",
+                  file=sys.stderr)
         if self._watchdog is not None:
             self._watchdog.stop()
             for error in self._watchdog.errors:

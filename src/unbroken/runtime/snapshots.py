@@ -163,11 +163,15 @@ class PeerSnapshots:
                                         name="unbroken-snapshot", daemon=True)
         self._thread.start()
 
-    def wait(self) -> None:
-        """Until the current round (if any) has ended, whole or failed."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the current round (if any) has ended, whole or failed; False if `timeout`
+        passed first (the round's exchange is bounded by its group's timeout)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
             self._thread = None
+        return True
 
     def _wait_copied(self) -> None:
         if not self._copied.is_set():
