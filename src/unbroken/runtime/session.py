@@ -410,8 +410,6 @@ class Run:
             self._await_promotion()
             self._join(reason="spare")
         elif self.joining:
-            if self._shards is not None:
-                self._shards.prime()
             self._join(reason="replacement")
         else:
             self._resume()
@@ -501,10 +499,10 @@ class Run:
         if why is not None:
             return self._in_place_unavailable(why)
         config, env = self.config, self.env
+        if self.joining:
+            shards.prime()  # its optimizer state exists, so its tensor list matches a holder's
         snapshots = None
         if config.snapshot_every != 0:
-            if self.joining:
-                shards.prime()  # its tensor list then matches the holders'
             snapshots = PeerSnapshots(shards, config.snapshot_replicas, config.snapshot_every,
                                       self.events.emit)
         self._shards = shards
@@ -577,39 +575,39 @@ class Run:
         is replaced by a peer's when the spare is promoted."""
         t0 = time.monotonic()
         steps = self.env.shadow_steps
-        if self._shards is not None:
-            # Sharded: warm up as rank 0 of the stand-in world of the real size, so that
-            # only shard-sized state is ever allocated. Any slot can take these shapes only
-            # if every sharded dimension divides evenly.
+        sharded = self._shards is not None
+        if sharded:
+            # Warm up as rank 0 of the stand-in world of the real size, so that only
+            # shard-sized state is ever allocated. Any slot can take these shapes only if
+            # every sharded dimension divides evenly.
             uneven = self._shards.rank_independent()
             if uneven is not None:
                 raise UserError(f"a hot spare cannot serve this sharded model: {uneven} does "
                                 "not divide evenly, so each rank's shard has its own shape; "
                                 "make the sharded dimensions divisible by the world size, "
                                 "or run without --spares (replacements start per slot)")
-            return self._warm_up_sharded(step_fn, steps, t0)
-        if is_fake_world():
-            dist.destroy_process_group()
-        self.rank, self.world_size = 0, 1
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            view = self._model if self._build is None else self._build()
-            for step in range(steps):
-                self._stamp(step, PHASE_STARTING)
-                if self.seed is not None:
-                    self._seed_step(step)
-                step_fn(step, view)
-                self._commit()
-            del view
-        finally:
-            dist.destroy_process_group()
+            self.rank = 0
+            self._shadow_steps(step_fn, steps)
+        else:
+            if is_fake_world():
+                dist.destroy_process_group()
+            self.rank, self.world_size = 0, 1
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                self._shadow_steps(step_fn, steps)
+            finally:
+                dist.destroy_process_group()
         self._holds_state = False
+        detail = {}
+        if sharded:
+            detail = {"sharded": True, "shard_bytes": self._shards.nbytes(),
+                      "largest_tensor_bytes": max((t.numel() * t.element_size()
+                                                   for t in self._shards.tensors()), default=0)}
         self.events.emit(Event.SPARE_READY, wid=self.wid, shadow_steps=steps,
-                         duration=round(time.monotonic() - t0, 6))
+                         duration=round(time.monotonic() - t0, 6), **detail)
 
-    def _warm_up_sharded(self, step_fn: Callable[[int, Any], Any], steps: int,
-                         t0: float) -> None:
-        self.rank = 0
+    def _shadow_steps(self, step_fn: Callable[[int, Any], Any], steps: int) -> None:
+        """The real step, `steps` times, on whatever group is formed; then discarded."""
         view = self._model if self._build is None else self._build()
         for step in range(steps):
             self._stamp(step, PHASE_STARTING)
@@ -617,13 +615,6 @@ class Run:
                 self._seed_step(step)
             step_fn(step, view)
             self._commit()
-        del view
-        self._shards.prime()
-        self._holds_state = False
-        largest = max((t.numel() * t.element_size() for t in self._shards.tensors()), default=0)
-        self.events.emit(Event.SPARE_READY, wid=self.wid, shadow_steps=steps,
-                         duration=round(time.monotonic() - t0, 6), sharded=True,
-                         largest_tensor_bytes=largest, shard_bytes=self._shards.nbytes())
 
     def _await_promotion(self) -> None:
         """Wait until the agent assigns us a slot, or exit 0 if the job ends first."""

@@ -188,13 +188,12 @@ class LocalShards:
             raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "
                              f"shards have {pos}")
 
-    def deferrable(self) -> list[bool]:
-        """Per tensor of `tensors()`: True if only an optimizer update changes it (parameters,
-        optimizer state), so that its copy may wait until just before the next update;
-        False for buffers, which a forward pass may change."""
+    def deferrable(self, total: int) -> list[bool]:
+        """Per tensor of `tensors()` (`total` of them): True if only an optimizer update
+        changes it (parameters, optimizer state), so that its copy may wait until just
+        before the next update; False for buffers, which a forward pass may change."""
         n_params = sum(1 for _ in self.model.parameters())
         n_buffers = sum(1 for _ in self.model.buffers())
-        total = len(self.tensors())
         return [True] * n_params + [False] * n_buffers + [True] * (total - n_params - n_buffers)
 
     def reset_iteration(self) -> None:

@@ -152,7 +152,7 @@ class PeerSnapshots:
             _allocate(self.own, nbytes)
             # What a forward may change (buffers) now; what only the optimizer changes,
             # on the thread, before the next update (the pre-hook waits for it).
-            late = copy_tensors(tensors, target.buf, self.shards.deferrable())
+            late = copy_tensors(tensors, target.buf, self.shards.deferrable(len(tensors)))
         except Exception as exc:  # out of host memory, say: this round carries no snapshot
             copied = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
         self.stalls += time.monotonic() - t0
