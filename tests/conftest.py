@@ -110,14 +110,32 @@ def launch(run_dir: Path, *flags: str, timeout: float = 240, **kw) -> Launched:
     return finish(start(run_dir, *flags, **kw), run_dir, timeout)
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05,
+             explain: Path | None = None):
+    """Poll predicate until it is truthy; on timeout fail, with the run's recent events when
+    `explain` names its run dir (so a failure in CI says what the job did instead)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    trace = f"\n{event_trace(explain)}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{trace}")
+
+
+_ROUTINE = {"step", "checkpoint_deferred", "checkpoint_saved"}
+
+
+def event_trace(run_dir: Path, last: int = 60) -> str:
+    """The run's last non-routine events, one compact line each, for failure messages."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return "(no event log)"
+    rows = [e for e in read_events(path) if e["event"] not in _ROUTINE][-last:]
+    keep = ("node", "rank", "slot", "gen", "attempt", "kind", "reason", "detail", "source")
+    return "\n".join(f"{e.get('t', 0):.2f} {e['event']} "
+                     + " ".join(f"{k}={e[k]}" for k in keep if k in e) for e in rows)
 
 
 def events_of(run_dir: Path, name: str) -> list[dict]:

@@ -167,7 +167,8 @@ def test_a_lemon_node_is_quarantined_and_its_ranks_go_to_the_standby(netns_hosts
     node1 = _workers(run_dir, 1)
     for n, rank in enumerate(("1", "2"), start=1):  # two faults on node 1 within the window
         os.kill(node1[rank], signal.SIGKILL)
-        wait_for(lambda n=n: len(events_of(run_dir, "gen_up")) >= n, 60, f"recovery {n}")
+        wait_for(lambda n=n: len(events_of(run_dir, "gen_up")) >= n, 60, f"recovery {n}",
+                 explain=run_dir)
     r1 = finish(a1, run_dir)
     r0, r2 = finish(a0, run_dir), finish(standby, run_dir)
     assert (r0.code, r1.code, r2.code) == (0, 0, 0), r0.output + r1.output + r2.output
