@@ -72,6 +72,7 @@ class Agent:
         )
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         guard, pool, sup = OrphanGuard(), None, None
+        code: int | None = None  # None in the finally: leaving by an exception
         try:
             channel, address = self._connect()
             # After the connection: a node rank given in join order is known by now. Not with
@@ -108,7 +109,8 @@ class Agent:
             if isinstance(exc, Deposed):
                 self.events.emit(Event.LEADER_DEPOSED, error=str(exc))
             self.events.emit(Event.AGENT_ERROR, error=str(exc))
-            self.events.emit(Event.AGENT_EXIT, code=int(exc.exit_code))
+            self.events.emit(Event.AGENT_EXIT, code=int(exc.exit_code),
+                             events_dropped=self.events.dropped)
             raise
         finally:
             self._lease_stop.set()  # first: a lease refresh racing shutdown would look lost
@@ -119,7 +121,9 @@ class Agent:
             guard.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        self.events.emit(Event.AGENT_EXIT, code=int(code))
+            if code is None:
+                self.events.close()  # reports the events a full disk cost
+        self.events.emit(Event.AGENT_EXIT, code=int(code), events_dropped=self.events.dropped)
         self.events.close()
         return int(code)
 
