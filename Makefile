@@ -12,10 +12,12 @@ $(BIN)/unbroken: pyproject.toml
 
 # The etcd backend's tests start an etcd server of their own: Debian's etcd-server. The
 # failover tests make three hosts of network namespaces with `ip` (iproute2; they run as
-# root, and are skipped, saying why, where namespaces cannot be made).
+# root, and are skipped, saying why, where namespaces cannot be made). The HTML report's
+# test opens the page in a headless Chromium: Debian's chromium.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ETCD := $(shell command -v etcd || echo /usr/bin/etcd)
 IP := $(shell command -v ip || echo /usr/sbin/ip)
+CHROMIUM := $(shell command -v chromium || echo /usr/bin/chromium)
 
 $(ETCD):
 	@command -v apt-get >/dev/null || { echo "install etcd 3.4+ (the etcd backend's tests need it)"; exit 1; }
@@ -27,8 +29,13 @@ $(IP):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2
 
+$(CHROMIUM):
+	@command -v apt-get >/dev/null || { echo "install chromium (the HTML report's test opens the page in it)"; exit 1; }
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+
 .PHONY: install demo test lint
-install: $(BIN)/unbroken $(ETCD) $(IP)
+install: $(BIN)/unbroken $(ETCD) $(IP) $(CHROMIUM)
 
 demo: install
 	$(BIN)/unbroken demo

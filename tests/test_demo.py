@@ -6,6 +6,7 @@ import subprocess
 
 from conftest import REPO, unbroken_cmd
 
+from unbroken.telemetry.report import build_report
 from unbroken.telemetry.summary import summarize
 
 
@@ -22,3 +23,14 @@ def test_demo_recovers_from_a_kill_a_hang_and_an_exception(tmp_path):
     for line in ("steps done      60", "faults          3", "1. crash", "2. hang", "3. exception"):
         assert line in res.stdout, res.stdout
     assert "step   50/60" in res.stdout  # progress printed while it runs
+    # Goodput: every rank's seconds, by category, sum to the wall time (within 1 %); the
+    # three recoveries are infrastructure recovery; the breakdown ends the summary.
+    r = build_report([run_dir])
+    assert r["world_size"] == 4 and 0 < r["goodput"] < 1
+    assert abs(sum(r["seconds"].values()) - r["wall_s"]) <= 0.01 * r["wall_s"]
+    for rank in r["ranks"]:
+        assert abs(sum(rank["seconds"].values()) - r["wall_s"]) <= 0.01 * r["wall_s"]
+    assert [f["kind"] for f in r["faults"]] == ["crash", "hang", "exception"]
+    assert all(f["cost_s"].get("infrastructure_recovery", 0) > 0 for f in r["faults"])
+    assert r["badput_s"]["infrastructure_recovery"] > 0
+    assert "goodput " in res.stdout and "infrastructure_recovery" in res.stdout

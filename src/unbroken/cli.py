@@ -37,8 +37,17 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=positive_int("--workers"), default=4)
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--no-faults", action="store_true", help="run without injected faults")
-    report = sub.add_parser("report", help="summarise a run from its event log")
-    report.add_argument("run_dir")
+    report = sub.add_parser("report", help="summarise a run from its event log: goodput, "
+                                           "faults, steps (text, JSON, CSV/Parquet, HTML)")
+    report.add_argument("run_dir", nargs="+",
+                        help="the run dir; one per node if the nodes do not share one")
+    report.add_argument("--json", action="store_true",
+                        help="print the whole report as one JSON object (docs/goodput.md)")
+    report.add_argument("--csv", metavar="DIR", default=None,
+                        help="write the tables (steps, faults, recoveries, checkpoints, goodput, "
+                             "timeline) as CSV into DIR, and as Parquet if pyarrow is installed")
+    report.add_argument("--html", metavar="FILE", default=None,
+                        help="write one self-contained HTML page with plots (needs matplotlib)")
     drain = sub.add_parser("drain", help="move a rank or a node of a running job onto spares")
     drain.add_argument("run_dir", nargs="?", default=None,
                        help="the job's run dir (or give --master-addr/--master-port/--rdzv-id)")
@@ -79,9 +88,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from unbroken.telemetry.report import build_report, format_goodput, write_tables
     from unbroken.telemetry.summary import format_summary, summarize
 
-    print(format_summary(summarize(args.run_dir)))
+    report = build_report(args.run_dir)
+    if args.csv:
+        for path in write_tables(report, args.csv):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.html:
+        from unbroken.telemetry.html_report import write_html
+
+        print(f"wrote {write_html(report, args.html)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, separators=(",", ":")))
+    else:
+        print(format_summary(summarize(args.run_dir[0])))
+        print(format_goodput(report))
     return ExitCode.SUCCESS
 
 

@@ -17,6 +17,7 @@ from unbroken.launch.agent import Agent
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.worker_logs import LogSpec, Std
 from unbroken.telemetry.events import EVENTS_FILE
+from unbroken.telemetry.report import build_report, format_goodput
 from unbroken.telemetry.summary import format_summary, summarize
 
 
@@ -81,4 +82,5 @@ def run_demo(steps: int = 600, workers: int = 4, run_dir: str | None = None, fau
     follower.join(timeout=2)
     print()
     print(format_summary(summarize(out)))
+    print(format_goodput(build_report([out])))
     return code

@@ -72,6 +72,11 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_or_zero(text: str) -> float:
+    """Seconds, where 0 means "never"."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
 def port(text: str) -> int:
     try:
         value = int(text)
@@ -218,6 +223,16 @@ def _add_own_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="the job's secret, in hex, that signs every control message (default: "
                         "UNBROKEN_SECRET, else RUN_DIR/secret, made by node 0 if absent)")
+    p.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
+                   help="the leader's agent serves Prometheus /metrics on this port (goodput, "
+                        "badput by category, step and recovery times, faults; see "
+                        "docs/goodput.md)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="the address /metrics binds to (default 127.0.0.1: loopback only; "
+                        "0.0.0.0 lets a Prometheus on another host scrape it)")
+    p.add_argument("--status-every", type=seconds_or_zero, default=30.0, metavar="SECONDS",
+                   help="the leader prints a status line (step, steps/s, goodput so far, "
+                        "faults, spares ready) this often; 0: never (default 30)")
     p.add_argument("script", help="the training script (torchrun-style)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -512,4 +527,6 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         local_addr=args.local_addr, leader_timeout=args.leader_timeout,
         retry_window=args.control_retry_window,
         quarantine=QuarantineRule(after=args.quarantine_after, window=args.quarantine_window),
+        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        status_every=args.status_every,
     )

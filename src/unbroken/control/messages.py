@@ -73,6 +73,7 @@ class NodeJoin:
     instance: str  # the agent's instance id: a restarted agent is a new instance
     pid: int
     host: str
+    sent: float | None = None  # the agent's wall time just before writing it (`control.clock`)
 
 
 @dataclass
@@ -91,6 +92,10 @@ class AttemptPlan:
     nodes: dict[int, NodeLayout]
     worker_port: int
     worker_addr: str = ""  # where the leader serves the attempt's worker store
+    # The leader's wall times: when it first read each node's join, and just before it wrote
+    # this plan. With the join's `sent`, they bound each node's clock offset (`control.clock`).
+    clock_seen: dict[int, float] = field(default_factory=dict)
+    clock_written: float | None = None
 
 
 @dataclass

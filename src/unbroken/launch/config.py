@@ -73,6 +73,12 @@ class LaunchConfig:
     spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
     standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
     secret_file: str | None = None  # the job's secret (hex); else UNBROKEN_SECRET, else RUN_DIR/secret
+    metrics_port: int | None = None
+    """The leader serves Prometheus /metrics on this port (`--metrics-port`); None: not at all."""
+    metrics_addr: str = "127.0.0.1"
+    """The address /metrics binds to: loopback unless the operator says otherwise."""
+    status_every: float = 30.0
+    """Seconds between the leader's status lines (step, steps/s, goodput, faults); 0: none."""
     backend: BackendKind = BackendKind.TCP
     """The control plane: the node-0 agent's TCPStore, or an etcd cluster (`--rdzv-backend`)."""
     etcd_endpoints: tuple[str, ...] = ()

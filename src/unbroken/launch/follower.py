@@ -8,6 +8,7 @@ import signal
 import time
 from typing import Any
 
+from unbroken.control.clock import estimate_offset
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, NodeOut, Status
 from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, ack, node_out
@@ -24,6 +25,8 @@ class Quarantined(Exception):  # noqa: N818 - control flow, not an error
 
 
 class Follower(Role):
+    _sent: float | None = None  # this agent's wall time just before it wrote its last join
+
     def run(self) -> int:
         seen = -1
         try:
@@ -105,12 +108,27 @@ class Follower(Role):
         keys = AttemptKeys(attempt)
         record = self.channel.read(LEADER_RECORD)
         member = record is not None and self.cfg.node_rank in record.nodes.order
+        self._sent = None
         if self.cfg.standby and not member:
             SpareBoard(self.channel, keys, self.cfg.node_rank).join_as_standby(self.instance)
             return
+        self._sent = time.time()
         self.channel.first(keys.node_join(self.cfg.node_rank), NodeJoin(
             nproc=self.cfg.nproc_per_node, instance=self.instance, pid=os.getpid(),
-            host=os.uname().nodename))
+            host=os.uname().nodename, sent=self._sent))
+
+    def _measure_clock(self, plan: AttemptPlan, got: float) -> None:
+        """This node's clock offset to the leader's, bounded by the rendezvous's own stamps
+        (`control.clock`), as a `clock_offset` event; none when the bounds cross (a clock
+        was stepped meanwhile) or the leader did not stamp the plan (an older leader)."""
+        seen = plan.clock_seen.get(self.cfg.node_rank)
+        if self._sent is None or seen is None or plan.clock_written is None:
+            return
+        estimate = estimate_offset(self._sent, seen, plan.clock_written, got)
+        if estimate is not None:
+            offset, error = estimate
+            self.events.emit(Event.CLOCK_OFFSET, attempt=plan.attempt, offset=round(offset, 6),
+                             error=round(error, 6))
 
     def _wait_next_attempt(self, seen: int) -> int:
         deadline = time.monotonic() + self.cfg.rdzv_timeout
@@ -137,6 +155,7 @@ class Follower(Role):
             if self.election is not None:
                 self.election.watch(None)
             plan = self.channel.read(keys.plan)
+            got = time.time()
             if plan is not None:
                 mine = plan.nodes.get(self.cfg.node_rank)
                 if mine is None and self.channel.read(node_out(self.cfg.node_rank)) \
@@ -152,7 +171,10 @@ class Follower(Role):
                     self.say(f"standing by in attempt {attempt}: the job has its "
                              f"{len(plan.nodes)} node(s)")
                     return plan
-                return plan if mine is not None and mine.instance == self.instance else None
+                if mine is None or mine.instance != self.instance:
+                    return None
+                self._measure_clock(plan, got)
+                return plan
             current = self.channel.read(CURRENT)
             if current is not None and current > attempt:
                 return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from unbroken.control.lease import LeaseWatch
@@ -42,7 +43,7 @@ from unbroken.control.schema import (
     node_out,
 )
 from unbroken.control.tcp import serve_store
-from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.errors import ControlPlaneError, ExitCode, UserError
 from unbroken.launch import node_set
 from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
@@ -51,6 +52,8 @@ from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner import EndAction, PlannerConfig, Policy, initial_state
 from unbroken.launch.role import Role
 from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.events import EVENTS_FILE
+from unbroken.telemetry.live import LiveTelemetry
 
 
 class Leader(Role):
@@ -70,8 +73,41 @@ class Leader(Role):
         self._released: set[int] = set()
         self._leaving: set[int] = set()  # quarantined nodes ordered to leave
         self._draining: set[int] = set()  # quarantined nodes whose ranks a drain moves
+        self._join_seen: dict[int, float] = {}  # node -> wall time its join was first read
 
     def run(self, takeover: Elected | None = None) -> int:
+        live = self._start_telemetry(takeover is not None)
+        try:
+            return self._lead(takeover)
+        finally:
+            if live is not None:
+                live.close()
+
+    def _start_telemetry(self, takeover: bool) -> LiveTelemetry | None:
+        """Prometheus /metrics (with --metrics-port) and the status line, for as long as this
+        agent leads. A port that cannot be bound is the user's to fix: one line, exit 2 at
+        start; an agent taking over a running job says so and leads without metrics."""
+        cfg = self.cfg
+        if cfg.metrics_port is None and not cfg.status_every:
+            return None
+        metrics = (cfg.metrics_addr, cfg.metrics_port) if cfg.metrics_port is not None else None
+        try:
+            live = LiveTelemetry(Path(cfg.run_dir) / EVENTS_FILE, self.say, metrics=metrics,
+                                 status_every=cfg.status_every)
+        except OSError as exc:
+            if takeover:
+                self.say(f"warning: cannot serve /metrics on {cfg.metrics_addr}:"
+                         f"{cfg.metrics_port} ({exc.strerror or exc}); leading without metrics")
+                return None
+            raise UserError(f"--metrics-port {cfg.metrics_port}: cannot serve /metrics on "
+                            f"{cfg.metrics_addr}: {exc.strerror or exc}; choose a free port "
+                            "(or --metrics-addr)") from None
+        if live.export is not None:
+            host, bound = live.export.server.server_address[:2]
+            self.say(f"metrics: http://{host}:{bound}/metrics")
+        return live
+
+    def _lead(self, takeover: Elected | None) -> int:
         cfg = self.cfg
         attempt, outcome = 0, None
         if takeover is not None:
@@ -110,11 +146,16 @@ class Leader(Role):
         ch.first(keys.node_join(cfg.node_rank), NodeJoin(
             nproc=cfg.nproc_per_node, instance=self.instance, pid=os.getpid(),
             host=os.uname().nodename))
+        self._join_seen = {}
         plan = self._make_plan(attempt, self._wait_joined(attempt))
+        # Each follower bounds its clock offset from these and its join's `sent` (clock.py).
+        plan.clock_seen = {k: t for k, t in self._join_seen.items() if k in plan.nodes}
+        plan.clock_written = time.time()
         ch.write(keys.plan, plan)
         self.events.emit(Event.RENDEZVOUS, attempt=attempt, world_size=plan.world_size,
                          duration=round(time.monotonic() - t0, 6), worker_port=plan.worker_port,
                          nodes=list(plan.nodes))
+        self.events.emit(Event.CLOCK_OFFSET, attempt=attempt, offset=0.0, error=0.0)
         return self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
 
     # ---------------------------------------------------------------- taking over
@@ -166,6 +207,7 @@ class Leader(Role):
             known = list(range(ch.count(NODE_RANKS) + 1))  # every rank handed out so far
             joins = dict(zip(known, ch.read_many([keys.node_join(k) for k in known]), strict=True))
             joined = {k: j for k, j in joins.items() if j is not None}
+            self._note_joins(joined)
             now = time.monotonic()
             gathered, enough = node_set.gather(self.nodes, list(joined), cfg.node_rank, rule,
                                                attempt, None if enough_at is None else now - enough_at,
@@ -218,6 +260,7 @@ class Leader(Role):
         told = False
         while True:
             nodes = {k: self.channel.read(keys.node_join(k)) for k in self.nodes.order}
+            self._note_joins(nodes)
             missing = [k for k, v in nodes.items() if v is None]
             if not missing:
                 break
@@ -232,10 +275,19 @@ class Leader(Role):
             self._sleep()
         for k in range(cfg.nnodes):  # out nodes whose agents came back
             if k not in nodes and (join := self.channel.read(keys.node_join(k))) is not None:
+                self._note_joins({k: join})
                 self.nodes, admitted = node_set.admit(self.nodes, k)
                 if admitted:
                     nodes[k] = join
         return nodes
+
+    def _note_joins(self, joins: dict[int, NodeJoin | None]) -> None:
+        """The leader's wall time when it first read each node's join (for the plan's
+        `clock_seen`): later than the join was written, which bounds that node's offset."""
+        now = time.time()
+        for k, join in joins.items():
+            if join is not None and k != self.cfg.node_rank:
+                self._join_seen.setdefault(k, now)
 
     def _make_plan(self, attempt: int, nodes: dict[int, NodeJoin]) -> AttemptPlan:
         cfg = self.cfg

@@ -14,6 +14,7 @@ from typing import Any
 
 from unbroken.errors import UserError
 from unbroken.telemetry.events import EVENTS_FILE, read_events
+from unbroken.telemetry.goodput import distinct_faults
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
 
     durations = [statistics.fmean(e["duration"] for e in es) for es in by_step.values()]
     faults = []
-    for f in (e for e in events if e["event"] == "fault"):
+    for f in distinct_faults(events):
         attempt = f.get("attempt", 0)
         slot = f.get("slot", f.get("rank"))
         injected = [e["t"] for e in events if e["event"] == "fault_injected" and e["t"] <= f["t"]
@@ -61,7 +62,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                                 and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
             resumed_from = next((e["step"] for e in events if e["event"] == "resume"
                                  and e.get("attempt") == attempt + 1), None)
+        restarted = next((e["t"] for e in events if e["event"] == "workers_started"
+                          and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
         faults.append({
+            "restart_s": round(restarted - began, 3) if restarted is not None else None,
             "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"), "attempt": attempt,
             "step": f.get("step"), "detail": f.get("detail"), "in_place": bool(f.get("in_place")),
             "detection": round(f["t"] - began, 3),
@@ -70,6 +74,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         })
     committed = max(by_step, default=-1) + 1
     return {
+        "steps_known": bool(steps),
         "run_dir": str(run_dir),
         "steps": committed,
         "steps_computed": len({(e["attempt"], e["step"]) for e in steps}),
@@ -87,16 +92,25 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
 def format_summary(s: dict[str, Any]) -> str:
     lines = [f"run {s['run_dir']}"]
     wall = f"{s['wall']:.1f}s" if s["wall"] is not None else "unfinished"
-    lines.append(f"  steps done      {s['steps']} ({s['steps_computed']} computed, "
-                 f"{s['attempts']} attempt(s)), wall time {wall}")
+    if s["steps_known"]:
+        lines.append(f"  steps done      {s['steps']} ({s['steps_computed']} computed, "
+                     f"{s['attempts']} attempt(s)), wall time {wall}")
+    else:
+        lines.append(f"  steps           unknown: the script reports no steps to unbroken (it does "
+                     f"not use run.steps/run.train); {s['attempts']} attempt(s), wall time {wall}")
     if s["step_time"] is not None:
-        goodput = f", goodput {100 * s['useful'] / s['wall']:.0f}%" if s["wall"] else ""
-        lines.append(f"  step time       {1000 * s['step_time']:.0f} ms median, useful {s['useful']:.1f}s{goodput}")
+        lines.append(f"  step time       {1000 * s['step_time']:.0f} ms median")
     if s["first_loss"] is not None:
         lines.append(f"  loss            {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
     lines.append(f"  faults          {len(s['faults'])}")
     for i, f in enumerate(s["faults"], 1):
         who = f"rank {f['rank']}" if f["rank"] is not None else f"node {f['node']}"
+        if not s["steps_known"]:
+            back = (f"the script restarted {f['restart_s']:.2f}s later" if f["restart_s"]
+                    is not None else "not restarted")
+            lines.append(f"   {i}. {f['kind']:<9} {who} (attempt {f['attempt']}): detected in "
+                         f"{f['detection']:.2f}s, {back}; steps lost: unknown")
+            continue
         down = f"{f['downtime']:.2f}s" if f["downtime"] is not None else "not recovered"
         how = "in place" if f.get("in_place") else "by restart"
         redone = f", {f['redone']} step(s) redone" if f["redone"] is not None else ""

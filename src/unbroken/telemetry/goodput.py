@@ -1,0 +1,416 @@
+"""Goodput accounting: every second of every rank's wall time, charged to one category.
+
+`account(events)` is a pure function of a run's events (`read_events`, every node's merged).
+It builds, for each rank slot, labelled intervals from what the events say happened (a step
+ran from `t - duration` to `t`, a checkpoint load took `duration`, a fault's recovery ran
+from the fault to that rank's next step, ...), each with a priority, and sweeps them: every
+instant of `[job start, job end]` goes to the highest-priority label covering it, and an
+instant no label covers is `idle`. So the categories of each rank sum to the wall time by
+construction, and the figures are checked against the events, not against themselves.
+
+What each category means is in `telemetry.categories`; the rules that decide it are the
+`_PRIORITY` table and `_labels_for_slot` below, and docs/goodput.md states them for users.
+
+A rank here is a *slot*: the rank a worker holds in the job's full world. A spare's warm-up
+is not charged to any slot (it is extra capacity), but once promoted it carries its slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.telemetry.categories import BADPUT, Category
+from unbroken.telemetry.event_names import Event
+
+STRAGGLER_FACTOR = 3.0
+STRAGGLER_FLOOR_S = 0.25
+"""A step slower than STRAGGLER_FACTOR times the run's median step, and slower than the
+median by STRAGGLER_FLOOR_S at least (a hiccup of a few milliseconds is jitter, not a
+straggler), is a straggler's; its time beyond the median is charged to `straggler`. The
+first step after a (re)start or a generation switch is a warm-up, never a straggler."""
+
+DATA_PHASES = ("data_loading", "data")
+"""`run.phase(name)` names whose time is charged to `data_loading`."""
+
+# Higher wins where labels overlap. Point labels (what the events time exactly) outrank the
+# windows that fill the time between them.
+_PRIORITY: dict[str, int] = {
+    "restore": 100, "startup": 95, "rendezvous": 90, "stall": 85, "data": 80,
+    "redone": 70, "straggler": 65, "step": 60, "between_steps": 55, "setup": 50,
+    "flush": 45, "cut_short": 40, "shrunk": 35, "recovery": 30, "spawn": 10,
+}
+_CATEGORY: dict[str, Category] = {
+    "restore": Category.CHECKPOINT_RESTORE, "startup": Category.PROGRAM_STARTUP,
+    "rendezvous": Category.INIT_RENDEZVOUS, "stall": Category.CHECKPOINT_SAVE,
+    "data": Category.DATA_LOADING, "redone": Category.WASTED_PROGRESS,
+    "straggler": Category.STRAGGLER, "step": Category.PRODUCTIVE_STEP,
+    "between_steps": Category.PRODUCTIVE_STEP, "setup": Category.INIT_RENDEZVOUS,
+    "flush": Category.CHECKPOINT_SAVE, "cut_short": Category.WASTED_PROGRESS,
+    "recovery": Category.INFRASTRUCTURE_RECOVERY, "shrunk": Category.CAPACITY_LOST,
+    "spawn": Category.PROGRAM_STARTUP,
+}
+
+
+@dataclass(frozen=True)
+class Label:
+    """A span of one slot's time that the events say was spent on `kind` (`_PRIORITY`)."""
+
+    start: float
+    end: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A maximal span of one slot's time charged to one category."""
+
+    slot: int
+    start: float
+    end: float
+    category: Category
+
+
+@dataclass
+class _Step:
+    slot: int
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+    start: float
+    end: float
+    loss: float | None
+    redone: bool = False
+
+
+def _is(e: dict[str, Any], name: Event) -> bool:
+    return e["event"] == name
+
+
+def _worker(e: dict[str, Any]) -> bool:
+    return e.get("source") == "worker" and isinstance(e.get("slot"), int) and e["slot"] >= 0
+
+
+def sweep(labels: Iterable[Label], start: float, end: float, slot: int) -> list[Segment]:
+    """Charge every instant of [start, end] to the highest-priority label covering it (idle
+    where none does); consecutive spans of one category are merged."""
+    bounded = sorted((max(lb.start, start), min(lb.end, end), lb.kind) for lb in labels
+                     if lb.end > start and lb.start < end and lb.end > lb.start)
+    cuts = sorted({start, end, *(b for s, e, _ in bounded for b in (s, e))})
+    active: list[tuple[int, float, str]] = []  # (-priority, end, kind), lazily pruned
+    out: list[Segment] = []
+    i = 0
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        while i < len(bounded) and bounded[i][0] <= a:
+            s, e, kind = bounded[i]
+            heapq.heappush(active, (-_PRIORITY[kind], e, kind))
+            i += 1
+        while active and active[0][1] <= a:
+            heapq.heappop(active)
+        # A popped-late label (ended, but under a higher one) is pruned when it surfaces.
+        category = _CATEGORY[active[0][2]] if active else Category.IDLE
+        if out and out[-1].category == category and out[-1].end == a:
+            out[-1] = Segment(slot, out[-1].start, b, category)
+        else:
+            out.append(Segment(slot, a, b, category))
+    return out
+
+
+def _steps(events: list[dict[str, Any]]) -> list[_Step]:
+    steps = [_Step(slot=e["slot"], rank=e.get("rank", e["slot"]), attempt=e.get("attempt", 0),
+                   gen=e.get("gen", 0), step=e["step"], start=e["t"] - e["duration"], end=e["t"],
+                   loss=e.get("loss"))
+             for e in events if _is(e, Event.STEP) and _worker(e)]
+    last: dict[tuple[int, int], _Step] = {}
+    for s in sorted(steps, key=lambda s: s.end):
+        if (s.slot, s.step) in last:
+            last[(s.slot, s.step)].redone = True  # computed again later: that one was wasted
+        last[(s.slot, s.step)] = s
+    return steps
+
+
+def _fault_start(f: dict[str, Any], events: list[dict[str, Any]]) -> float:
+    """When a fault happened: its injection if injected, a hang's last heartbeat, else its
+    detection."""
+    slot = f.get("slot", f.get("rank"))
+    injected = [e["t"] for e in events if _is(e, Event.FAULT_INJECTED) and e["t"] <= f["t"]
+                and e.get("attempt") == f.get("attempt", 0) and e.get("slot") == slot]
+    return injected[-1] if injected else (f.get("hang_started") or f["t"])
+
+
+def distinct_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's faults, each once: a death first taken in place and then charged to a
+    full restart is logged twice (same process); the later record's fields win."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for f in (e for e in events if _is(e, Event.FAULT)):
+        key = (f.get("attempt", 0), f.get("kind"), f.get("pid") or (f.get("rank"), f.get("step")))
+        first = seen.get(key)
+        seen[key] = dict(f, _began=first["_began"] if first else _fault_start(f, events),
+                         t=first["t"] if first else f["t"])
+    return list(seen.values())
+
+
+def _windows(events, faults, world: int, t_end: float) -> tuple[list[tuple[float, int | None, bool]],
+                                                                list[tuple[float, float]]]:
+    """Recovery window openers (time, slot or None for every slot, whether a fault opened
+    it) and the spans the job ran shrunk."""
+    opens: list[tuple[float, int | None, bool]] = [(f["_began"], None, True) for f in faults]
+    opens += [(e["t"], e["slot"], False) for e in events
+              if _is(e, Event.GEN_LEAVE) and _worker(e)]
+    opens += [(e["t"], None, False) for e in events if _is(e, Event.RESTART)]
+    shrunk, since = [], None
+    # Once a rank has finished training, the job is ending: nothing more is lost to the size.
+    done = min((e["t"] for e in events if _is(e, Event.TRAINING_DONE)), default=t_end)
+    for e in events:
+        if e["t"] > done:
+            break
+        if _is(e, Event.GEN_UP):
+            if e.get("world_size", world) < world and since is None:
+                since = e["t"]
+            elif e.get("world_size", world) >= world and since is not None:
+                shrunk.append((since, e["t"]))
+                since = None
+        elif _is(e, Event.RESTART) and since is not None:
+            shrunk.append((since, e["t"]))
+            since = None
+    if since is not None:
+        shrunk.append((since, done))
+    return opens, shrunk
+
+
+def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step],
+                     median: float | None, opens, shrunk, t0: float,
+                     checkpoints: bool) -> list[Label]:
+    mine = [e for e in events if _worker(e) and e["slot"] == slot]
+    launches = [(e["t"], e.get("node")) for e in events if _is(e, Event.WORKERS_STARTED)
+                or (_is(e, Event.REPLACEMENT_STARTED) and e.get("slot") == slot)]
+    own = sorted((s for s in steps if s.slot == slot), key=lambda s: s.end)
+    starts = [s.start for s in own]
+    labels: list[Label] = []
+    slow = max(STRAGGLER_FACTOR * median, median + STRAGGLER_FLOOR_S) if median else None
+    for prev, s in zip([None, *own], own, strict=False):
+        labels.append(Label(s.start, s.end, "redone" if s.redone else "step"))
+        follows = prev is not None and s.step == prev.step + 1 \
+            and (s.attempt, s.gen) == (prev.attempt, prev.gen)
+        if follows:  # the loop's own work between two steps: as the step before it
+            labels.append(Label(prev.end, s.start, "redone" if prev.redone else "between_steps"))
+        if follows and not s.redone and slow and s.end - s.start > slow:
+            labels.append(Label(s.start + median, s.end, "straggler"))
+
+    def next_start(t: float) -> float | None:
+        return next((s for s in starts if s >= t), None)
+
+    first_process = True
+    for e in mine:
+        t = e["t"]
+        if _is(e, Event.WORKER_START):
+            if e.get("startup") is not None:
+                pg = e.get("process_group") or 0.0
+                # A warm standby's process was started long before the agent handed it this
+                # job: its startup counts from that hand-over, not from its process start.
+                began = max([t - e["startup"], *(a for a, node in launches
+                                                 if a <= t and node == e.get("node"))])
+                labels.append(Label(began, t - pg, "startup"))
+                labels.append(Label(t - pg, t, "rendezvous"))
+                if first_process:
+                    labels.append(Label(t0, began, "spawn"))
+            first_process = False
+            end = next_start(t)
+            labels.append(Label(t, end if end is not None else t, "setup"))
+        elif _is(e, Event.CHECKPOINT_LOADED) and e.get("duration") is not None:
+            labels.append(Label(t - e["duration"], t, "restore"))
+        elif _is(e, Event.PHASE) and e.get("name") in DATA_PHASES:
+            labels.append(Label(t - e["duration"], t, "data"))
+        elif (_is(e, Event.CHECKPOINT_SAVED) or _is(e, Event.CHECKPOINT_FAILED)) and e.get("stall"):
+            before = [s for s in own if s.step == e["step"] - 1 and s.end <= t]
+            if before:
+                labels.append(Label(before[-1].end, before[-1].end + e["stall"], "stall"))
+        elif _is(e, Event.TRAINING_DONE):
+            ends = [s.end for s in own if s.end <= t]
+            if ends:
+                labels.append(Label(ends[-1], t, "flush" if checkpoints else "between_steps"))
+    mine_opens = sorted(o for o in opens if o[1] in (None, slot))
+    for i, (t, _, fault) in enumerate(mine_opens):
+        end = next_start(t)
+        if end is None:
+            continue  # never resumed on this slot: the time stays idle (or capacity lost)
+        labels.append(Label(t, end, "recovery"))
+        ends = [s.end for s in own if s.end <= t]
+        # The step a fault cut short: this slot's, if it was stepping when the fault came
+        # (no earlier fault or leave since its last step).
+        if ends and fault and not any(ends[-1] < o[0] < t for o in mine_opens[:i]):
+            labels.append(Label(ends[-1], t, "cut_short"))
+    labels += [Label(a, b, "shrunk") for a, b in shrunk]
+    return labels
+
+
+def _fault_rows(faults, segments: list[Segment], steps: list[_Step],
+                events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each fault with its cost: the rank-seconds of every slot, from the fault to that
+    slot's next step, that were not productive, plus the computations it made redone."""
+    rows = []
+    ordered = sorted(faults, key=lambda f: f["_began"])
+    # A redone computation is the cost of the fault that led to its being computed again:
+    # the last fault before the computation that the run kept.
+    kept = {(s.slot, s.step): s for s in steps if not s.redone}
+    began_at = [f["_began"] for f in ordered]
+    redone_by: dict[int, list[_Step]] = defaultdict(list)
+    for s in steps:
+        again = kept.get((s.slot, s.step))
+        if s.redone and again is not None:
+            at = bisect.bisect_right(began_at, again.start) - 1
+            if at >= 0:
+                redone_by[id(ordered[at])].append(s)
+    productive: dict[int, list[float]] = defaultdict(list)
+    for seg in segments:
+        if seg.category == Category.PRODUCTIVE_STEP:
+            productive[seg.slot].append(seg.start)
+    for i, f in enumerate(ordered):
+        began = f["_began"]
+        until = ordered[i + 1]["_began"] if i + 1 < len(ordered) else float("inf")
+        cost: dict[str, float] = defaultdict(float)
+        for seg in segments:
+            if seg.category in (Category.PRODUCTIVE_STEP, Category.WASTED_PROGRESS) \
+                    or seg.end <= began:
+                continue  # redone computations are charged below, to the fault that caused them
+            # the fault's window on this slot: up to the slot's next productive segment
+            starts = productive[seg.slot]
+            at = bisect.bisect_left(starts, began)
+            resumed = starts[at] if at < len(starts) else float("inf")
+            lo, hi = max(seg.start, began), min(seg.end, resumed, until)
+            if hi > lo:
+                cost[seg.category.value] += hi - lo
+        for s in redone_by.get(id(f), ()):
+            cost[Category.WASTED_PROGRESS.value] += s.end - s.start
+        rows.append({
+            "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"),
+            "attempt": f.get("attempt", 0), "step": f.get("step"), "t": f["t"],
+            "detail": f.get("detail"), "in_place": bool(f.get("in_place")),
+            "detection": round(f["t"] - began, 3),
+            "cost_s": {k: round(v, 6) for k, v in sorted(cost.items()) if v > 0},
+        })
+    return rows
+
+
+def account(events: list[dict[str, Any]], slots: list[int] | None = None,
+            until: float | None = None) -> dict[str, Any]:
+    """The run's goodput report (schema: docs/goodput.md), from its merged, time-ordered
+    events. Pure: no I/O.
+
+    `slots`: account only these ranks (a live leader that reads only its own node's log);
+    default every rank of the job's world. `until`: the end of the accounted time (a run
+    still going: now); default the last agent's exit, else the last event."""
+    if not events:
+        raise ValueError("no events to account for")
+    starts = [e["t"] for e in events if _is(e, Event.AGENT_START)]
+    exits = [e["t"] for e in events if _is(e, Event.AGENT_EXIT)]
+    t0 = min(starts) if starts else events[0]["t"]
+    t_end = until if until is not None else (max(exits) if exits else events[-1]["t"])
+    t_end = max(t_end, t0)
+    world = max((e.get("world_size", 0) for e in events
+                 if _is(e, Event.WORKER_START) and _worker(e)), default=0)
+    steps = _steps(events)
+    steps_known = bool(steps)
+    if not world:  # a plain script: no worker reports; the agents know the ranks they start
+        world = sum(len(e.get("pids", {})) for e in events
+                    if _is(e, Event.WORKERS_STARTED) and e.get("attempt", 0) == 0)
+    faults = distinct_faults(events)
+    median = statistics.median(s.end - s.start for s in steps) if steps else None
+    opens, shrunk = _windows(events, faults, world, t_end)
+    checkpoints = any(_is(e, Event.CHECKPOINT_SAVED) for e in events)
+    accounted = list(range(world)) if slots is None else sorted(slots)
+    segments: list[Segment] = []
+    if steps_known:
+        for slot in accounted:
+            labels = _labels_for_slot(slot, events, steps, median, opens, shrunk, t0, checkpoints)
+            segments += sweep(labels, t0, t_end, slot)
+    else:
+        segments = _plain_segments(events, accounted, faults, t0, t_end)
+    return _report(events, t0, t_end, accounted, steps, steps_known, faults, segments, median)
+
+
+def _plain_segments(events, slots: list[int], faults, t0: float,
+                    t_end: float) -> list[Segment]:
+    """A script that reports nothing to unbroken: what is known is when its processes were
+    started, and that the time from each fault to the next start was recovery."""
+    restarts = sorted(e["t"] for e in events if _is(e, Event.WORKERS_STARTED))
+    segments = []
+    for slot in slots:
+        labels = [Label(t0, restarts[0], "spawn")] if restarts else []
+        for f in faults:
+            nxt = next((t for t in restarts if t > f["t"]), None)
+            if nxt is not None:
+                labels.append(Label(f["_began"], nxt, "recovery"))
+        segments += sweep(labels, t0, t_end, slot)
+    return segments
+
+
+def _totals(segments: Iterable[Segment], lo: float = float("-inf"),
+            hi: float = float("inf")) -> dict[str, float]:
+    out = {c.value: 0.0 for c in Category}
+    for s in segments:
+        a, b = max(s.start, lo), min(s.end, hi)
+        if b > a:
+            out[s.category.value] += b - a
+    return out
+
+
+def _report(events, t0, t_end, slots, steps, steps_known, faults, segments, median):
+    wall = t_end - t0
+    world = len(slots)
+    n = max(world, 1)
+    total = _totals(segments)
+    seconds = {k: round(v / n, 6) for k, v in total.items()}
+    goodput = (total[Category.PRODUCTIVE_STEP] / (wall * n)) if steps_known and wall > 0 else None
+    attempt_starts = sorted({(e.get("attempt", 0), e["t"]) for e in events
+                             if _is(e, Event.WORKERS_STARTED)})
+    firsts: dict[int, float] = {}
+    for a, t in attempt_starts:
+        firsts.setdefault(a, t)
+    firsts[0] = t0
+    order = sorted(firsts.items())
+    attempts = []
+    for i, (a, start) in enumerate(order):
+        end = order[i + 1][1] if i + 1 < len(order) else t_end
+        part = _totals(segments, start, end)
+        attempts.append({"attempt": a, "start": start, "end": end,
+                         "seconds": {k: round(v / n, 6) for k, v in part.items()}})
+    dropped = sum(e.get("dropped", 0) for e in events if e["event"] == "events_dropped")
+    return {
+        "t0": t0, "wall_s": round(wall, 6), "world_size": world,
+        "goodput": round(goodput, 6) if goodput is not None else None,
+        "steps_known": steps_known, "events_dropped": dropped,
+        "median_step_s": round(median, 6) if median else None,
+        "categories": [c.value for c in Category],
+        "seconds": seconds,
+        "badput_s": {c.value: seconds[c.value] for c in BADPUT},
+        "ranks": [{"slot": slot, "seconds": {k: round(v, 6) for k, v in
+                                             _totals(s for s in segments if s.slot == slot).items()}}
+                  for slot in slots],
+        "attempts": attempts,
+        "faults": _fault_rows(faults, segments, steps, events),
+        "recoveries": [{"gen": e.get("gen"), "t": e["t"], "duration": e.get("duration"),
+                        "world_size": e.get("world_size"), "faults": e.get("faults", [])}
+                       for e in events if _is(e, Event.GEN_UP)],
+        "checkpoints": [{"step": e.get("step"), "t": e["t"], "slot": e.get("slot"),
+                         "stall": e.get("stall"), "durable": e.get("durable"),
+                         "bytes": e.get("bytes"), "ok": _is(e, Event.CHECKPOINT_SAVED)}
+                        for e in events if (_is(e, Event.CHECKPOINT_SAVED)
+                                            or _is(e, Event.CHECKPOINT_FAILED)) and _worker(e)],
+        "steps": [{"slot": s.slot, "rank": s.rank, "attempt": s.attempt, "gen": s.gen,
+                   "step": s.step, "start": s.start, "end": s.end,
+                   "duration": round(s.end - s.start, 6), "loss": s.loss, "redone": s.redone}
+                  for s in sorted(steps, key=lambda s: (s.end, s.slot))],
+        "spares": [{"t": e["t"], "node": e.get("node"),
+                    "event": "ready" if _is(e, Event.SPARE_READY) else "promoted"}
+                   for e in events if (_is(e, Event.SPARE_READY) and e.get("source") == "worker")
+                   or (_is(e, Event.SPARE_PROMOTED) and e.get("source") == "agent")],
+        "timeline": [{"slot": s.slot, "start": s.start, "end": s.end,
+                      "category": s.category.value} for s in segments],
+    }

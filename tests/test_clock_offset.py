@@ -1,0 +1,72 @@
+"""Each node's clock offset to the leader, bounded at rendezvous (`control.clock`)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY, finish, free_port, start
+
+from unbroken.control.clock import estimate_offset
+from unbroken.control.codec import decode, encode
+from unbroken.control.messages import AttemptPlan, NodeJoin, NodeLayout
+from unbroken.telemetry.report import load_events
+
+
+def test_same_clock_gives_an_offset_near_zero_within_its_error():
+    # sent 100.0, seen by the leader at 100.1, plan written at 100.2, read at 100.3
+    offset, error = estimate_offset(100.0, 100.1, 100.2, 100.3)
+    assert offset == pytest.approx(0.0) and error == pytest.approx(0.1)
+    assert abs(offset) <= error
+
+
+def test_a_follower_clock_5s_behind_gives_plus_5():
+    # The follower's clock reads 5 s less than the leader's; the same exchange as above.
+    offset, error = estimate_offset(95.0, 100.1, 100.2, 95.3)
+    assert offset == pytest.approx(5.0) and error == pytest.approx(0.1)
+    ahead = estimate_offset(105.0, 100.1, 100.2, 105.3)
+    assert ahead[0] == pytest.approx(-5.0)
+
+
+def test_exact_bounds_give_zero_error():
+    assert estimate_offset(10.0, 12.0, 12.0, 10.0) == (2.0, 0.0)
+
+
+def test_crossed_bounds_give_no_estimate():
+    # The plan read "before" the join was sent: the follower's clock was stepped back.
+    assert estimate_offset(100.0, 100.1, 100.2, 99.0) is None
+
+
+def test_the_stamps_are_wire_compatible():
+    """New fields round-trip, and an old message (without them) decodes to the defaults."""
+    plan = AttemptPlan(attempt=1, world_size=2, nodes={1: NodeLayout(0, 2, "i")},
+                       worker_port=5, clock_seen={1: 12.5}, clock_written=13.0)
+    again = decode(AttemptPlan, encode(plan))
+    assert again.clock_seen == {1: 12.5} and again.clock_written == 13.0
+    old = decode(AttemptPlan, '{"attempt":0,"world_size":1,"nodes":{},"worker_port":5}')
+    assert old.clock_seen == {} and old.clock_written is None
+    join = decode(NodeJoin, '{"nproc":1,"instance":"i","pid":1,"host":"h"}')
+    assert join.sent is None
+    assert decode(NodeJoin, encode(NodeJoin(1, "i", 1, "h", sent=3.5))).sent == 3.5
+
+
+def test_two_nodes_each_log_their_clock_offset(tmp_path):
+    port, run_dir = free_port(), tmp_path / "run"
+
+    def node(rank):
+        return start(run_dir, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                     "--rdzv-id", "job", "--rdzv-timeout", "60", port=port,
+                     args=["--steps", "10", *TINY])
+
+    leader, follower = node(0), node(1)
+    r1, r0 = finish(follower, run_dir), finish(leader, run_dir)
+    assert r0.code == 0, r0.output
+    assert r1.code == 0, r1.output
+    offsets = {e["node"]: e for e in r0.events("clock_offset")}
+    assert set(offsets) == {0, 1}
+    assert (offsets[0]["offset"], offsets[0]["error"], offsets[0]["attempt"]) == (0.0, 0.0, 0)
+    mine = offsets[1]
+    assert mine["attempt"] == 0
+    assert 0 <= mine["error"] < 1.0
+    assert abs(mine["offset"]) <= mine["error"] + 0.05  # one machine: one clock
+    merged = load_events([run_dir])
+    assert sum(e["event"] == "clock_offset" for e in merged) == 2
+    assert any(e["event"] == "step" for e in merged)
