@@ -156,31 +156,35 @@ def distinct_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def _windows(events, faults, world: int, t_end: float) -> tuple[list[tuple[float, int | None, bool]],
-                                                                list[tuple[float, float]]]:
+def _windows(events, faults, world: int, t_end: float) -> tuple[
+        list[tuple[float, int | None, bool]], list[tuple[float, float, frozenset[int]]]]:
     """Recovery window openers (time, slot or None for every slot, whether a fault opened
-    it) and the spans the job ran shrunk."""
+    it) and the spans the job ran shrunk, each with the slots missing from it."""
     opens: list[tuple[float, int | None, bool]] = [(f["_began"], None, True) for f in faults]
     opens += [(e["t"], e["slot"], False) for e in events
               if _is(e, Event.GEN_LEAVE) and _worker(e)]
     opens += [(e["t"], None, False) for e in events if _is(e, Event.RESTART)]
-    shrunk, since = [], None
+    members: dict[Any, set[int]] = defaultdict(set)  # generation -> the slots that joined it
+    for e in events:
+        if _is(e, Event.GEN_SWITCH) and _worker(e):
+            members[(e.get("attempt", 0), e.get("gen"))].add(e["slot"])
+    shrunk: list[tuple[float, float, frozenset[int]]] = []
+    open_span: tuple[float, frozenset[int]] | None = None
     # Once a rank has finished training, the job is ending: nothing more is lost to the size.
     done = min((e["t"] for e in events if _is(e, Event.TRAINING_DONE)), default=t_end)
     for e in events:
         if e["t"] > done:
             break
-        if _is(e, Event.GEN_UP):
-            if e.get("world_size", world) < world and since is None:
-                since = e["t"]
-            elif e.get("world_size", world) >= world and since is not None:
-                shrunk.append((since, e["t"]))
-                since = None
-        elif _is(e, Event.RESTART) and since is not None:
-            shrunk.append((since, e["t"]))
-            since = None
-    if since is not None:
-        shrunk.append((since, done))
+        if not (_is(e, Event.GEN_UP) or _is(e, Event.RESTART)):
+            continue
+        if open_span is not None:
+            shrunk.append((open_span[0], e["t"], open_span[1]))
+            open_span = None
+        if _is(e, Event.GEN_UP) and e.get("world_size", world) < world:
+            here = members.get((e.get("attempt", 0), e.get("gen")), set())
+            open_span = (e["t"], frozenset(set(range(world)) - here))
+    if open_span is not None:
+        shrunk.append((open_span[0], done, open_span[1]))
     return opens, shrunk
 
 
@@ -246,7 +250,7 @@ def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step]
         # (no earlier fault or leave since its last step).
         if ends and fault and not any(ends[-1] < o[0] < t for o in mine_opens[:i]):
             labels.append(Label(ends[-1], t, "cut_short"))
-    labels += [Label(a, b, "shrunk") for a, b in shrunk]
+    labels += [Label(a, b, "shrunk") for a, b, missing in shrunk if slot in missing]
     return labels
 
 
