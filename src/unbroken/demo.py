@@ -6,7 +6,6 @@ progress from the event log as it goes, and ends with the run's summary.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from unbroken.launch.agent import Agent
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.worker_logs import LogSpec, Std
 from unbroken.telemetry.events import EVENTS_FILE
+from unbroken.telemetry.live import EventTail
 from unbroken.telemetry.report import build_report, format_goodput
 from unbroken.telemetry.summary import format_summary, summarize
 
@@ -32,25 +32,19 @@ def find_example() -> Path:
 
 def _follow(events: Path, total: int, stop: threading.Event) -> None:
     """Print rank 0's progress and every fault as the event log grows."""
-    while not events.exists() and not stop.is_set():
-        time.sleep(0.1)
-    with open(events, encoding="utf-8") as fh:
-        while not stop.is_set():
-            line = fh.readline()
-            if not line:
-                time.sleep(0.1)
-                continue
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if e["event"] == "step" and e.get("rank") == 0 and e["step"] % 10 == 0:
-                print(f"  step {e['step']:4d}/{total}  loss {e.get('loss', float('nan')):.3f}"
-                      f"  ({1000 * e['duration']:.0f} ms)", flush=True)
-            elif e["event"] == "fault_injected":
-                print(f"  >>> injecting {e['fault']}", flush=True)
-            elif e["event"] == "checkpoint_loaded" and e.get("rank") == 0:
-                print(f"  resumed from the checkpoint of step {e['step']}", flush=True)
+    tail = EventTail(events)
+    try:
+        while not stop.wait(0.1):
+            for e in tail.read():
+                if e["event"] == "step" and e.get("rank") == 0 and e["step"] % 10 == 0:
+                    print(f"  step {e['step']:4d}/{total}  loss {e.get('loss', float('nan')):.3f}"
+                          f"  ({1000 * e['duration']:.0f} ms)", flush=True)
+                elif e["event"] == "fault_injected":
+                    print(f"  >>> injecting {e['fault']}", flush=True)
+                elif e["event"] == "checkpoint_loaded" and e.get("rank") == 0:
+                    print(f"  resumed from the checkpoint of step {e['step']}", flush=True)
+    finally:
+        tail.close()
 
 
 def run_demo(steps: int = 600, workers: int = 4, run_dir: str | None = None, faults: bool = True) -> int:

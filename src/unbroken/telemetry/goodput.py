@@ -140,8 +140,14 @@ def _fault_start(f: dict[str, Any], events: list[dict[str, Any]]) -> float:
     detection."""
     slot = f.get("slot", f.get("rank"))
     injected = [e["t"] for e in events if _is(e, Event.FAULT_INJECTED) and e["t"] <= f["t"]
-                and e.get("attempt") == f.get("attempt", 0) and e.get("slot") == slot]
+                and e.get("attempt") == f.get("attempt", 0)
+                and e.get("slot", e.get("rank")) == slot]
     return injected[-1] if injected else (f.get("hang_started") or f["t"])
+
+
+def fault_key(f: dict[str, Any]) -> tuple:
+    """What identifies one fault across its `fault` events: attempt, kind, and the process."""
+    return f.get("attempt", 0), f.get("kind"), f.get("pid") or (f.get("rank"), f.get("step"))
 
 
 def distinct_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,7 +155,7 @@ def distinct_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     full restart is logged twice (same process); the later record's fields win."""
     seen: dict[tuple, dict[str, Any]] = {}
     for f in (e for e in events if _is(e, Event.FAULT)):
-        key = (f.get("attempt", 0), f.get("kind"), f.get("pid") or (f.get("rank"), f.get("step")))
+        key = fault_key(f)
         first = seen.get(key)
         seen[key] = dict(f, _began=first["_began"] if first else _fault_start(f, events),
                          t=first["t"] if first else f["t"])
@@ -188,16 +194,25 @@ def _windows(events, faults, world: int, t_end: float) -> tuple[
     return opens, shrunk
 
 
-def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step],
-                     median: float | None, opens, shrunk, t0: float,
-                     checkpoints: bool) -> list[Label]:
-    mine = [e for e in events if _worker(e) and e["slot"] == slot]
-    launches = [(e["t"], e.get("node")) for e in events if _is(e, Event.WORKERS_STARTED)
-                or (_is(e, Event.REPLACEMENT_STARTED) and e.get("slot") == slot)]
-    own = sorted((s for s in steps if s.slot == slot), key=lambda s: s.end)
-    starts = [s.start for s in own]
+def straggler_threshold(median: float) -> float:
+    """The duration past which a step is a straggler's (`STRAGGLER_FACTOR`, `..._FLOOR_S`)."""
+    return max(STRAGGLER_FACTOR * median, median + STRAGGLER_FLOOR_S)
+
+
+def _labels_for_slot(slot: int, mine: list[dict[str, Any]], own: list[_Step],
+                     launches: list[dict[str, Any]], median: float | None, opens, shrunk,
+                     t0: float, checkpoints: bool) -> list[Label]:
+    """`mine`: the slot's worker events; `own`: its step computations, by end;
+    `launches`: the agents' `workers_started` and `replacement_started` events."""
+    launched = [(e["t"], e.get("node")) for e in launches if _is(e, Event.WORKERS_STARTED)
+                or e.get("slot") == slot]
+    starts = sorted(s.start for s in own)
+    ends = [s.end for s in own]
+    by_step: dict[int, list[_Step]] = defaultdict(list)
+    for s in own:
+        by_step[s.step].append(s)
     labels: list[Label] = []
-    slow = max(STRAGGLER_FACTOR * median, median + STRAGGLER_FLOOR_S) if median else None
+    slow = straggler_threshold(median) if median else None
     for prev, s in zip([None, *own], own, strict=False):
         labels.append(Label(s.start, s.end, "redone" if s.redone else "step"))
         follows = prev is not None and s.step == prev.step + 1 \
@@ -208,7 +223,12 @@ def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step]
             labels.append(Label(s.start + median, s.end, "straggler"))
 
     def next_start(t: float) -> float | None:
-        return next((s for s in starts if s >= t), None)
+        at = bisect.bisect_left(starts, t)
+        return starts[at] if at < len(starts) else None
+
+    def last_end(t: float) -> float | None:
+        at = bisect.bisect_right(ends, t)
+        return ends[at - 1] if at else None
 
     first_process = True
     for e in mine:
@@ -218,7 +238,7 @@ def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step]
                 pg = e.get("process_group") or 0.0
                 # A warm standby's process was started long before the agent handed it this
                 # job: its startup counts from that hand-over, not from its process start.
-                began = max([t - e["startup"], *(a for a, node in launches
+                began = max([t - e["startup"], *(a for a, node in launched
                                                  if a <= t and node == e.get("node"))])
                 labels.append(Label(began, t - pg, "startup"))
                 labels.append(Label(t - pg, t, "rendezvous"))
@@ -232,24 +252,22 @@ def _labels_for_slot(slot: int, events: list[dict[str, Any]], steps: list[_Step]
         elif _is(e, Event.PHASE) and e.get("name") in DATA_PHASES:
             labels.append(Label(t - e["duration"], t, "data"))
         elif (_is(e, Event.CHECKPOINT_SAVED) or _is(e, Event.CHECKPOINT_FAILED)) and e.get("stall"):
-            before = [s for s in own if s.step == e["step"] - 1 and s.end <= t]
+            before = [s for s in by_step.get(e["step"] - 1, ()) if s.end <= t]
             if before:
                 labels.append(Label(before[-1].end, before[-1].end + e["stall"], "stall"))
-        elif _is(e, Event.TRAINING_DONE):
-            ends = [s.end for s in own if s.end <= t]
-            if ends:
-                labels.append(Label(ends[-1], t, "flush" if checkpoints else "between_steps"))
+        elif _is(e, Event.TRAINING_DONE) and (last := last_end(t)) is not None:
+            labels.append(Label(last, t, "flush" if checkpoints else "between_steps"))
     mine_opens = sorted(o for o in opens if o[1] in (None, slot))
     for i, (t, _, fault) in enumerate(mine_opens):
         end = next_start(t)
         if end is None:
             continue  # never resumed on this slot: the time stays idle (or capacity lost)
         labels.append(Label(t, end, "recovery"))
-        ends = [s.end for s in own if s.end <= t]
+        last = last_end(t)
         # The step a fault cut short: this slot's, if it was stepping when the fault came
         # (no earlier fault or leave since its last step).
-        if ends and fault and not any(ends[-1] < o[0] < t for o in mine_opens[:i]):
-            labels.append(Label(ends[-1], t, "cut_short"))
+        if last is not None and fault and not any(last < o[0] < t for o in mine_opens[:i]):
+            labels.append(Label(last, t, "cut_short"))
     labels += [Label(a, b, "shrunk") for a, b, missing in shrunk if slot in missing]
     return labels
 
@@ -331,8 +349,18 @@ def account(events: list[dict[str, Any]], slots: list[int] | None = None,
     accounted = list(range(world)) if slots is None else sorted(slots)
     segments: list[Segment] = []
     if steps_known:
+        by_slot: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            if _worker(e):
+                by_slot[e["slot"]].append(e)
+        own: dict[int, list[_Step]] = defaultdict(list)
+        for s in sorted(steps, key=lambda s: s.end):
+            own[s.slot].append(s)
+        launches = [e for e in events if _is(e, Event.WORKERS_STARTED)
+                    or _is(e, Event.REPLACEMENT_STARTED)]
         for slot in accounted:
-            labels = _labels_for_slot(slot, events, steps, median, opens, shrunk, t0, checkpoints)
+            labels = _labels_for_slot(slot, by_slot[slot], own[slot], launches, median, opens,
+                                      shrunk, t0, checkpoints)
             segments += sweep(labels, t0, t_end, slot)
     else:
         segments = _plain_segments(events, accounted, faults, t0, t_end)
@@ -385,7 +413,7 @@ def _report(events, t0, t_end, slots, steps, steps_known, faults, segments, medi
         part = _totals(segments, start, end)
         attempts.append({"attempt": a, "start": start, "end": end,
                          "seconds": {k: round(v / n, 6) for k, v in part.items()}})
-    dropped = sum(e.get("dropped", 0) for e in events if e["event"] == "events_dropped")
+    dropped = sum(e.get("dropped", 0) for e in events if _is(e, Event.EVENTS_DROPPED))
     return {
         "t0": t0, "wall_s": round(wall, 6), "world_size": world,
         "goodput": round(goodput, 6) if goodput is not None else None,

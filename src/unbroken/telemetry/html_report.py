@@ -3,8 +3,8 @@
 The page holds a header (run dir, wall time, world size, goodput, dropped events), a
 timeline per slot coloured by category with faults, checkpoints, recoveries and spares
 marked, the goodput breakdown (mean seconds per category, and per rank), the step-time
-distribution (histogram, and box plots per rank with the steps over 3x the median marked),
-the loss curve, and tables of faults (with their phases and cost), recoveries, attempts and
+distribution (histogram, and box plots per rank with the steps over the straggler threshold
+marked), the loss curve, and tables of faults (with their phases and cost), recoveries, attempts and
 checkpoints. Plots are PNGs that matplotlib draws (Agg, no display) embedded as base64; the
 CSS is inline; nothing is fetched from the network. Every string from the report is escaped:
 event contents are untrusted. A last inline script checks every plot decoded and says so in
@@ -26,6 +26,7 @@ from typing import Any
 
 from unbroken.errors import UserError
 from unbroken.telemetry.categories import Category
+from unbroken.telemetry.goodput import straggler_threshold
 
 COLORS: Mapping[str, str] = MappingProxyType({
     Category.PRODUCTIVE_STEP: "#2ca02c",
@@ -45,7 +46,6 @@ OTHER_COLOR = "#7f7f7f"  # a category this version does not know
 FAULT_COLOR = "#000000"
 RECOVERY_COLOR = "#e377c2"
 SPARE_COLOR = "#006d2c"
-OUTLIER_FACTOR = 3.0  # a step over 3x the median step is marked (the straggler threshold)
 DPI = 100
 INSTALL_HINT = "the HTML report needs matplotlib: pip install 'unbroken[report]'"
 
@@ -246,15 +246,16 @@ class _Page:
                         else "Step times are unknown: the script reported no steps.")
         durations = [float(s["duration"]) for s in steps]
         median = statistics.median(durations)
-        slow = [s for s in steps if s["duration"] > OUTLIER_FACTOR * median]
+        slow = [s for s in steps if s["duration"] > straggler_threshold(median)]
         summary = (f"<p>{num(len(steps))} step computations, median {num(median, 3)} s, "
                    f"p99 {num(_quantile(durations, 0.99), 3)} s, max {num(max(durations), 3)} s; "
-                   f"{num(len(slow))} over {OUTLIER_FACTOR:g}x the median "
+                   f"{num(len(slow))} over the straggler threshold "
+                   f"{num(straggler_threshold(median), 3)} s "
                    f"({num(sum(1 for s in steps if s.get('redone')))} redone).</p>")
         return (summary
                 + self.plot(self.histogram_figure(durations, median), "Histogram of step durations")
                 + self.plot(self.boxplot_figure(steps, median),
-                            f"Step durations per rank, steps over {OUTLIER_FACTOR:g}x the median marked"))
+                            "Step durations per rank, steps over the straggler threshold marked"))
 
     def loss_section(self) -> str:
         steps = [s for s in self.r.get("steps") or []
@@ -457,8 +458,8 @@ class _Page:
         return fig
 
     def histogram_figure(self, durations: list[float], median: float) -> Any:
-        """Steps up to 3x the median in fine bins; the slower ones in one bar past them."""
-        limit = OUTLIER_FACTOR * median
+        """Steps up to the straggler threshold in fine bins; the slower ones in one bar."""
+        limit = straggler_threshold(median)
         usual = [d for d in durations if d <= limit]
         slow = [d for d in durations if d > limit]
         fig = self.Figure(figsize=(12, 3.6), layout="constrained")
@@ -469,11 +470,11 @@ class _Page:
                 color=COLORS[Category.PRODUCTIVE_STEP], edgecolor="white", linewidth=0.3)
         ax.axvline(median, color="#333333", linestyle=":", label=f"median {median:.3f} s")
         ax.axvline(limit, color=COLORS[Category.STRAGGLER], linestyle="--",
-                   label=f"{OUTLIER_FACTOR:g}x the median")
+                   label=f"straggler threshold {limit:.3g} s")
         if slow:
             x = limit + 3 * width
             ax.bar([x], [len(slow)], width=2 * width, color=COLORS[Category.STRAGGLER])
-            ax.annotate(f"{len(slow)} over {OUTLIER_FACTOR:g}x\n(max {max(slow):.3g} s)",
+            ax.annotate(f"{len(slow)} stragglers\n(max {max(slow):.3g} s)",
                         (x, len(slow)), xytext=(0, 3), textcoords="offset points",
                         ha="center", va="bottom", fontsize=8)
             ax.set_xlim(right=limit + 6 * width)
@@ -486,12 +487,13 @@ class _Page:
         return fig
 
     def boxplot_figure(self, steps: list[dict[str, Any]], median: float) -> Any:
-        """A box per rank up to 3x the median; each rank's slower steps counted at the top."""
+        """A box per rank up to the straggler threshold; each rank's slower steps counted at
+        the top."""
         by_rank: dict[int, list[float]] = {}
         for s in steps:
             by_rank.setdefault(_int(s.get("rank")), []).append(float(s["duration"]))
         ranks = sorted(by_rank)
-        limit = OUTLIER_FACTOR * median
+        limit = straggler_threshold(median)
         fig = self.Figure(figsize=(12, 3.8), layout="constrained")
         ax = fig.add_subplot()
         ax.boxplot([by_rank[r] for r in ranks], positions=range(len(ranks)), widths=0.6,
@@ -500,7 +502,7 @@ class _Page:
         low = min(min(v) for v in by_rank.values())
         top = limit + 0.2 * (limit - low)
         ax.axhline(limit, color=COLORS[Category.STRAGGLER], linestyle="--", linewidth=0.8,
-                   label=f"{OUTLIER_FACTOR:g}x the median")
+                   label=f"straggler threshold {limit:.3g} s")
         marked = 0
         for i, r in enumerate(ranks):
             slow = [d for d in by_rank[r] if d > limit]
@@ -514,9 +516,8 @@ class _Page:
         ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks],
                       rotation=90 if len(ranks) > 16 else 0, fontsize=8)
         ax.set_ylabel("step duration (s)")
-        ax.set_title(f"{marked} step computations over {OUTLIER_FACTOR:g}x the median (▲, "
-                     "counted per rank)" if marked else
-                     f"no step over {OUTLIER_FACTOR:g}x the median", fontsize=9)
+        ax.set_title(f"{marked} step computations over the straggler threshold (▲, counted "
+                     "per rank)" if marked else "no step over the straggler threshold", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
         return fig

@@ -24,7 +24,7 @@ from typing import Any
 
 from unbroken.telemetry.categories import BADPUT
 from unbroken.telemetry.event_names import Event
-from unbroken.telemetry.goodput import account
+from unbroken.telemetry.goodput import account, fault_key
 from unbroken.telemetry.metric_names import Metric
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -110,7 +110,7 @@ class LiveStats:
                 obs += [(Metric.STEPS, 1), (Metric.STEP_TIME, e["duration"])]
         elif name == Event.FAULT:
             # A death taken in place, then charged to a restart, is logged twice: count once.
-            key = (e.get("attempt", 0), e.get("kind"), e.get("pid") or (e.get("rank"), e.get("step")))
+            key = fault_key(e)
             if key in self._faults_seen:
                 return obs
             self._faults_seen.add(key)
@@ -136,7 +136,7 @@ class LiveStats:
             self.spares_ready += 1
         elif name in (Event.SPARE_PROMOTED, Event.SPARE_LOST) and e.get("source") == "agent":
             self.spares_ready = max(0, self.spares_ready - 1)
-        elif name == "events_dropped":
+        elif name == Event.EVENTS_DROPPED:
             self.dropped += int(e.get("dropped", 0))
             obs.append((Metric.EVENTS_DROPPED, int(e.get("dropped", 0))))
         return obs

@@ -14,10 +14,9 @@ from typing import Any
 
 from unbroken.errors import UserError
 from unbroken.telemetry.categories import Category
+from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, read_events
 from unbroken.telemetry.goodput import account
-
-CLOCK_OFFSET = "clock_offset"
 
 
 def load_events(run_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -36,7 +35,7 @@ def load_events(run_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     events = list(lines.values())
     offsets: dict[Any, float] = {}
     for e in events:
-        if e.get("event") == CLOCK_OFFSET:
+        if e.get("event") == Event.CLOCK_OFFSET:
             offsets[e.get("node")] = float(e.get("offset", 0.0))  # the latest measurement wins
     if offsets:
         for e in events:

@@ -43,10 +43,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     faults = []
     for f in distinct_faults(events):
         attempt = f.get("attempt", 0)
-        slot = f.get("slot", f.get("rank"))
-        injected = [e["t"] for e in events if e["event"] == "fault_injected" and e["t"] <= f["t"]
-                    and e.get("attempt") == attempt and e.get("slot", e.get("rank")) == slot]
-        began = injected[-1] if injected else f.get("hang_started") or f["t"]
+        began = f["_began"]  # when it happened (goodput.distinct_faults)
         before = [e for e in steps if e["attempt"] == attempt and e["t"] <= began]
         reached = max((e["step"] for e in before), default=-1) + 1
         if f.get("in_place"):
