@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))  # start_etcd: the tests' one-member etcd
 
 from conftest import start_etcd  # noqa: E402
-from harness import EventTail, epoch, free_port, kill_everything  # noqa: E402
+from harness import EventTail, epoch, free_port, kill_everything, step_period  # noqa: E402
 
 from unbroken.control.address import BackendKind, ControlAddress, open_backend  # noqa: E402
 from unbroken.control.channel import Channel  # noqa: E402
@@ -237,8 +237,7 @@ def steady_step(backend: str, endpoint: str, root: Path, steps: int,
     ready = max((e["t"] for e in tail.events if e["event"] == "standby_ready"), default=0.0)
     ends = [e["t"] for e in tail.events if e["event"] == "step" and e["rank"] == 0][50:]
     ends = [t for t in ends if t > ready]
-    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    return statistics.median(gaps) if len(gaps) > 20 else None
+    return step_period(ends)
 
 
 def main() -> None:

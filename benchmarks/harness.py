@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -56,6 +57,13 @@ class EventTail:
         new = [json.loads(line) for line in lines if line.strip()]
         self.events += new
         return new
+
+
+def step_period(ends: list[float], least: int = 21) -> float | None:
+    """The median time between consecutive step ends (the steady state's seconds per step,
+    the loop's work between steps included); None with fewer than `least` gaps."""
+    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    return statistics.median(gaps) if gaps and len(gaps) >= least else None
 
 
 def epoch(e: dict) -> tuple[int, int]:

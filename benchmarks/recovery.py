@@ -46,6 +46,7 @@ from harness import (  # noqa: E402
     free_port,
     kill_and_time,
     kill_everything,
+    step_period,
     wait_for_victim,
 )
 
@@ -143,8 +144,7 @@ def steady_step_time(kind: str, root: Path, index: int, workers: int, steps: int
         # it on idle CPU only, but on 2 cores that is not free (see benchmarks/README.md).
         ready = max((e["t"] for e in evs if e["event"] == "standby_ready"), default=0.0)
         ends = [t for t in ends if t > ready]
-    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    return statistics.median(gaps) if gaps else None
+    return step_period(ends, least=1)
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -45,7 +45,13 @@ WORKER = REPO / "benchmarks" / "fsdp_worker.py"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import EventTail, kill_and_time, kill_everything, wait_for_victim  # noqa: E402
+from harness import (  # noqa: E402
+    EventTail,
+    kill_and_time,
+    kill_everything,
+    step_period,
+    wait_for_victim,
+)
 from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
 
 KILL_AT = 40  # try i kills at KILL_AT + 3 i: faults land at different points between snapshots
@@ -120,9 +126,8 @@ def steady(snapshot_every: int | None, root: Path, index: int, workers: int, ste
         return None, None
     evs = _events(run_dir)
     config = next((e for e in evs if e["event"] == "snapshot_config"), None)
-    durations = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0 and e["step"] >= 20]
-    gaps = [b - a for a, b in zip(durations, durations[1:], strict=False)]
-    return (statistics.median(gaps) if len(gaps) > 20 else None), config
+    ends = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0 and e["step"] >= 20]
+    return step_period(ends), config
 
 
 def main() -> None:

@@ -40,7 +40,13 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import EventTail, kill_and_time, kill_everything, wait_for_victim  # noqa: E402
+from harness import (  # noqa: E402
+    EventTail,
+    kill_and_time,
+    kill_everything,
+    step_period,
+    wait_for_victim,
+)
 from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
 
 KILL_AT = 125
@@ -105,8 +111,7 @@ def steady_step_time(spares: int, root: Path, index: int, workers: int, steps: i
     if spares and not any(e["event"] == "spare_ready" for e in evs):
         return None  # the spare never got warm: not the steady state we measure
     ends = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0 and e["t"] > ready]
-    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    return statistics.median(gaps) if len(gaps) > 20 else None
+    return step_period(ends)
 
 
 def main() -> None:
