@@ -238,8 +238,9 @@ class PrometheusExport:
 
 class LiveTelemetry:
     """The leader's thread: every `poll_s` it reads the log's new events into `LiveStats` and
-    the metrics; every `refresh_s` it re-runs the accounting; every `status_every` it says
-    the status line (0: never). `close()` stops it and the HTTP server."""
+    the metrics; every `refresh_s` (without metrics: every `status_every`) it re-runs the
+    accounting; every `status_every` it says the status line (0: never). `close()` stops it
+    and the HTTP server."""
 
     def __init__(self, events_path: Path, say: Callable[[str], None], *,
                  metrics: tuple[str, int] | None, status_every: float,
@@ -258,15 +259,21 @@ class LiveTelemetry:
         self._thread.start()
 
     def _loop(self) -> None:
+        # Without a scraper to serve, the accounting runs only as often as the status line.
+        refresh_every = self._refresh_s if self.export is not None else self._status_every
         refreshed = said = time.monotonic()
+        failed = None  # the last error said: a persistent one is said once, not every poll
         while not self._stop.wait(self._poll_s):
-            try:
-                self.tick(refresh=time.monotonic() - refreshed >= self._refresh_s)
-            except Exception as exc:  # noqa: BLE001 -- telemetry must never stop the job
-                self._say(f"telemetry: {type(exc).__name__}: {exc} (metrics may be stale)")
-                continue
             now = time.monotonic()
-            if now - refreshed >= self._refresh_s:
+            due = now - refreshed >= refresh_every
+            try:
+                self.tick(refresh=due)
+            except Exception as exc:  # noqa: BLE001 -- telemetry must never stop the job
+                why = f"{type(exc).__name__}: {exc}"
+                if why != failed:
+                    self._say(f"telemetry: {why} (metrics and status may be stale)")
+                failed = why
+            if due:
                 refreshed = now
             if self._status_every and now - said >= self._status_every:
                 said = now
