@@ -67,7 +67,10 @@ def test_fsdp_rank_killed_a_spare_takes_its_shard_from_the_buddy_in_place(tmp_pa
     (spare_sync,) = [e for e in syncs if e["rank"] == 1]
     assert spare_sync["source"] == 2 and spare_sync["received_bytes"] > 0
     assert spare_sync["transfers"] == [[2, 1, False]]
-    assert all(e["restored"] for e in syncs if e["rank"] != 1)
+    # A survivor restores its snapshot exactly when it had gone past it (a kill that lands
+    # just after a snapshot round leaves nothing to roll back).
+    survivors = [e for e in syncs if e["rank"] != 1]
+    assert all(e["restored"] == (e["committed"] != step) for e in survivors), survivors
     assert not result.events("checkpoint_loaded")
     _same(torch.load(tmp_path / "faulty.pt", weights_only=True), clean)
 
