@@ -12,7 +12,10 @@ own (a save is collective, and only some ranks might still be busy), and the wri
 another; neither is the training group. A failed save (a full disk, a dead writer, a peer
 that died) is recorded as `checkpoint_failed` and the previous checkpoint stays the latest;
 the next one is tried on schedule. A writer that takes longer than `persist_timeout` is
-reported (`checkpoint_stuck`) and skipped over; the loop never waits on it.
+reported (`checkpoint_stuck`) and skipped over; the loop never waits on it. A checkpoint_dir
+that is not shared by every node (each host's own disk at that path) is refused before the
+first commit, and at every save after it: said once in one line on stderr, and recorded
+(`checkpoint_dir_not_shared`, then `checkpoint_failed` for each save); training goes on.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ from unbroken.checkpoint.layout import (
     temporary_dir,
 )
 from unbroken.checkpoint.loader import choose, describe_dcp_failure, load_into
-from unbroken.checkpoint.persist import CheckpointWriteError, Committed, exchange_json, persist
+from unbroken.checkpoint.persist import (
+    CheckpointDirNotShared,
+    CheckpointWriteError,
+    Committed,
+    exchange_json,
+    persist,
+)
 from unbroken.checkpoint.snapshot import Snapshot, Staged, local_tensor
 from unbroken.errors import first_line
 from unbroken.telemetry.event_names import Event
@@ -69,6 +78,7 @@ class _Save:
     write_rate: float | None = None  # bytes/s the data files are paced to
     stuck_reported: bool = False
     abandoned: bool = False  # its groups were torn down by a generation switch
+    not_shared: CheckpointDirNotShared | None = None  # rank 0: refused, checkpoint_dir not shared
 
     @property
     def stall(self) -> float:
@@ -117,6 +127,7 @@ class Checkpointer:
         self._last: _Save | None = None  # the last save that finished, for the schedule
         self._hooks: list[Any] = []
         self._protected: tuple[torch.nn.Module | None, list[torch.optim.Optimizer]] = (None, [])
+        self._said_not_shared = False  # the one line for a checkpoint_dir that is not shared
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0 and clean_stale:
             remove_torn(self.directory)
@@ -285,6 +296,8 @@ class Checkpointer:
                 write_rate=save.write_rate)
         except CheckpointException as exc:  # DCP's, a BaseException: a peer failed inside DCP
             save.error = describe_dcp_failure(exc)
+        except CheckpointDirNotShared as exc:  # rank 0; the others get CheckpointWriteError
+            save.error, save.not_shared = first_line(exc), exc
         except Exception as exc:  # noqa: BLE001 -- reported; the next save is tried on schedule
             save.error = first_line(exc)
         finally:
@@ -307,12 +320,22 @@ class Checkpointer:
                             persist=round(end - t1, 6), durable=round(durable, 6),
                             deleted=c.deleted or None, retention_error=c.retention_error)
             else:
+                if save.not_shared is not None and not self._said_not_shared:
+                    self._say_not_shared(save.step, save.not_shared)
                 self.record(Event.CHECKPOINT_FAILED, step=save.step, error=save.error,
                             stall=round(save.stall, 6), duration=round(end - save.started, 6))
         except Exception as exc:  # noqa: BLE001 -- the event log is gone (closed, disk full)
             print(f"unbroken: checkpoint of step {save.step}: could not record the outcome "
                   f"({first_line(exc)}); committed: {save.committed is not None}",
                   file=sys.stderr, flush=True)
+
+    def _say_not_shared(self, step: int, exc: CheckpointDirNotShared) -> None:
+        """Once per process, not per save: every later save is refused the same way."""
+        self._said_not_shared = True
+        print(exc.line(), file=sys.stderr, flush=True)
+        self.record(Event.CHECKPOINT_DIR_NOT_SHARED, step=step, path=exc.directory,
+                    unseen=len(exc.unseen), files=exc.files,
+                    examples=[u.describe() for u in exc.unseen[:3]])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight (if any) to finish; False if it is still running."""

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,53 @@ def describe_files(directory: Path) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file in `directory` except the manifest."""
     return {p.name: {"bytes": p.stat().st_size, "crc32": file_digest(p)}
             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+@dataclass(frozen=True)
+class Unseen:
+    """A file a rank reported writing that is not in the directory as reported."""
+
+    rank: int
+    name: str
+    bytes: int  # the size the rank reported
+    seen: int | None  # the size found there; None: no such file (or it cannot be stat'ed)
+
+    def describe(self) -> str:
+        found = "" if self.seen is None else f" ({self.seen} of its {self.bytes} bytes)"
+        return f"rank {self.rank}'s {self.name}{found}"
+
+
+def _look(directory: Path, rank: int, name: str, size: int) -> Unseen | None:
+    try:
+        seen = os.stat(directory / name).st_size
+    except OSError:  # not there (another node's disk), or not reachable from here
+        return Unseen(rank, name, size, None)
+    return None if seen == size else Unseen(rank, name, size, seen)
+
+
+def unseen_files(directory: Path, reports: Sequence[Mapping[str, Any]]) -> list[Unseen]:
+    """The files the ranks reported writing into `directory` that are not there as reported.
+
+    `reports[r]` is rank r's report, `{"files": {name: {"bytes": size, ...}}}` (names are
+    relative to `directory`; a report without "files" lists none). A file is unseen when
+    `directory / name` cannot be stat'ed (it is not there, as when each node has a disk of
+    its own at that path) or its size is not the reported `bytes`. Returns them in rank
+    order, then in each report's order; empty when every file is there as reported.
+
+    One stat per file; no data is read; never raises for a file that is not there. Pure but
+    for those stats: it changes nothing, so it may be called again to look once more.
+    """
+    unseen = []
+    for rank, report in enumerate(reports):
+        for name, info in (report.get("files") or {}).items():
+            if (miss := _look(directory, rank, name, info["bytes"])) is not None:
+                unseen.append(miss)
+    return unseen
+
+
+def still_unseen(directory: Path, unseen: Sequence[Unseen]) -> list[Unseen]:
+    """Of `unseen` (from `unseen_files`), those still not there as reported: a second look."""
+    return [miss for u in unseen if (miss := _look(directory, u.rank, u.name, u.bytes)) is not None]
 
 
 def verify_manifest(directory: Path) -> str | None:

@@ -6,6 +6,14 @@ succeeded. Only when every rank did does rank 0 write the manifest (each file's 
 CRC-32), fsync it, and rename the temporary directory into place. A rank whose write fails (a full disk) still takes part in the exchange, so no
 peer waits on it; a rank that dies breaks the group, so its peers fail at once. Either way
 nothing is committed and the previous checkpoint stays the latest.
+
+Before it commits, rank 0 looks (one stat per file) for every file the manifest will list, in
+the directory it is about to rename, with the size its rank reported. A checkpoint_dir that is
+each node's own disk at the same path (a pod's emptyDir) would otherwise "commit" checkpoints
+holding only rank 0's node's files, found out only at the restart that needs one. A file it
+cannot see is looked for again for about 1.5 s (a shared filesystem slow to show another
+client's files); then nothing is committed (`CheckpointDirNotShared`), and every rank removes
+its own view of the temporary directory, since on node-local storage no other rank can.
 """
 
 from __future__ import annotations
@@ -28,12 +36,64 @@ from torch.distributed.checkpoint.api import CheckpointException
 from unbroken.checkpoint.direct_io import ChecksummingFileSystem
 from unbroken.checkpoint.layout import remove_torn, retain
 from unbroken.checkpoint.loader import describe_dcp_failure
-from unbroken.checkpoint.manifest import file_digest, fsync_path, write_manifest
+from unbroken.checkpoint.manifest import (
+    Unseen,
+    file_digest,
+    fsync_path,
+    still_unseen,
+    unseen_files,
+    write_manifest,
+)
 from unbroken.errors import first_line, is_peer_error
 
 
 class CheckpointWriteError(RuntimeError):
     """Some rank could not write its part of a checkpoint; nothing was committed."""
+
+
+class CheckpointDirNotShared(CheckpointWriteError):
+    """Rank 0 cannot see, in the directory it would commit, files other ranks wrote there:
+    checkpoint_dir is not storage that every node shares. Nothing was committed."""
+
+    def __init__(self, directory: str, unseen: list[Unseen], files: int) -> None:
+        self.directory = directory  # checkpoint_dir, as rank 0 resolves it
+        self.unseen = unseen  # other ranks' files rank 0 cannot see as they were written
+        self.files = files  # how many files the other ranks wrote
+        examples = ", ".join(u.describe() for u in unseen[:1])
+        super().__init__(f"checkpoint_dir {directory} is not shared: rank 0 cannot see "
+                         f"{len(unseen)} of the {files} file{'s' if files != 1 else ''} "
+                         f"other ranks wrote (e.g. {examples})")
+
+    def line(self) -> str:
+        """What the user is told, once: the cause and the fix."""
+        return (f"unbroken: {self}; checkpoint_dir must be storage every node can see "
+                f"(a shared filesystem or volume); no checkpoint is committed")
+
+
+# Seconds to wait before each further look for files rank 0 cannot see yet: a shared
+# filesystem may show another client's new files late; node-local storage never will.
+_LOOK_AGAIN = (0.1, 0.4, 1.0)
+# What rank 0 broadcasts after trying to commit.
+_FAILED, _COMMITTED, _NOT_SHARED = 0, 1, 2
+
+
+def check_visible(tmp: Path, reports: list[dict[str, Any]], directory: str,
+                  look_again: tuple[float, ...] = _LOOK_AGAIN) -> None:
+    """Raise unless every file in `reports` (rank r's at index r) is in `tmp` as reported:
+    CheckpointDirNotShared when other ranks' files are not, CheckpointWriteError when only
+    rank 0's own are (something changed them after they were written)."""
+    unseen = unseen_files(tmp, reports)
+    for delay in look_again:
+        if not unseen:
+            return
+        time.sleep(delay)
+        unseen = still_unseen(tmp, unseen)
+    others = [u for u in unseen if u.rank != 0]
+    if others:
+        files = sum(len(r.get("files") or {}) for r in reports[1:])
+        raise CheckpointDirNotShared(directory, others, files)
+    if unseen:
+        raise CheckpointWriteError(f"rank 0 cannot find its own file as written: {unseen[0].describe()}")
 
 
 class _RecordingWriter(FileSystemWriter):
@@ -109,21 +169,32 @@ def persist(
         local = {"ok": False, "error": f"rank {rank}: {first_line(exc)}"}
     reports = exchange_json(local, group if distributed else None)
     failed = list(dict.fromkeys(r["error"] for r in reports if not r["ok"]))  # DCP's: alike
-    outcome = torch.tensor([0], dtype=torch.int64)
+    outcome = torch.tensor([_FAILED], dtype=torch.int64)
     result = Committed(final, None, [])
     error = "; ".join(failed[:3])
+    not_shared = None
     if rank == 0:
         try:
             if not failed:
+                check_visible(tmp, reports, os.path.abspath(final.parent))
                 result = _commit(tmp, final, step, reports, keep, keep_every, manifest_extra)
-                outcome[0] = 1
+                outcome[0] = _COMMITTED
+        except CheckpointDirNotShared as exc:
+            not_shared, error, outcome[0] = exc, str(exc), _NOT_SHARED
         except Exception as exc:  # noqa: BLE001 -- e.g. no space left for the manifest
             error = f"rank 0 could not commit: {first_line(exc)}"
-        if not outcome[0]:
+        if outcome[0] != _COMMITTED:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back for the next try
     if distributed:
         dist.broadcast(outcome, group=group, group_src=0)
-    if not outcome[0]:
+    if outcome[0] != _COMMITTED:
+        if rank != 0:  # rank 0 has decided: never committed. On node-local storage only
+            shutil.rmtree(tmp, ignore_errors=True)  # this rank can remove its files
+        if not_shared is not None:
+            raise not_shared
+        if outcome[0] == _NOT_SHARED:
+            error = ("rank 0 could not commit: checkpoint_dir is not shared (rank 0 cannot "
+                     "see the files other ranks wrote)")
         raise CheckpointWriteError(error or "rank 0 could not commit")
     return result
 
