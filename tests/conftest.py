@@ -143,6 +143,16 @@ def events_of(run_dir: Path, name: str) -> list[dict]:
     return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
 
 
+def events_in(run_dirs, name: str | None = None) -> list[dict]:
+    """The events of several run dirs merged in time order (only `name`'s when given): the
+    whole job's log when its nodes share no disk and each agent writes to a run dir of its
+    own. A dir with no log yet adds nothing."""
+    merged = [e for run_dir in run_dirs if (Path(run_dir) / "events.jsonl").exists()
+              for e in read_events(Path(run_dir) / "events.jsonl")
+              if name is None or e["event"] == name]
+    return sorted(merged, key=lambda e: e.get("t", 0.0))
+
+
 def processes_mentioning(marker: str) -> list[int]:
     """PIDs whose command line or environment mentions marker (our agents and workers)."""
     found = []
@@ -250,8 +260,7 @@ def etcd_endpoint(tmp_path):
         etcd.stop()
 
 
-@pytest.fixture
-def netns_hosts(tmp_path):
+def _hosts_with_etcd(root: Path | None, etcd_dir: Path):
     """Three hosts on one bridge (tests/netns.py), with an etcd in the root namespace on the
     bridge address as `hosts.etcd`. Skipped where network namespaces cannot be made."""
     from netns import Hosts, unavailable
@@ -259,9 +268,23 @@ def netns_hosts(tmp_path):
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    with Hosts() as hosts:
-        hosts.etcd = start_etcd(hosts.bridge_addr, tmp_path / "etcd")
+    with Hosts(root) as hosts:
+        hosts.etcd = start_etcd(hosts.bridge_addr, etcd_dir)
         try:
             yield hosts
         finally:
             hosts.etcd.stop()
+
+
+@pytest.fixture
+def netns_hosts(tmp_path):
+    """Three hosts on one bridge, with an etcd on the bridge address as `hosts.etcd`; the
+    hosts share this machine's disk (no root: see tests/netns.py)."""
+    yield from _hosts_with_etcd(None, tmp_path / "etcd")
+
+
+@pytest.fixture
+def isolated_hosts(tmp_path):
+    """`netns_hosts` whose hosts share nothing: Hosts(root=tmp_path / "hosts"), so a command
+    on host i sees, of that root, only node_dir(i) and the shared dirs it names."""
+    yield from _hosts_with_etcd(tmp_path / "hosts", tmp_path / "etcd")
