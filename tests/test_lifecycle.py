@@ -103,7 +103,7 @@ def test_bad_input_gets_one_clear_line(tmp_path):
     _one_line_error(_cli("run", "--standby", "--nnodes", "2", "--node-rank", "1", str(EXAMPLE)), 2,
                     "--standby", "--node-rank of 2 or more")
     _one_line_error(_cli("drain", str(tmp_path), "--rank", "1"), 2, "control.json not found")
-    _one_line_error(_cli("drain", "--rank", "1"), 2, "give the job's --run-dir")
+    _one_line_error(_cli("drain", "--rank", "1"), 2, "give the job's --rdzv-endpoint")
     _one_line_error(_cli("drain", str(tmp_path)), 2, "one of the arguments --rank --node")
     port = free_port()  # nobody listens there
     _one_line_error(_cli("drain", "--master-port", str(port), "--rdzv-id", "x", "--rank", "0"),

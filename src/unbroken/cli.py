@@ -50,15 +50,27 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="write one self-contained HTML page with plots (needs matplotlib)")
     drain = sub.add_parser("drain", help="move a rank or a node of a running job onto spares")
     drain.add_argument("run_dir", nargs="?", default=None,
-                       help="the job's run dir (or give --master-addr/--master-port/--rdzv-id)")
+                       help="the run dir of the job's agent on this host (or name the control "
+                            "plane with --rdzv-endpoint and --rdzv-id, from any host)")
     which = drain.add_mutually_exclusive_group(required=True)
     which.add_argument("--rank", type=int, default=None, help="the rank to move")
     which.add_argument("--node", type=int, default=None, help="the node whose every rank moves")
-    drain.add_argument("--master-addr", default=None)
-    drain.add_argument("--master-port", type=port, default=None)
-    drain.add_argument("--rdzv-id", dest="run_id", default=None)
+    drain.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                       choices=["c10d", "static", "etcd", "etcd-v2"],
+                       help="the job's control plane, as given to `unbroken run` (default c10d)")
+    drain.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                       help="c10d: the node-0 agent's HOST:PORT; etcd: the cluster's "
+                            "HOST:PORT[,HOST:PORT...] (reaches the job after any failover)")
+    drain.add_argument("--master-addr", "--master_addr", default=None)
+    drain.add_argument("--master-port", "--master_port", type=port, default=None)
+    drain.add_argument("--rdzv-id", "--rdzv_id", dest="run_id", default=None)
+    for flag, text in (("--etcd-cacert", "CA that signed etcd's certificate"),
+                       ("--etcd-cert", "client certificate"), ("--etcd-key", "its key"),
+                       ("--etcd-user", "etcd user (password in UNBROKEN_ETCD_PASSWORD)")):
+        drain.add_argument(flag, default=None, help=text)
     drain.add_argument("--secret-file", default=None, metavar="PATH",
-                       help="the job's secret (default: UNBROKEN_SECRET, else RUN_DIR/secret)")
+                       help="the job's secret, if it signs (default: UNBROKEN_SECRET, else the "
+                            "run dir's secret of a one-node job)")
     drain.add_argument("--timeout", type=seconds, default=120.0,
                        help="seconds to wait for the move (default 120)")
     return parser
@@ -110,10 +122,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
-    from unbroken.launch.drain import drain
+    from unbroken.control.address import EtcdCredentials
+    from unbroken.launch.drain import DrainTarget, drain
 
-    moved = drain(args.run_dir, args.master_addr, args.master_port, args.run_id,
-                  args.rank, args.node, args.timeout, args.secret_file)
+    target = DrainTarget(
+        run_dir=args.run_dir, backend=args.rdzv_backend, endpoint=args.rdzv_endpoint,
+        master_addr=args.master_addr, master_port=args.master_port, run_id=args.run_id,
+        credentials=EtcdCredentials(cacert=args.etcd_cacert, cert=args.etcd_cert,
+                                    key=args.etcd_key, user=args.etcd_user))
+    moved = drain(target, args.rank, args.node, args.timeout, args.secret_file)
     for move in moved.moves:
         print(f"moved rank {move['rank']} from worker {move['from']} to spare {move['to']}")
     print(f"generation {moved.gen} was up {moved.switch_s:.3f}s after the switch began")

@@ -7,14 +7,51 @@ from enum import IntEnum, StrEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes of `unbroken run`; documented in the README."""
+    """Exit codes of `unbroken run`: what ended this node's agent, and what a scheduler
+    should do about it (`RETRY`). Declared once: the README's table and the Kubernetes
+    failure policies follow this enum (tests/test_exit_codes.py checks the README)."""
 
     SUCCESS = 0
-    WORKERS_FAILED = 1  # a fault, and the restart budget was spent
-    USAGE = 2  # bad flag, missing script, invalid value
-    CONTROL_PLANE = 3  # port in use, rendezvous timed out, control store lost
+    """Every rank trained to the end."""
+    GAVE_UP = 1
+    """A fault the job could not recover from: the restart budget was spent. Permanent."""
+    USAGE = 2
+    """Bad usage or configuration: a bad flag or value, a missing script, a secret that
+    differs from the job's, a job id or etcd credentials that cannot be used. Permanent:
+    never worth a retry."""
+    CONTROL_PLANE = 3
+    """The control plane was lost (or never formed: nodes did not join in time), or this
+    node was declared lost while cut off. Transient: restarting this node's agent is worth
+    it."""
+    QUARANTINED = 4
+    """This node was quarantined after repeated faults; the job goes on without it. Never
+    counts as the job done; do not restart it on the same machine."""
     INTERRUPTED_SIGINT = 130
+    """Stopped by SIGINT (128 + 2); its workers were stopped first."""
     INTERRUPTED_SIGTERM = 143
+    """Stopped by SIGTERM (128 + 15): a pod deletion, an eviction, a spot reclaim. Its ranks
+    moved to spares or standby nodes first when any were ready."""
+
+
+class Retry(StrEnum):
+    """What a scheduler should do with a node whose agent exited with a code."""
+
+    NONE = "none"  # the job is done
+    NEVER = "never"  # permanent: fail the job
+    NODE = "node"  # transient: restart this node (its agent rejoins)
+    REPLACE = "replace"  # this machine is bad: bring the node back elsewhere, or not at all
+    SIGNAL = "signal"  # it was told to stop: as the scheduler meant
+
+
+RETRY = {
+    ExitCode.SUCCESS: Retry.NONE,
+    ExitCode.GAVE_UP: Retry.NEVER,
+    ExitCode.USAGE: Retry.NEVER,
+    ExitCode.CONTROL_PLANE: Retry.NODE,
+    ExitCode.QUARANTINED: Retry.REPLACE,
+    ExitCode.INTERRUPTED_SIGINT: Retry.SIGNAL,
+    ExitCode.INTERRUPTED_SIGTERM: Retry.SIGNAL,
+}
 
 
 # What a worker's error says when a peer died or left, not its own code: gloo's connection
@@ -97,9 +134,14 @@ class UserError(Exception):
 
 
 class ControlPlaneError(UserError):
-    """The agents could not form or keep their control plane (store, rendezvous)."""
+    """The agents could not form or keep their control plane (store, rendezvous): transient."""
 
     exit_code = ExitCode.CONTROL_PLANE
+
+
+class ConfigError(UserError):
+    """A configuration that can never work, found at run time (a secret that differs from
+    the job's, etcd credentials refused): permanent, exit 2."""
 
 
 class CheckpointMismatch(UserError):

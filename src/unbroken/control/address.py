@@ -11,6 +11,7 @@ workers in their environment (`WorkerEnv.control`); credentials travel apart fro
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -76,9 +77,28 @@ class ControlAddress:
         return cls(BackendKind(scheme), endpoints, credentials or EtcdCredentials())
 
     @property
+    def hosts(self) -> list[str]:
+        """The host part of each endpoint (a name or an address), in order, once each."""
+        names = (e.removeprefix("https://").removeprefix("http://").rpartition(":")[0]
+                 for e in self.endpoints)
+        return list(dict.fromkeys(n.strip("[]") for n in names))
+
+    @property
     def tcp_host_port(self) -> tuple[str, int]:
         host, _, port = self.endpoints[0].rpartition(":")
         return host, int(port)
+
+
+def unresolved(hosts: list[str]) -> list[str]:
+    """The names among `hosts` that do not resolve now (a pod whose DNS record is not yet
+    published, or a typo: the caller retries until its deadline, then says which)."""
+    missing = []
+    for host in hosts:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            missing.append(host)
+    return missing
 
 
 def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> Backend:
@@ -100,4 +120,5 @@ def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> 
     return backend
 
 
-__all__ = ["BackendKind", "ControlAddress", "EtcdCredentials", "StoreUnavailable", "open_backend"]
+__all__ = ["BackendKind", "ControlAddress", "EtcdCredentials", "StoreUnavailable", "open_backend",
+           "unresolved"]

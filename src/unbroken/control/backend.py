@@ -12,11 +12,18 @@ from typing import Protocol
 
 from torch.distributed import Store
 
-from unbroken.errors import ControlPlaneError
+from unbroken.errors import ControlPlaneError, ExitCode
 
 
 class StoreUnavailable(ControlPlaneError):
     """The control store cannot be reached (its host gone, or the network)."""
+
+
+class StoreMisconfigured(StoreUnavailable):
+    """The control store refuses this client for good (a TLS mismatch, a certificate that
+    cannot be loaded, a wrong etcd user or password): permanent, exit 2, never retried."""
+
+    exit_code = ExitCode.USAGE
 
 
 class Backend(Protocol):

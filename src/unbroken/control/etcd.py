@@ -40,7 +40,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from unbroken.control.backend import StoreUnavailable
+from unbroken.control.backend import StoreMisconfigured, StoreUnavailable
 
 _RETRIES = 64  # compare-and-set rounds an atomic add may take under contention
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most requests one txn may carry
@@ -74,15 +74,15 @@ def _tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.S
     try:
         context = ssl.create_default_context(cafile=cacert)
     except OSError as exc:
-        raise StoreUnavailable(f"cannot load etcd's CA from --etcd-cacert {cacert}: "
+        raise StoreMisconfigured(f"cannot load etcd's CA from --etcd-cacert {cacert}: "
                                f"{_reason(exc)}") from None
     if key is not None and cert is None:
-        raise StoreUnavailable("--etcd-key given without --etcd-cert: pass both")
+        raise StoreMisconfigured("--etcd-key given without --etcd-cert: pass both")
     if cert is not None:
         try:
             context.load_cert_chain(cert, key)
         except OSError as exc:
-            raise StoreUnavailable(f"cannot load the client certificate --etcd-cert {cert} "
+            raise StoreMisconfigured(f"cannot load the client certificate --etcd-cert {cert} "
                                    f"--etcd-key {key}: {_reason(exc)}") from None
     return context
 
@@ -144,14 +144,15 @@ class EtcdBackend:
             self._authenticate()
             status, reply = self._post(path, body)
         if status != 200:
-            raise StoreUnavailable(self._refusal(path, status, reply))
+            error = StoreMisconfigured if 400 <= status < 500 else StoreUnavailable
+            raise error(self._refusal(path, status, reply))
         return reply
 
     def _authenticate(self) -> None:
         """Get a token for `user` (none needed if etcd has auth off); StoreUnavailable,
         one line without the password, if etcd refuses."""
         if self._password is None:
-            raise StoreUnavailable(f"no password for etcd user {self.user!r}: set "
+            raise StoreMisconfigured(f"no password for etcd user {self.user!r}: set "
                                    "UNBROKEN_ETCD_PASSWORD")
         self._token = None
         status, reply = self._post("auth/authenticate",
@@ -162,10 +163,10 @@ class EtcdBackend:
         elif "authentication is not enabled" in message:
             self._token = ""
         elif "authentication failed" in message:
-            raise StoreUnavailable(f"{self.describe()} refused user {self.user!r}: "
+            raise StoreMisconfigured(f"{self.describe()} refused user {self.user!r}: "
                                    f"authentication failed; {_PASSWORD_HINT}")
         else:
-            raise StoreUnavailable(self._refusal("auth/authenticate", status, reply))
+            raise StoreMisconfigured(self._refusal("auth/authenticate", status, reply))
 
     def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON reply) of the first endpoint that answers; StoreUnavailable if
@@ -192,7 +193,7 @@ class EtcdBackend:
             except ValueError:
                 return status, {"message": raw.decode(errors="replace")[:200]}
         if misconfigured:
-            raise StoreUnavailable(misconfigured[0])
+            raise StoreMisconfigured(misconfigured[0])
         raise StoreUnavailable(f"cannot reach {self.describe()} ({'; '.join(unreachable)}); is "
                                "etcd running, and is --rdzv-endpoint right?")
 

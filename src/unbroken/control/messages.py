@@ -259,6 +259,28 @@ class LeaderClaim:
     term: int  # 0 for the first leader, +1 at each takeover
 
 
+@dataclass
+class JobAuth:
+    """How the job's control messages are signed, agreed at first contact (`control.auth`):
+    the first agent's word (node 0's with the TCPStore), written unsigned, since it is what a
+    newcomer checks its own secret against."""
+
+    signed: bool
+    fingerprint: str | None = None
+    """An HMAC of a fixed label under the job's secret: equal fingerprints prove the same
+    secret without revealing it. None when the job runs unsigned."""
+
+
+@dataclass
+class AuthRejection:
+    """A newcomer that found its secret differs from the job's, and left (unsigned: its
+    signature could not be checked anyway). The leader records it as an event."""
+
+    node: int
+    host: str
+    reason: str
+
+
 class NodeOut(StrEnum):
     """Why a node is no longer one of the job's nodes."""
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from torch.distributed import Store
 
-from unbroken.control.backend import Backend, StoreUnavailable
+from unbroken.control.backend import Backend, StoreMisconfigured, StoreUnavailable
 
 T = TypeVar("T")
 
@@ -58,6 +58,8 @@ class RetryingBackend:
     def _do(self, name: str, *args: Any) -> Any:
         try:
             return getattr(self.client, name)(*args)
+        except StoreMisconfigured:
+            raise  # no blip: retrying cannot help
         except StoreUnavailable as exc:
             return self._ride_out(name, args, exc)
 
@@ -71,6 +73,8 @@ class RetryingBackend:
             self._client = None
             try:
                 value = getattr(self.client, name)(*args)
+            except StoreMisconfigured:
+                raise
             except StoreUnavailable as exc:
                 error = exc
                 continue

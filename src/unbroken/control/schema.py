@@ -57,6 +57,12 @@ LEADER: Slot[m.LeaderClaim] = Slot("leader", m.LeaderClaim,
                                    "agents, by compare-and-set: who leads the job")
 NODE_RANKS: Counter = Counter("node_ranks", "each agent started without --node-rank, once: its "
                               "claim is its node rank (the TCPStore's host is node 0)")
+JOB_AUTH: Slot[m.JobAuth] = Slot(
+    "auth", m.JobAuth, "the first agent to connect (the TCPStore's host, node 0), by "
+    "compare-and-set, unsigned: whether and with which secret the job signs")
+AUTH_REJECTIONS: Queue[m.AuthRejection] = Queue(
+    "rejected", m.AuthRejection, "a newcomer whose secret differs from the job's, unsigned, "
+    "as it leaves")
 LEADER_RECORD: Slot[m.LeaderRecord] = Slot("leader_record", m.LeaderRecord,
                                            "leader, on change: budget and node set, for a successor")
 

@@ -1,11 +1,11 @@
 """Signed control messages: every message written through a `Channel` carries an HMAC of
 the job's secret, and a message without a valid one is rejected, not acted on.
 
-The secret is per job. `unbroken run` on the leader makes one (32 random bytes) unless one
-is given (`--secret-file`, or `UNBROKEN_SECRET` as hex), writes it to `RUN_DIR/secret`
-(mode 0600) for the other agents of this host and for `unbroken drain`, and hands it to its
-workers in their environment. Agents on other hosts get it the same way: a file or the
-environment.
+The secret is per job (`control.auth` says where it comes from and how the agents agree on
+it at first contact): given to every node (`--secret-file`, or `UNBROKEN_SECRET` as hex), or
+on a one-node job made by its agent (32 random bytes, `RUN_DIR/secret`, mode 0600, for
+`unbroken drain` on the same host), or, on a multi-node job given none, absent: the job
+then runs unsigned, and says so. The agent hands it to its workers in their environment.
 
 What is signed: every slot and queue entry (faults, deaths, plans, results, orders,
 drains...). What is not: counters (an atomic add cannot carry a signature) and the keys of
@@ -62,8 +62,9 @@ class Signer:
 
 def load_secret(run_dir: str | os.PathLike[str] | None, secret_file: str | None = None,
                 create: bool = False) -> bytes | None:
-    """The job's secret: from `secret_file`, from UNBROKEN_SECRET, from RUN_DIR/secret, or
-    (the leader, `create=True`) a new one written there. None when there is none yet."""
+    """The job's secret: from `secret_file`, from UNBROKEN_SECRET, from RUN_DIR/secret (pass
+    `run_dir` only where that file can be on this host: a one-node job), or (`create=True`,
+    the one-node job's agent) a new one written there. None when there is none."""
     if secret_file:
         try:
             return bytes.fromhex(Path(secret_file).read_text().strip())

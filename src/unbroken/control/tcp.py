@@ -16,7 +16,7 @@ from typing import TypeVar
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.control.backend import StoreUnavailable
-from unbroken.errors import ControlPlaneError
+from unbroken.errors import ConfigError, ControlPlaneError
 
 T = TypeVar("T")
 _STORE_ERRORS = (RuntimeError, OSError)
@@ -42,7 +42,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
                 "(or stop the other job)"
             ) from None
         if exc.errno == errno.EADDRNOTAVAIL:
-            raise ControlPlaneError(
+            raise ConfigError(
                 f"{host} is not an address of this machine, so the node-0 agent cannot serve "
                 "the store on it; pass this machine's address as --master-addr"
             ) from None

@@ -20,16 +20,17 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.control.address import BackendKind, ControlAddress, open_backend
+from unbroken.control.address import BackendKind, ControlAddress, open_backend, unresolved
+from unbroken.control.auth import UNSIGNED_NOTICE, job_auth, mismatch
 from unbroken.control.backend import Backend, StoreUnavailable
 from unbroken.control.channel import Channel
-from unbroken.control.messages import Fault
+from unbroken.control.messages import AuthRejection, Fault
 from unbroken.control.retry import RetryingBackend
-from unbroken.control.schema import NODE_RANKS, agent_lease
-from unbroken.control.signing import SECRET_FILE, Signer, load_secret
+from unbroken.control.schema import AUTH_REJECTIONS, JOB_AUTH, NODE_RANKS, agent_lease
+from unbroken.control.signing import Signer, load_secret
 from unbroken.control.tcp import TcpBackend, serve_store
 from unbroken.control.worker_env import WorkerEnv
-from unbroken.errors import ControlPlaneError
+from unbroken.errors import ConfigError, ControlPlaneError, ExitCode
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
@@ -57,6 +58,7 @@ class Agent:
         self.instance = uuid.uuid4().hex[:12]
         self.events = EventLog(Path(cfg.run_dir) / EVENTS_FILE, source="agent", node=cfg.node_rank)
         self._signal: int | None = None
+        self._handoff_until: float | None = None  # SIGTERM: ranks moving to spares until then
         self._lease_stop = threading.Event()
         self.role: Leader | Follower | None = None
         self._secret: bytes | None = None
@@ -97,6 +99,9 @@ class Agent:
             except Elected as elected:
                 self.role = Leader(*args)
                 code = self.role.run(takeover=elected)
+            if self._handoff_until and code == ExitCode.SUCCESS:
+                self.say("SIGTERM: this node's ranks moved to spares; the job goes on without it")
+                code = 128 + signal.SIGTERM
         except _Interrupted as exc:
             self.say(f"{exc}: stopping workers")
             if sup is not None:
@@ -134,8 +139,23 @@ class Agent:
         self._signal = signum
 
     def _check_signal(self) -> None:
-        if self._signal is not None:
-            raise _Interrupted(self._signal)
+        """Called at every look: a signal stops the agent (`_Interrupted`), except a first
+        SIGTERM while this node trains in place, which is a notice (a pod deletion, a spot
+        reclaim): the role asks for the node's ranks to move to ready spares, and the agent
+        goes on until they have (the role then returns) or --shutdown-timeout passes."""
+        signum = self._signal
+        if signum is None:
+            return
+        if signum == signal.SIGTERM and self.role is not None:
+            if self._handoff_until is None:
+                self._handoff_until = time.monotonic() + self.cfg.kill_grace
+                self.events.emit(Event.NOTICE, signal="SIGTERM", grace=self.cfg.kill_grace)
+                if self.role.hand_off():
+                    return
+                self._handoff_until = 0.0
+            elif time.monotonic() < self._handoff_until and self.role.hand_off_pending():
+                return
+        raise _Interrupted(signum)
 
     def _sleep(self, seconds: float = 0.02) -> None:
         time.sleep(seconds)
@@ -147,42 +167,92 @@ class Agent:
         self.events.emit(Event.FORGED_MESSAGE, key=key, reason=why)
         self.say(f"rejected a forged control message at {key} ({why})")
 
-    def _job_secret(self) -> bytes:
-        """The leader's (made if none is given); a follower waits for the leader's file."""
+    def _own_secret(self) -> bytes | None:
+        """This agent's secret (`control.auth`): given, or on a one-node job its own; None
+        on a multi-node job given none (it runs unsigned)."""
         cfg = self.cfg
-        deadline = time.monotonic() + cfg.rdzv_timeout
-        while (secret := load_secret(cfg.run_dir, cfg.secret_file, create=cfg.is_leader)) is None:
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"no job secret after {cfg.rdzv_timeout:g}s: give --secret-file or "
-                    f"UNBROKEN_SECRET (node 0 writes it to {Path(cfg.run_dir) / SECRET_FILE})")
-            self._sleep(0.05)
-        return secret
+        alone = cfg.single_node
+        return load_secret(cfg.run_dir if alone else None, cfg.secret_file,
+                           create=alone and cfg.is_leader)
 
     def _connect(self) -> tuple[Channel, ControlAddress]:
         """The control channel, and where the workers reach the control plane. The node-0
         agent serves the TCPStore; every other agent, and every agent with etcd, connects.
+        The agent's secret is checked against the job's before anything else (`_agree`).
         Every agent keeps a liveness lease from here on."""
         cfg = self.cfg
+        self._secret = self._own_secret()
+        self._wait_resolvable(cfg.control_address(cfg.master_port))
         hosted = self._host_store()
         if hosted is None:
             address = cfg.control_address(cfg.master_port)
-            first = self._first_contact(address)
+            backend = self._retrying(address, self._first_contact(address))
+            self._agree(backend, declare=cfg.elects)
             if cfg.assign_rank:
-                self._take_node_rank(first)
-            self._secret = self._job_secret()
-            backend = self._retrying(address, first)
+                self._take_node_rank(backend)
         else:
             store, port = hosted
             address = cfg.control_address(port)
-            self._secret = self._job_secret()
             backend = TcpBackend(store, cfg.run_id, cfg.master_addr, port)
-        signer = Signer(self._secret)
-        if cfg.is_leader:
-            self._write_control_file(address)
+            self._agree(backend, declare=True)
+        self._write_control_file(address)
         threading.Thread(target=self._keep_lease, args=(address,), daemon=True,
                          name="agent-lease").start()
+        signer = Signer(self._secret) if self._secret is not None else None
         return Channel(backend, signer, self._forged), address
+
+    def _wait_resolvable(self, address: ControlAddress) -> None:
+        """A master address or endpoint whose name does not resolve yet (a pod whose DNS
+        record is not published) is retried until --rdzv-timeout, with one progress line;
+        only then is it an error."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        told = False
+        while missing := unresolved(address.hosts):
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"cannot resolve {', '.join(missing)} after {cfg.rdzv_timeout:g}s: check "
+                    "--master-addr/--rdzv-endpoint (the name must resolve on every node)")
+            if not told:
+                self.say(f"waiting for {', '.join(missing)} to resolve (up to "
+                         f"{cfg.rdzv_timeout:g}s)")
+                told = True
+            self._sleep(0.25)
+        if told:
+            self.say(f"{', '.join(address.hosts)} resolved")
+
+    def _agree(self, backend: Backend, declare: bool) -> None:
+        """Settle signing with the job (`control.auth`): the first agent declares it (the
+        TCPStore's host always; with etcd whoever writes first), every other one reads the
+        declaration and leaves, alone and at once, if its own differs."""
+        cfg, plain = self.cfg, Channel(backend)  # unsigned: the declaration is what is checked
+        mine = job_auth(self._secret)
+        if declare and cfg.elects:
+            job = plain.first(JOB_AUTH, mine)
+        elif declare:
+            plain.write(JOB_AUTH, mine)
+            job = mine
+        else:
+            deadline = time.monotonic() + cfg.rdzv_timeout
+            while (job := plain.read(JOB_AUTH)) is None:
+                if time.monotonic() > deadline:
+                    raise ControlPlaneError(
+                        f"the control store at {cfg.master_addr}:{cfg.master_port} never said "
+                        f"how the job signs within {cfg.rdzv_timeout:g}s: is it an unbroken "
+                        "job's node 0?")
+                self._sleep(0.05)
+        why = mismatch(job, mine)
+        if why is not None:
+            self.events.emit(Event.AGENT_REJECTED, reason=why, host=os.uname().nodename)
+            try:
+                plain.append(AUTH_REJECTIONS, AuthRejection(
+                    node=cfg.node_rank, host=os.uname().nodename, reason=why))
+            except ControlPlaneError:
+                pass  # the job is out of reach: this agent's own line is what matters
+            raise ConfigError(why)
+        if not mine.signed:
+            self.events.emit(Event.CONTROL_UNSIGNED)
+            self.say(UNSIGNED_NOTICE)
 
     def _host_store(self) -> tuple[Any, int] | None:
         """With the TCPStore: serve it if this agent is node 0, or, when node ranks are
@@ -198,7 +268,7 @@ class Agent:
             return None
         try:
             return serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
-        except ControlPlaneError:  # another agent serves it, or it is another host's address
+        except (ControlPlaneError, ConfigError):  # another agent serves it, or another host's
             cfg.node_rank = -1
             return None
 
@@ -240,7 +310,8 @@ class Agent:
             self.role.outage_ended = True
 
     def _write_control_file(self, address: ControlAddress) -> None:
-        """Where `unbroken drain RUN_DIR` finds the job."""
+        """Where `unbroken drain RUN_DIR` finds the job, on this agent's host (every agent
+        writes one: the address is the job's, whichever node leads)."""
         control = Path(self.cfg.run_dir) / CONTROL_FILE
         control.parent.mkdir(parents=True, exist_ok=True)
         tmp = control.with_suffix(".tmp")

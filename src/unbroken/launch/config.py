@@ -72,7 +72,9 @@ class LaunchConfig:
     join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
     spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
     standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
-    secret_file: str | None = None  # the job's secret (hex); else UNBROKEN_SECRET, else RUN_DIR/secret
+    secret_file: str | None = None
+    """The job's secret (hex) that signs control messages; else UNBROKEN_SECRET; else, on a
+    one-node job, RUN_DIR/secret (made by its agent); else none: unsigned (`control.auth`)."""
     metrics_port: int | None = None
     """The leader serves Prometheus /metrics on this port (`--metrics-port`); None: not at all."""
     metrics_addr: str = "127.0.0.1"
@@ -129,6 +131,12 @@ class LaunchConfig:
     def least(self) -> int:
         """The fewest nodes the job trains on."""
         return self.min_nodes if self.min_nodes is not None else self.nnodes
+
+    @property
+    def single_node(self) -> bool:
+        """A one-node job (`--nnodes 1`, no standby node): no other host ever joins, so
+        its agent may make the job's secret itself and keep it in its run dir."""
+        return self.nnodes == 1 and not self.elastic and not self.standby and not self.assign_rank
 
     @property
     def is_leader(self) -> bool:

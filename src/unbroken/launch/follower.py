@@ -9,7 +9,16 @@ import time
 from typing import Any
 
 from unbroken.control.clock import estimate_offset
-from unbroken.control.messages import AttemptPlan, Fault, FaultKind, NodeJoin, NodeOut, Status
+from unbroken.control.messages import (
+    AttemptPlan,
+    DrainKind,
+    DrainRequest,
+    Fault,
+    FaultKind,
+    NodeJoin,
+    NodeOut,
+    Status,
+)
 from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, ack, node_out
 from unbroken.errors import ControlPlaneError, ExitCode
@@ -26,6 +35,7 @@ class Quarantined(Exception):  # noqa: N818 - control flow, not an error
 
 class Follower(Role):
     _sent: float | None = None  # this agent's wall time just before it wrote its last join
+    _handoff: tuple[AttemptKeys, int] | None = None  # the drain asked for on SIGTERM
 
     def run(self) -> int:
         seen = -1
@@ -60,13 +70,16 @@ class Follower(Role):
             self.say("the node-0 agent was interrupted; stopping")
             return 128 + int(result.signal or signal.SIGTERM)
         self._report_failure(result.fault, result.reason)
-        return ExitCode.WORKERS_FAILED
+        return ExitCode.GAVE_UP
 
     def _released(self) -> int:
-        """This node left the job on the leader's word (drained, or quarantined)."""
+        """This node left the job on the leader's word: drained (exit 0), or quarantined
+        (its own code, which a scheduler never counts as the job done)."""
         if self.channel.read(node_out(self.cfg.node_rank)) == NodeOut.QUARANTINED:
             self.events.emit(Event.NODE_QUARANTINED, quarantined=self.cfg.node_rank)
-            self.say("this node was quarantined after repeated faults: leaving the job")
+            self.say("this node was quarantined after repeated faults: leaving the job "
+                     f"(exit {int(ExitCode.QUARANTINED)})")
+            return ExitCode.QUARANTINED
         return ExitCode.SUCCESS
 
     def _duties(self, attempt: int) -> Outcome | None:
@@ -182,6 +195,29 @@ class Follower(Role):
                 raise ControlPlaneError(
                     f"no plan for attempt {attempt} within {self.cfg.rdzv_timeout:g}s")
             self._sleep()
+
+    def hand_off(self) -> bool:
+        """A drain of this whole node (`unbroken drain --node K`, asked by the node itself),
+        while its workers train in place; the leader moves each rank to a ready spare and
+        the node leaves once all have moved (`_duties`)."""
+        watch = self.watch
+        if not (watch.in_place and watch.resilient and watch.sup.workers):
+            return False
+        keys = watch.keys
+        index = self.channel.append(keys.drains, DrainRequest(DrainKind.NODE, self.cfg.node_rank))
+        self._handoff = (keys, index)
+        self.say("SIGTERM: moving this node's ranks to spares before leaving")
+        return True
+
+    def hand_off_pending(self) -> bool:
+        if self._handoff is None:
+            return False
+        keys, index = self._handoff
+        outcome = self.channel.read(keys.drain_outcome(index))
+        if outcome is not None and not outcome.ok:
+            self.say(f"SIGTERM: the ranks cannot move ({outcome.error}); stopping")
+            return False
+        return True
 
     def interrupted(self, signum: int) -> None:
         """Tell the leader this node stops: the attempt ends everywhere."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.channel import Channel
 from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import (
     AttemptPlan,
@@ -33,6 +34,7 @@ from unbroken.control.messages import (
     Status,
 )
 from unbroken.control.schema import (
+    AUTH_REJECTIONS,
     CURRENT,
     LEADER_RECORD,
     NODE_RANKS,
@@ -74,6 +76,8 @@ class Leader(Role):
         self._leaving: set[int] = set()  # quarantined nodes ordered to leave
         self._draining: set[int] = set()  # quarantined nodes whose ranks a drain moves
         self._join_seen: dict[int, float] = {}  # node -> wall time its join was first read
+        self._rejections_seen = 0  # AUTH_REJECTIONS entries recorded as events
+        self._rejections_read = 0.0  # monotonic time of the last look at them
 
     def run(self, takeover: Elected | None = None) -> int:
         live = self._start_telemetry(takeover is not None)
@@ -344,6 +348,7 @@ class Leader(Role):
             self._standbys_seen += 1
             if join is not None:  # None: forged, rejected
                 self._standbys[join.node] = join.instance
+        self._record_rejections()
         lost = self._check_leases(attempt)
         if lost is not None and self._below_least():
             self.say(f"fewer than the --nnodes minimum of {self.cfg.least} nodes are left: "
@@ -369,6 +374,23 @@ class Leader(Role):
         if watch.done_posted and self._all_done(keys):
             return Outcome(Ending.DONE)
         return None
+
+    def _record_rejections(self) -> None:
+        """Newcomers refused at first contact for another secret (`control.auth`) are the
+        job's events too: at most one read a second, on an unsigned channel (a refused
+        agent cannot sign)."""
+        now = time.monotonic()
+        if now - self._rejections_read < 1.0:
+            return
+        self._rejections_read = now
+        for rejection in Channel(self.channel.backend).entries(AUTH_REJECTIONS,
+                                                               self._rejections_seen):
+            self._rejections_seen += 1
+            if rejection is None:
+                continue
+            self.events.emit(Event.AGENT_REJECTED, rejected_node=rejection.node,
+                             host=rejection.host, reason=rejection.reason)
+            self.say(f"refused an agent on {rejection.host}: {rejection.reason}")
 
     def _below_least(self) -> bool:
         """Elastic: the nodes left (standby nodes included) are fewer than MIN."""
@@ -505,7 +527,7 @@ class Leader(Role):
         self._report_failure(fault, reason)
         self._wait_acks()
         self._clear()
-        return ExitCode.WORKERS_FAILED
+        return ExitCode.GAVE_UP
 
     def _clear(self) -> None:
         """With etcd, the job's keys outlive it: delete them once every follower has read

@@ -37,3 +37,13 @@ class Role:
 
     def interrupted(self, signum: int) -> None:
         raise NotImplementedError
+
+    def hand_off(self) -> bool:
+        """SIGTERM as a notice: ask for this node's ranks to move to ready spares or a
+        standby node, after which the role returns as a drained node does. False when that
+        cannot be asked (here, or not now): the agent then stops as for any signal."""
+        return False
+
+    def hand_off_pending(self) -> bool:
+        """After `hand_off`: True until the leader has refused it."""
+        return False
