@@ -1,0 +1,223 @@
+"""Nodes that share nothing, as two pods or two machines have them: each node runs in its own
+network namespace and its own mount namespace (tests/netns.py, the `isolated_hosts`
+fixture), with its own working and run directory, so that any read of a file another node
+wrote fails. Only where a test says so do the nodes share a checkpoint volume.
+
+What is shown: torchrun's own two-node command lines (static and c10d) under both launchers
+with no secret; a node with another secret leaves alone and the job finishes; a node-local
+checkpoint_dir is named at the first save and nothing is committed; a master name that
+resolves 5 s late; SIGTERM to a training node's agent hands its ranks to a standby node in
+place; `unbroken drain` from another host after a leader failover, on etcd.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE, TINY, Launched, finish, unbroken_cmd, wait_for
+
+from unbroken.telemetry.events import read_events
+
+pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
+
+PORT = "29500"  # every host is a namespace of its own: the port is free on each
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+UNSIGNED = "control messages are not signed"
+
+
+def _train(steps: int, *extra: str) -> list[str]:
+    return [str(EXAMPLE), "--steps", str(steps), *TINY, *extra]
+
+
+def _events(hosts, i: int, name: str) -> list[dict]:
+    """Host i's events (the test process sees every host's disk; the hosts do not)."""
+    path = hosts.node_dir(i) / "run" / "events.jsonl"
+    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+
+
+def _unbroken(hosts, i: int, *flags: str, steps: int = 20, script_args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None, shared=()) -> subprocess.Popen:
+    """`unbroken run` on host i, from its own directory, with its own run dir."""
+    argv = unbroken_cmd("run", "--run-dir", "run", "--nproc-per-node", "1",
+                        "--rdzv-timeout", "60", *flags, *_train(steps, *script_args))
+    return hosts.agent(i, argv, env=env, shared=shared)
+
+
+def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180) -> Launched:
+    return finish(proc, hosts.node_dir(i) / "run", timeout)
+
+
+def _static(hosts, k: int) -> list[str]:
+    return ["--nnodes", "2", "--node-rank", str(k), "--master-addr", hosts.name(0),
+            "--master-port", PORT]
+
+
+def _c10d(hosts, k: int) -> list[str]:
+    return ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.name(0)}:{PORT}"]
+
+
+@pytest.mark.parametrize("form", [_static, _c10d], ids=["static", "c10d"])
+def test_torchruns_two_node_command_lines_run_under_both_launchers(isolated_hosts, form):
+    """The same command line on each host, no secret, nothing shared: torchrun, then ours."""
+    hosts = isolated_hosts
+    for launcher in ("torchrun", "unbroken"):
+        procs = []
+        for k in (0, 1):  # node 1 first in the c10d form would be as good: ranks by join order
+            flags = [*form(hosts, k), "--nproc-per-node", "1"]
+            if launcher == "torchrun":
+                argv = [*TORCHRUN, *flags, *_train(20)]
+            else:
+                argv = unbroken_cmd("run", *flags, "--rdzv-timeout", "60", *_train(20))
+            procs.append(hosts.agent(k, argv))
+        results = [finish(p, hosts.node_dir(k), timeout=180) for k, p in enumerate(procs)]
+        both = "\n".join(r.output for r in results)
+        assert [r.code for r in results] == [0, 0], f"{launcher}:\n{both}"
+        assert "step   19" in both, f"{launcher}:\n{both}"  # rank 0 trained to the end
+        if launcher == "unbroken":
+            assert all(r.output.count(UNSIGNED) == 1 for r in results), both
+            # Each node wrote its run dir under its own working directory, and only there.
+            for k in (0, 1):
+                assert (hosts.node_dir(k) / "unbroken_runs" / "default" / "control.json").exists()
+
+
+def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_hosts):
+    hosts = isolated_hosts
+    job, other = {"UNBROKEN_SECRET": "ab" * 32}, {"UNBROKEN_SECRET": "cd" * 32}
+    slow = ("--step-sleep", "0.05")  # the job runs for 40 s or more: the intruders meet it
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=800, env=job, script_args=slow)
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=800, env=job, script_args=slow)
+    wait_for(lambda: _events(hosts, 0, "step"), 120, "training to start")
+    intruders = []
+    for secret in (other, {"UNBROKEN_SECRET": ""}):  # another secret; none while the job signs
+        t0 = time.monotonic()
+        proc = _unbroken(hosts, 2, *_static(hosts, 1), steps=800, env=secret)
+        r = _done(hosts, 2, proc, timeout=60)
+        intruders.append((r, time.monotonic() - t0))
+    r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
+    for (r, took), said in zip(intruders, ("secret differs from the job's", "has no secret"),
+                               strict=True):
+        assert r.code == 2, r.output
+        errors = [line for line in r.output.splitlines() if "error" in line]
+        assert len(errors) == 1 and said in errors[0], r.output
+        assert "Traceback" not in r.output
+        assert took < 60  # within seconds of contact; loose on 2 cores
+    rejected = [e for e in r0.events("agent_rejected") if "rejected_node" in e]
+    assert len(rejected) == 2, r0.events("agent_rejected")
+    assert not r0.events("fault") and not r0.events("forged_message")
+    assert UNSIGNED not in r0.output + r1.output
+
+
+def test_a_node_local_checkpoint_dir_is_named_at_the_first_save_and_nothing_is_committed(
+        isolated_hosts):
+    hosts = isolated_hosts
+    ckpt = ("--checkpoint-dir", "ckpt", "--checkpoint-every", "5")  # relative: each host's own
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=30, script_args=ckpt)
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=30, script_args=ckpt)
+    r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output  # training goes on
+    said = [line for line in r0.output.splitlines() if "is not shared" in line]
+    assert len(said) == 1, r0.output  # one line, once per job, not once per save
+    assert "storage every node can see" in said[0]
+    for k in (0, 1):
+        committed = [p for p in (hosts.node_dir(k) / "ckpt").glob("*")
+                     if not p.name.startswith(".")]
+        assert committed == [], committed
+    assert not [e for e in r0.events("checkpoint_saved")]
+
+
+def test_a_master_name_that_resolves_five_seconds_late_is_waited_for(isolated_hosts):
+    hosts = isolated_hosts
+    name = "trainer-0"  # a pod's DNS name, published after the pod started
+    hosts.add_name(0, name, hosts.addr(0))
+    flags = lambda k: ("--nnodes", "2", "--node-rank", str(k), "--master-addr", name,  # noqa: E731
+                       "--master-port", PORT)
+    a0, a1 = _unbroken(hosts, 0, *flags(0)), _unbroken(hosts, 1, *flags(1))
+    timer = threading.Timer(5.0, hosts.add_name, (1, name, hosts.addr(0)))
+    timer.start()
+    try:
+        r1, r0 = _done(hosts, 1, a1), _done(hosts, 0, a0)
+    finally:
+        timer.cancel()
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
+    waiting = [line for line in r1.output.splitlines() if f"waiting for {name} to resolve" in line]
+    assert len(waiting) == 1, r1.output  # one progress line, not one per try
+    assert f"{name} resolved" in r1.output
+
+
+def test_sigterm_to_a_training_nodes_agent_hands_its_ranks_to_a_standby_node(isolated_hosts):
+    hosts = isolated_hosts
+    flags = lambda k: ("--nnodes", "2", "--node-rank", str(k), "--master-addr",  # noqa: E731
+                       hosts.name(0), "--master-port", PORT, "--shutdown-timeout", "30")
+    a0 = _unbroken(hosts, 0, *flags(0), steps=300)
+    a1 = _unbroken(hosts, 1, *flags(1), steps=300)
+    standby = _unbroken(hosts, 2, *flags(2), "--standby", steps=300)
+    wait_for(lambda: _events(hosts, 2, "spare_ready"), 120, "the standby's spare")
+    wait_for(lambda: any(e["step"] >= 10 for e in _events(hosts, 0, "step")), 120, "step 10")
+    worker = _events(hosts, 1, "workers_started")[0]["pids"]["1"]
+    a1.send_signal(signal.SIGTERM)  # as a pod deletion or a spot reclaim does
+    r1 = _done(hosts, 1, a1, timeout=60)
+    r0, r2 = _done(hosts, 0, a0), _done(hosts, 2, standby)
+    assert r1.code == 143, r1.output
+    assert (r0.code, r2.code) == (0, 0), r0.output + r2.output
+    assert "ranks moved to spares" in r1.output
+    assert [e["request"] for e in r0.events("drain_started")] == [{"node": 1}]
+    assert not r0.events("restart") and not r0.events("fault")  # in place, no fault
+    promoted = [e["slot"] for e in _events(hosts, 2, "spare_promoted") if e["source"] == "worker"]
+    assert promoted == [1]
+    drained = [e for e in r1.events("drained") if e.get("pid") == worker]
+    assert drained, r1.events()
+    last = max(e["step"] for e in r0.events("step"))
+    assert last == 299
+
+
+def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts):
+    hosts = isolated_hosts
+    etcd = ("--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.etcd.endpoint, "--rdzv-id", "job")
+    flags = lambda i, *more: (*etcd, "--local-addr", hosts.addr(i), "--nnodes", "2",  # noqa: E731
+                              "--node-rank", str(i), "--max-restarts", "3", *more)
+    slow = ("--step-sleep", "0.05")  # long enough for spares to warm up and a failover
+    a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow)
+    a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=600, script_args=slow)
+    standby = _unbroken(hosts, 2, *flags(2, "--standby"), steps=600, script_args=slow)
+    ready = lambda: len(_events(hosts, 1, "spare_ready") + _events(hosts, 2, "spare_ready"))  # noqa: E731
+    wait_for(lambda: ready() >= 2, 120, "both spares")
+    wait_for(lambda: any(e["step"] >= 10 for e in _events(hosts, 0, "step")), 120, "step 10")
+    a0.send_signal(signal.SIGKILL)  # the leader's agent dies, as its host would
+    a0.wait()
+    wait_for(lambda: _events(hosts, 1, "leader_elected"), 60, "node 1 to take over")
+    wait_for(lambda: len(_events(hosts, 1, "gen_up")) >= 1, 60, "node 0's rank recovered")
+    # From host 0, whose agent is gone: the etcd endpoints reach the job after the failover.
+    # Rank 0 now runs on a spare (node 1's or the standby's); the drain moves it to the other.
+    drain = hosts.run(0, unbroken_cmd("drain", *etcd, "--rank", "0", "--timeout", "60"), 90)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    assert "moved rank 0" in drain.stdout
+    r1, r2 = _done(hosts, 1, a1), _done(hosts, 2, standby)
+    assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
+    assert [e["request"] for e in r1.events("drain_started")] == [{"slot": 0}]
+    steps = [e["step"] for k in (1, 2) for e in _events(hosts, k, "step") if e.get("rank") == 0]
+    assert max(steps) == 599
+
+
+def test_drain_by_run_dir_works_on_any_nodes_host(isolated_hosts, tmp_path):
+    """Every agent writes its control file: `unbroken drain RUN_DIR` on a follower's host
+    (node 0's disk is not there) finds the job."""
+    hosts = isolated_hosts
+    flags = lambda k: (*_static(hosts, k), "--spares", "1")  # noqa: E731
+    slow = ("--step-sleep", "0.05")  # long enough for the spare to warm up
+    a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow)
+    a1 = _unbroken(hosts, 1, *flags(1), steps=600, script_args=slow)
+    wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
+    wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
+    run_dir = Path(hosts.node_dir(1)) / "run"
+    drain = hosts.run(1, unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"), 90)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
+    assert [e["request"] for e in r0.events("drain_started")] == [{"slot": 1}]
