@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.control.address import ControlAddress, unresolved
+from unbroken.control.address import ControlAddress, address_toward, unresolved
 from unbroken.control.auth import job_auth, mismatch
 from unbroken.control.messages import JobAuth
 from unbroken.control.signing import Signer
@@ -63,3 +63,4 @@ def test_endpoint_hosts_and_names_that_do_not_resolve():
     assert address.hosts == ["e1", "e2"]
     assert unresolved(["127.0.0.1", "localhost"]) == []
     assert unresolved(["no-such-host.invalid"]) == ["no-such-host.invalid"]
+    assert address_toward("127.0.0.1:2379") == "127.0.0.1"

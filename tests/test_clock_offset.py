@@ -70,3 +70,22 @@ def test_two_nodes_each_log_their_clock_offset(tmp_path):
     merged = load_events([run_dir])
     assert sum(e["event"] == "clock_offset" for e in merged) == 2
     assert any(e["event"] == "step" for e in merged)
+
+
+def test_a_dir_one_node_wrote_moves_by_that_nodes_offset_whatever_node_its_events_name(tmp_path):
+    """The leader writes events about other nodes (a fault with `node: 1`) on its own clock:
+    only node 1's own dir moves by node 1's offset."""
+    import json
+
+    def log(d, *events):
+        d.mkdir()
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    log(tmp_path / "n0", {"t": 100.0, "event": "agent_start", "node": 0},
+        {"t": 101.0, "event": "fault", "node": 1, "source": "agent"})
+    log(tmp_path / "n1", {"t": 95.0, "event": "agent_start", "node": 1},
+        {"t": 96.0, "event": "clock_offset", "node": 1, "offset": 5.0, "error": 0.01})
+    merged = {(e["event"], e["node"]): e["t"] for e in load_events([tmp_path / "n0", tmp_path / "n1"])}
+    assert merged[("fault", 1)] == 101.0  # the leader's clock already
+    assert merged[("agent_start", 1)] == 100.0 and merged[("clock_offset", 1)] == 101.0
+    assert merged[("agent_start", 0)] == 100.0

@@ -12,6 +12,7 @@ place; `unbroken drain` from another host after a leader failover, on etcd.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,9 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, Launched, finish, unbroken_cmd, wait_for
+from conftest import EXAMPLE, SCRIPTS, TINY, Launched, finish, unbroken_cmd, wait_for
 
 from unbroken.telemetry.events import read_events
+from unbroken.telemetry.summary import summarize
 
 pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
 
@@ -64,26 +66,43 @@ def _c10d(hosts, k: int) -> list[str]:
 
 @pytest.mark.parametrize("form", [_static, _c10d], ids=["static", "c10d"])
 def test_torchruns_two_node_command_lines_run_under_both_launchers(isolated_hosts, form):
-    """The same command line on each host, no secret, nothing shared: torchrun, then ours."""
+    """The same command line on each host, no secret, nothing shared: an unmodified torchrun
+    script (env:// init, an all-reduce) under torchrun, then under ours; then the example
+    GPT, which recovers in place, under ours."""
     hosts = isolated_hosts
+    plain = [str(SCRIPTS / "plain_torchrun.py"), "."]  # writes ./rank<R>.json on its host
     for launcher in ("torchrun", "unbroken"):
         procs = []
-        for k in (0, 1):  # node 1 first in the c10d form would be as good: ranks by join order
+        for k in (0, 1):  # in the c10d form ranks go by join order: either host may be 1
             flags = [*form(hosts, k), "--nproc-per-node", "1"]
-            if launcher == "torchrun":
-                argv = [*TORCHRUN, *flags, *_train(20)]
-            else:
-                argv = unbroken_cmd("run", *flags, "--rdzv-timeout", "60", *_train(20))
+            argv = ([*TORCHRUN, *flags, *plain] if launcher == "torchrun" else
+                    unbroken_cmd("run", *flags, "--rdzv-timeout", "60", *plain))
             procs.append(hosts.agent(k, argv))
-        results = [finish(p, hosts.node_dir(k), timeout=180) for k, p in enumerate(procs)]
+        results = [finish(p, hosts.node_dir(k), timeout=120) for k, p in enumerate(procs)]
         both = "\n".join(r.output for r in results)
         assert [r.code for r in results] == [0, 0], f"{launcher}:\n{both}"
-        assert "step   19" in both, f"{launcher}:\n{both}"  # rank 0 trained to the end
+        ranks = {}
+        for k in (0, 1):
+            for path in hosts.node_dir(k).glob("rank*.json"):
+                ranks[path.name] = json.loads(path.read_text())
+                path.unlink()
+        assert sorted(ranks) == ["rank0.json", "rank1.json"], f"{launcher}: {sorted(ranks)}"
+        assert {r["sum"] for r in ranks.values()} == {3.0}
+        assert {r["WORLD_SIZE"] for r in ranks.values()} == {"2"}
         if launcher == "unbroken":
             assert all(r.output.count(UNSIGNED) == 1 for r in results), both
-            # Each node wrote its run dir under its own working directory, and only there.
-            for k in (0, 1):
-                assert (hosts.node_dir(k) / "unbroken_runs" / "default" / "control.json").exists()
+    # The example GPT under ours: each node's run dir under its own working directory, and
+    # the report reads them together.
+    procs = [hosts.agent(k, unbroken_cmd("run", *form(hosts, k), "--nproc-per-node", "1",
+                                         "--rdzv-id", "gpt", "--rdzv-timeout", "60",
+                                         *_train(20)))
+             for k in (0, 1)]
+    results = [finish(p, hosts.node_dir(k), timeout=180) for k, p in enumerate(procs)]
+    assert [r.code for r in results] == [0, 0], "\n".join(r.output for r in results)
+    dirs = [hosts.node_dir(k) / "unbroken_runs" / "gpt" for k in (0, 1)]
+    assert all((d / "control.json").exists() for d in dirs)
+    summary = summarize(dirs)
+    assert summary["steps"] == 20 and summary["exit_code"] == 0, summary
 
 
 def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_hosts):
@@ -180,8 +199,9 @@ def test_sigterm_to_a_training_nodes_agent_hands_its_ranks_to_a_standby_node(iso
 def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts):
     hosts = isolated_hosts
     etcd = ("--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.etcd.endpoint, "--rdzv-id", "job")
-    flags = lambda i, *more: (*etcd, "--local-addr", hosts.addr(i), "--nnodes", "2",  # noqa: E731
-                              "--node-rank", str(i), "--max-restarts", "3", *more)
+    # No --local-addr: each agent serves, when it leads, on its address toward etcd.
+    flags = lambda i, *more: (*etcd, "--nnodes", "2", "--node-rank", str(i),  # noqa: E731
+                              "--max-restarts", "3", *more)
     slow = ("--step-sleep", "0.05")  # long enough for spares to warm up and a failover
     a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow)
     a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=600, script_args=slow)
@@ -221,3 +241,23 @@ def test_drain_by_run_dir_works_on_any_nodes_host(isolated_hosts, tmp_path):
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
     assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
     assert [e["request"] for e in r0.events("drain_started")] == [{"slot": 1}]
+
+
+def test_sigterm_to_a_standby_node_that_holds_no_rank_restarts_nothing(isolated_hosts):
+    """A deleted standby pod takes only its spares away: no fault, no restart."""
+    hosts = isolated_hosts
+    flags = lambda k: ("--nnodes", "2", "--node-rank", str(k), "--master-addr",  # noqa: E731
+                       hosts.name(0), "--master-port", PORT, "--max-restarts", "2")
+    slow = ("--step-sleep", "0.05")
+    a0 = _unbroken(hosts, 0, *flags(0), steps=300, script_args=slow)
+    a1 = _unbroken(hosts, 1, *flags(1), steps=300, script_args=slow)
+    standby = _unbroken(hosts, 2, *flags(2), "--standby", steps=300, script_args=slow)
+    wait_for(lambda: _events(hosts, 2, "spare_ready"), 120, "the standby's spare")
+    standby.send_signal(signal.SIGTERM)
+    r2 = _done(hosts, 2, standby, timeout=60)
+    r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
+    assert r2.code == 143, r2.output
+    assert "standby node holding no rank" in r2.output
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
+    assert not r0.events("restart") and not r0.events("fault"), r0.events("fault")
+    assert max(e["step"] for e in r0.events("step")) == 299

@@ -116,7 +116,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, separators=(",", ":")))
     else:
-        print(format_summary(summarize(args.run_dir[0])))
+        print(format_summary(summarize(args.run_dir)))
         print(format_goodput(report))
     return ExitCode.SUCCESS
 

@@ -162,7 +162,8 @@ def _add_torchrun_flags(p: argparse.ArgumentParser) -> None:
     add("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         help="signals on which the agent stops the workers and exits 128+signal")
     add("--shutdown-timeout", "--kill-grace", type=seconds, default=None,
-        help="seconds between SIGTERM and SIGKILL when stopping workers (default 3)")
+        help="seconds between SIGTERM and SIGKILL when stopping workers, and for a node told "
+             "to stop (SIGTERM) to hand its ranks to spares first (default 3)")
     add("--virtual-local-rank", action="store_true",
         help="LOCAL_RANK is 0 in every worker, and CUDA_VISIBLE_DEVICES names its own device")
 
@@ -221,8 +222,9 @@ def _add_own_flags(p: argparse.ArgumentParser) -> None:
                    help="do not keep warm standbys (torch and the script's imports done) for "
                         "restarts (see README)")
     p.add_argument("--secret-file", default=None, metavar="PATH",
-                   help="the job's secret, in hex, that signs every control message (default: "
-                        "UNBROKEN_SECRET, else RUN_DIR/secret, made by node 0 if absent)")
+                   help="the job's secret, in hex, that signs every control message, the same on "
+                        "every node (default: UNBROKEN_SECRET; else a one-node job makes its own, "
+                        "and a multi-node job runs unsigned and says so)")
     p.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
                    help="the leader's agent serves Prometheus /metrics on this port (goodput, "
                         "badput by category, step and recovery times, faults; see "

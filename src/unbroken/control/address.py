@@ -101,6 +101,17 @@ def unresolved(hosts: list[str]) -> list[str]:
     return missing
 
 
+def address_toward(endpoint: str) -> str:
+    """This host's address on the route to `endpoint` (HOST:PORT): what the other hosts of a
+    job reach it at when they reach that endpoint too. No packet is sent (a UDP connect only
+    picks the route)."""
+    host, _, port = endpoint.removeprefix("https://").removeprefix("http://").rpartition(":")
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET,
+                       socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), int(port)))
+        return probe.getsockname()[0]
+
+
 def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> Backend:
     """A client of the control plane at `address`, scoped to `run_id`.
 
@@ -120,5 +131,5 @@ def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> 
     return backend
 
 
-__all__ = ["BackendKind", "ControlAddress", "EtcdCredentials", "StoreUnavailable", "open_backend",
-           "unresolved"]
+__all__ = ["BackendKind", "ControlAddress", "EtcdCredentials", "StoreUnavailable",
+           "address_toward", "open_backend", "unresolved"]

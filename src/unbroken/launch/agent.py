@@ -20,7 +20,13 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.control.address import BackendKind, ControlAddress, open_backend, unresolved
+from unbroken.control.address import (
+    BackendKind,
+    ControlAddress,
+    address_toward,
+    open_backend,
+    unresolved,
+)
 from unbroken.control.auth import UNSIGNED_NOTICE, job_auth, mismatch
 from unbroken.control.backend import Backend, StoreUnavailable
 from unbroken.control.channel import Channel
@@ -104,9 +110,10 @@ class Agent:
                 code = 128 + signal.SIGTERM
         except _Interrupted as exc:
             self.say(f"{exc}: stopping workers")
+            held = sup is not None and bool(sup.workers)
             if sup is not None:
                 sup.stop_all()
-            self._publish_interrupt(exc.signum)
+            self._publish_interrupt(exc.signum, held)
             code = 128 + exc.signum
         except ControlPlaneError as exc:
             if sup is not None:
@@ -183,6 +190,10 @@ class Agent:
         cfg = self.cfg
         self._secret = self._own_secret()
         self._wait_resolvable(cfg.control_address(cfg.master_port))
+        if cfg.elects and cfg.local_addr is None:
+            # Where this agent serves the workers' store if it comes to lead: its address on
+            # the route to etcd, which the other hosts reach too (loopback for a local etcd).
+            cfg.local_addr = address_toward(cfg.etcd_endpoints[0])
         hosted = self._host_store()
         if hosted is None:
             address = cfg.control_address(cfg.master_port)
@@ -346,11 +357,11 @@ class Agent:
         """Leading, or maybe about to (node 0 stands first): a leader's lease is watched closely."""
         return isinstance(self.role, Leader) or (self.role is None and self.cfg.is_leader)
 
-    def _publish_interrupt(self, signum: int) -> None:
+    def _publish_interrupt(self, signum: int, held_ranks: bool) -> None:
         if self.role is None:
             return
         try:
-            self.role.interrupted(signum)
+            self.role.interrupted(signum, held_ranks)
         except ControlPlaneError:
             pass  # the leader is gone too; nothing left to tell
 

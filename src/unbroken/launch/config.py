@@ -88,7 +88,8 @@ class LaunchConfig:
     etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     local_addr: str | None = None
     """Where this agent binds what it serves (the attempt's worker store, when it leads);
-    None: --master-addr with the TCPStore, loopback with etcd."""
+    None: --master-addr with the TCPStore; with etcd the agent sets it, at start, to its
+    address on the route to etcd."""
     leader_timeout: float = 2.0
     """etcd: a leader whose lease is silent this long is replaced."""
     retry_window: float = DEFAULT_WINDOW
@@ -153,7 +154,7 @@ class LaunchConfig:
     def bind_addr(self) -> str:
         if self.local_addr:
             return self.local_addr
-        return self.master_addr if self.backend == BackendKind.TCP else "127.0.0.1"
+        return self.master_addr if self.backend == BackendKind.TCP else "127.0.0.1"  # unset yet
 
     def lease_period(self, leading: bool) -> float:
         """How often an agent refreshes its lease: five times within the timeout it is

@@ -219,8 +219,13 @@ class Follower(Role):
             return False
         return True
 
-    def interrupted(self, signum: int) -> None:
-        """Tell the leader this node stops: the attempt ends everywhere."""
+    def interrupted(self, signum: int, held_ranks: bool = True) -> None:
+        """Tell the leader this node stops: the attempt ends everywhere. A standby node that
+        held no rank ends nothing: it only takes its spares away (a deleted standby pod
+        must not restart the job); its lease then lapses, as a lost standby's does."""
+        if self.cfg.standby and not held_ranks:
+            self.say("a standby node holding no rank: leaving; the job goes on")
+            return
         current = self.channel.read(CURRENT)
         if current is not None:
             self.watch.keys = AttemptKeys(current)

@@ -546,6 +546,6 @@ class Leader(Role):
             if followers:
                 time.sleep(0.02)
 
-    def interrupted(self, signum: int) -> None:
+    def interrupted(self, signum: int, held_ranks: bool = True) -> None:
         self.channel.write(RESULT, Result(Status.INTERRUPTED, signal=signum))
         self._wait_acks()

@@ -35,7 +35,8 @@ class Role:
     def run(self) -> int:
         raise NotImplementedError
 
-    def interrupted(self, signum: int) -> None:
+    def interrupted(self, signum: int, held_ranks: bool = True) -> None:
+        """This agent stops on a signal; `held_ranks`: its node ran workers of the job."""
         raise NotImplementedError
 
     def hand_off(self) -> bool:

@@ -23,25 +23,37 @@ def load_events(run_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     """Every event of a run, from one or more run dirs (one per node where nodes do not share
     a file system), merged in time order. A line found in two dirs (a shared one given
     twice) counts once. Each node's timestamps are moved onto the leader's clock by the
-    offset its agent measured at rendezvous (`clock_offset` events), when there is one."""
-    lines: dict[str, dict[str, Any]] = {}
+    offset its agent measured at rendezvous (`clock_offset` events), when there is one: a
+    dir that one node's agent wrote to is moved whole by that node's offset (its leader may
+    have written events about other nodes, on its own clock); a dir shared by several nodes
+    (one host, one clock) by each event's node."""
+    per_dir: list[tuple[Any, list[dict[str, Any]]]] = []
+    seen: set[str] = set()
     for d in run_dirs:
         path = Path(d) / EVENTS_FILE
         if not path.is_file():
             raise UserError(f"no event log at {path}; pass the run directory `unbroken run` "
                             "printed (one per node if they do not share it)")
+        found = []
         for e in read_events(path):
-            lines.setdefault(json.dumps(e, sort_keys=True), e)
-    events = list(lines.values())
+            line = json.dumps(e, sort_keys=True)
+            if line not in seen:
+                seen.add(line)
+                found.append(e)
+        writers = {e.get("node") for e in found if e.get("event") == Event.AGENT_START}
+        per_dir.append((writers.pop() if len(writers) == 1 else None, found))
     offsets: dict[Any, float] = {}
-    for e in events:
-        if e.get("event") == Event.CLOCK_OFFSET:
-            offsets[e.get("node")] = float(e.get("offset", 0.0))  # the latest measurement wins
-    if offsets:
-        for e in events:
-            shift = offsets.get(e.get("node"), 0.0)
+    for _, found in per_dir:
+        for e in found:
+            if e.get("event") == Event.CLOCK_OFFSET:
+                offsets[e.get("node")] = float(e.get("offset", 0.0))  # the latest one wins
+    events = []
+    for writer, found in per_dir:
+        for e in found:
+            shift = offsets.get(writer if writer is not None else e.get("node"), 0.0)
             if shift:
                 e["t"] = e["t"] + shift
+            events.append(e)
     events.sort(key=lambda e: e.get("t", 0.0))
     return events
 

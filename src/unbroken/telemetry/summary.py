@@ -9,6 +9,7 @@ after recovery (in place: by the next generation; by restart: by the next attemp
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,19 @@ from unbroken.telemetry.events import EVENTS_FILE, read_events
 from unbroken.telemetry.goodput import distinct_faults
 
 
-def summarize(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.is_file():
-        raise UserError(f"no event log at {path}; pass the run directory `unbroken run` printed")
-    events = read_events(path)
+def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
+    """The run's summary from its run dir, or from every node's run dir where the nodes do
+    not share one (merged on the leader's clock, as `report.load_events` does)."""
+    if isinstance(run_dir, (str, Path)):
+        path = Path(run_dir) / EVENTS_FILE
+        if not path.is_file():
+            raise UserError(f"no event log at {path}; pass the run directory `unbroken run` "
+                            "printed")
+        events = read_events(path)
+    else:
+        from unbroken.telemetry.report import load_events
+
+        events = load_events(run_dir)
     steps = [e for e in events if e["event"] == "step"]
     starts = [e["t"] for e in events if e["event"] == "agent_start"]
     exits = [e for e in events if e["event"] == "agent_exit"]
