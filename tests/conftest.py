@@ -288,3 +288,26 @@ def isolated_hosts(tmp_path):
     """`netns_hosts` whose hosts share nothing: Hosts(root=tmp_path / "hosts"), so a command
     on host i sees, of that root, only node_dir(i) and the shared dirs it names."""
     yield from _hosts_with_etcd(tmp_path / "hosts", tmp_path / "etcd")
+
+
+# ------------------------------------------------------------ agents on isolated hosts
+MASTER_PORT = "29500"  # every host is a network namespace of its own: the port is free on each
+
+
+def run_dir_on(hosts, i: int) -> Path:
+    """Host i's agent's run dir (`--run-dir run`, in host i's node dir), as the test sees it."""
+    return hosts.node_dir(i) / "run"
+
+
+def start_on(hosts, i: int, *flags: str, script: Path | str = EXAMPLE,
+             args: list[str] | None = None, shared=(), env: dict[str, str] | None = None,
+             ) -> subprocess.Popen:
+    """`start` on host i of `hosts` (tests/netns.py): `unbroken run --run-dir run` from host
+    i's own dir, seeing of the hosts' root only its node dir and the `shared` dirs."""
+    cmd = unbroken_cmd("run", "--run-dir", "run", *flags, str(script), *(args or []))
+    return hosts.agent(i, cmd, shared=shared, env=env)
+
+
+def finish_on(hosts, i: int, proc: subprocess.Popen, timeout: float = 240) -> Launched:
+    """`finish` for an agent `start_on` started on host i: its output, its own run dir."""
+    return finish(proc, run_dir_on(hosts, i), timeout)

@@ -1,6 +1,7 @@
 """Hangs, in place (issue 13): a worker SIGSTOPped mid-step on one of two nodes is the only
 one killed; a long evaluation declared with `run.phase` is not a hang; a noisy step time
-is not either. Real agents on loopback as two nodes, real gloo groups, real signals.
+is not either. Real agents as two nodes on two hosts that share nothing but the checkpoint
+volume (tests/netns.py, `isolated_hosts`), real gloo groups, real signals.
 
 Speed (hang to first resumed step) is measured by benchmarks/hang.py; the bounds here are
 loose, as a loaded machine must not fail them.
@@ -13,42 +14,60 @@ import signal
 import time
 
 import pytest
-from conftest import TINY, events_of, finish, free_port, launch, start, wait_for
+from conftest import (
+    MASTER_PORT,
+    TINY,
+    events_in,
+    events_of,
+    finish_on,
+    launch,
+    run_dir_on,
+    start_on,
+    wait_for,
+)
 
 from unbroken.telemetry.summary import summarize
 
 pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
 
 
-def _node(tmp_path, port, node_rank, *extra, steps):
-    return start(tmp_path / "run", "--nnodes", "2", "--node-rank", str(node_rank),
-                 "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "3",
-                 "--rdzv-timeout", "60", *extra, port=port,
-                 args=["--steps", str(steps), *TINY, "--step-sleep", "0.05",
-                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20"])
+def _node(hosts, node_rank, *extra, steps):
+    """Node `node_rank` on host `node_rank`, its run dir on its own disk; the checkpoint dir
+    is the shared volume."""
+    ckpt = hosts.shared_dir("ckpt")
+    return start_on(hosts, node_rank, "--nnodes", "2", "--node-rank", str(node_rank),
+                    "--master-addr", hosts.name(0), "--master-port", MASTER_PORT,
+                    "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "3",
+                    "--rdzv-timeout", "60", *extra, shared=[ckpt],
+                    args=["--steps", str(steps), *TINY, "--step-sleep", "0.05",
+                          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"])
 
 
-def test_a_worker_stopped_mid_step_on_one_of_two_nodes_is_the_only_one_killed(tmp_path):
+def test_a_worker_stopped_mid_step_on_one_of_two_nodes_is_the_only_one_killed(isolated_hosts):
     """Rank 3 (node 1) is SIGSTOPped from outside at a random point of a step. Every rank
     stalls; the leader reads both nodes' reports, blames the stopped one, and only it dies:
     one fault, charged once, and the three others recover in place in their own processes."""
-    port, run_dir = free_port(), tmp_path / "run"
-    leader = _node(tmp_path, port, 0, steps=300)
-    follower = _node(tmp_path, port, 1, steps=300)
-    wait_for(lambda: any(e.get("step", 0) >= 40 for e in events_of(run_dir, "step")), 120,
-             "training to reach a steady state")
-    pids = {int(r): p for e in events_of(run_dir, "workers_started") for r, p in e["pids"].items()}
+    hosts = isolated_hosts
+    node0, node1 = run_dir_on(hosts, 0), run_dir_on(hosts, 1)
+    leader = _node(hosts, 0, steps=300)
+    follower = _node(hosts, 1, steps=300)
+    wait_for(lambda: any(e.get("step", 0) >= 40 for e in events_of(node0, "step")), 120,
+             "training to reach a steady state", explain=node0)
+    pids = {int(r): p for e in events_in([node0, node1], "workers_started")
+            for r, p in e["pids"].items()}
     stopped_at = time.time()
     os.kill(pids[3], signal.SIGSTOP)
-    r0, r1 = finish(leader, run_dir), finish(follower, run_dir)
+    r0, r1 = finish_on(hosts, 0, leader), finish_on(hosts, 1, follower)
     assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
-    faults = r0.events("fault")
+    faults = events_in([node0, node1], "fault")
+    assert faults == r1.events("fault")  # said by node 1's agent, whose worker it killed
     assert [(f["kind"], f["rank"], f["node"]) for f in faults] == [("hang", 3, 1)]
     assert faults[0]["in_place"] and "blamed by the leader" in faults[0]["detail"]
+    assert not r1.events("hang_blamed")
     (blamed,) = r0.events("hang_blamed")
     assert (blamed["slot"], blamed["culprit_node"]) == (3, 1) and "stopped" in blamed["reason"]
-    assert not r0.events("restart"), "fell back to a full restart"
-    finishers = {e["slot"]: e["pid"] for e in r0.events("training_done")}
+    assert not events_in([node0, node1], "restart"), "fell back to a full restart"
+    finishers = {e["slot"]: e["pid"] for e in events_in([node0, node1], "training_done")}
     assert all(finishers[r] == pids[r] for r in (0, 1, 2)), (pids, finishers)
     assert finishers.get(3) != pids[3]
     up = min(e["t"] for e in r0.events("gen_up"))
@@ -56,7 +75,7 @@ def test_a_worker_stopped_mid_step_on_one_of_two_nodes_is_the_only_one_killed(tm
     assert 0.9 <= timeout <= 3.0  # 3 x the p99 of ~60 ms steps is under the 1 s floor
     print(f"SIGSTOP to generation up: {up - stopped_at:.2f}s (hang timeout {timeout}s)")
     assert up - stopped_at < 10 * (timeout + 0.5)
-    assert summarize(run_dir)["steps"] == 300
+    assert summarize([node0, node1])["steps"] == 300
 
 
 def test_a_long_evaluation_declared_with_run_phase_is_not_a_hang(tmp_path):

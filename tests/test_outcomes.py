@@ -4,58 +4,60 @@ leader report success and the follower wait 120 s, then exit 0, at step 40 of 40
 
 from __future__ import annotations
 
-from conftest import SCRIPTS, TINY, finish, free_port, start
-
-from unbroken.telemetry.events import read_events
+from conftest import EXAMPLE, MASTER_PORT, SCRIPTS, TINY, events_in, finish_on, start_on
 
 EXAMPLE_ARGS = ["--steps", "400", *TINY]
 
 
-def _two_nodes(tmp_path, *flags, script=None, args=None):
-    port = free_port()
-    run_dir = tmp_path / "run"
-    kw = {"script": script} if script else {}
-    procs = [start(run_dir, "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
-                   "--rdzv-id", "job", "--node-timeout", "3", "--rdzv-timeout", "60", *flags,
-                   port=port, args=args or EXAMPLE_ARGS, **kw)
+def _two_nodes(hosts, *flags, script=None, args=None):
+    """Two nodes on two hosts that share nothing (tests/netns.py), each with its own run dir."""
+    procs = [start_on(hosts, k, "--nnodes", "2", "--node-rank", str(k), "--master-addr",
+                      hosts.name(0), "--master-port", MASTER_PORT, "--nproc-per-node", "1",
+                      "--rdzv-id", "job", "--node-timeout", "3", "--rdzv-timeout", "60", *flags,
+                      script=script or EXAMPLE, args=args or EXAMPLE_ARGS)
              for k in (0, 1)]
-    return [finish(p, run_dir, timeout=180) for p in procs]
+    return [finish_on(hosts, k, p, timeout=180) for k, p in enumerate(procs)]
+
+
+def _job_events(results, name=None):
+    """Both nodes' events, merged."""
+    return events_in([r.run_dir for r in results], name)
 
 
 def _assert_failed_promptly(results, why: str, bound: float = 30.0) -> None:
     for r in results:
         assert r.code == 1, r.output
         assert "giving up after" in r.output and why in r.output, r.output
-    events = read_events(results[0].run_dir / "events.jsonl")
+    events = _job_events(results)
     fault_t = min(e["t"] for e in events if e["event"] in ("fault_injected", "fault"))
-    exits = [e for e in events if e["event"] == "agent_exit"]
-    assert sorted(e["node"] for e in exits) == [0, 1] and all(e["code"] == 1 for e in exits)
+    exits = [e for r in results for e in r.events("agent_exit")]  # each in its agent's run dir
+    assert [e["node"] for e in exits] == [0, 1] and all(e["code"] == 1 for e in exits)
     assert max(e["t"] for e in exits) - fault_t < bound, [e["t"] - fault_t for e in exits]
     assert not [e for e in events if e["event"] == "training_done"], "nobody trained to the end"
 
 
-def test_the_leaders_only_worker_lost_with_no_budget_fails_every_node(tmp_path):
-    results = _two_nodes(tmp_path, "--max-restarts", "0", "--fault", "crash:rank=0,step=40")
+def test_the_leaders_only_worker_lost_with_no_budget_fails_every_node(isolated_hosts):
+    results = _two_nodes(isolated_hosts, "--max-restarts", "0", "--fault", "crash:rank=0,step=40")
     _assert_failed_promptly(results, "the restart budget of 0 is spent")
     assert "rank 0 crash" in results[1].output  # the follower names the fault too
 
 
-def test_the_followers_only_worker_lost_with_no_budget_fails_every_node(tmp_path):
-    results = _two_nodes(tmp_path, "--max-restarts", "0", "--fault", "crash:rank=1,step=40")
+def test_the_followers_only_worker_lost_with_no_budget_fails_every_node(isolated_hosts):
+    results = _two_nodes(isolated_hosts, "--max-restarts", "0", "--fault", "crash:rank=1,step=40")
     _assert_failed_promptly(results, "the restart budget of 0 is spent")
     assert "rank 1 crash" in results[0].output
 
 
-def test_a_slot_nothing_can_refill_under_wait_fails_at_once(tmp_path):
+def test_a_slot_nothing_can_refill_under_wait_fails_at_once(isolated_hosts):
     """Budget left, but no spare and every replacement crashes: under `wait` nobody waits
     out --join-timeout (60 s) for a rank that cannot come back."""
     args = ["--steps", "400", "--step-sleep", "0.02", "--replacements-crash"]
-    results = _two_nodes(tmp_path, "--max-restarts", "2", "--on-fault", "wait",
+    results = _two_nodes(isolated_hosts, "--max-restarts", "2", "--on-fault", "wait",
                          "--fault", "crash:rank=1,step=20", script=SCRIPTS / "ckpt_train.py",
                          args=args)
     _assert_failed_promptly(results, "the restart budget of 2 is spent")
-    events = read_events(results[0].run_dir / "events.jsonl")
-    replacements = [e for e in events if e["event"] == "replacement_started"]
+    replacements = _job_events(results, "replacement_started")
+    assert replacements == results[1].events("replacement_started")  # node 1's, for rank 1
     assert len(replacements) == 2, replacements  # the budget paid for two; the third fault ends it
 
 

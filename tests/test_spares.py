@@ -2,7 +2,9 @@
 
 Real workers and spares under `unbroken run --spares`, real SIGKILLs from outside. The
 worker script sleeps a little per step, as a GPU job leaves its host CPU idle, so that a
-spare can warm up at idle priority beside 4 workers on 2 cores.
+spare can warm up at idle priority beside 4 workers on 2 cores. A job of several nodes runs
+them on hosts that share nothing (tests/netns.py, `isolated_hosts`), each node with its own
+run dir.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import subprocess
 
 import torch
 from conftest import (
+    MASTER_PORT,
     REPO,
     SCRIPTS,
     alive,
+    events_in,
     events_of,
     finish,
-    free_port,
+    finish_on,
     launch,
+    run_dir_on,
     start,
+    start_on,
     unbroken_cmd,
     wait_for,
 )
@@ -160,90 +166,101 @@ def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_pa
           torch.load(tmp_path / "clean.pt", weights_only=True))
 
 
-def test_a_standby_node_takes_over_a_lost_node_in_place(tmp_path):
-    """Two nodes of 2 workers and a standby node (agents on loopback). Node 1's agent is
-    SIGKILLed, as with a lost machine: its workers die with it, the standby's warm spares take
-    ranks 2 and 3 in place, the world size stays 4 and the run ends bit-identical."""
+def _standby_job(hosts, *flags: str, args: list[str]) -> list:
+    """Nodes 0 and 1 of 2 workers each and a standby node 2 (`flags` each), node k on host k."""
+    def node(rank: int, *extra: str):
+        return start_on(hosts, rank, "--nnodes", "2", "--node-rank", str(rank),
+                        "--master-addr", hosts.name(0), "--master-port", MASTER_PORT,
+                        "--nproc-per-node", "2", "--rdzv-id", "job", *flags, *extra,
+                        script=CKPT_TRAIN, args=args)
+
+    return [node(0), node(1), node(2, "--standby")]
+
+
+def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, tmp_path):
+    """Two nodes of 2 workers and a standby node, on three hosts. Node 1's agent is SIGKILLed,
+    as with a lost machine: its workers die with it, the standby's warm spares take ranks 2
+    and 3 in place, the world size stays 4 and the run ends bit-identical."""
+    hosts = isolated_hosts
     steps = 300
     clean = launch(tmp_path / "clean", "--nproc-per-node", "4", script=CKPT_TRAIN,
                    args=_args(steps, str(tmp_path / "clean.pt")))
     assert clean.code == 0, clean.output
-    port, run_dir = free_port(), tmp_path / "run"
-
-    def node(rank: int, *extra: str):
-        return start(run_dir, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                     "--rdzv-id", "job", "--max-restarts", "3", "--node-timeout", "1", *extra,
-                     port=port, script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "faulty.pt")))
-
-    leader, follower, standby = node(0), node(1), node(2, "--standby")
+    node0, node1, node2 = (run_dir_on(hosts, k) for k in range(3))
+    faulty = hosts.node_dir(0) / "faulty.pt"  # rank 0 writes it, on node 0's disk
+    leader, follower, standby = _standby_job(hosts, "--max-restarts", "3", "--node-timeout", "1",
+                                             args=_args(steps, str(faulty)))
     try:
-        ready = wait_for(lambda: len(events_of(run_dir, "spare_ready")) >= 2 and
-                         events_of(run_dir, "spare_ready"), 120, "the standby's spares to warm up")
+        ready = wait_for(lambda: len(events_of(node2, "spare_ready")) >= 2 and
+                         events_of(node2, "spare_ready"), 120, "the standby's spares to warm up",
+                         explain=node2)
         # In steady state: on a loaded machine the spares can be warm before the workers
         # have built DDP, and a node lost then is a fault before the in-place loop runs.
-        wait_for(lambda: any(e["step"] >= 3 for e in events_of(run_dir, "step")), 120,
-                 "training to reach step 3")
-        lost_workers = [e for e in events_of(run_dir, "workers_started") if e["node"] == 1][0]["pids"]
+        wait_for(lambda: any(e["step"] >= 3 for e in events_of(node0, "step")), 120,
+                 "training to reach step 3", explain=node0)
+        lost_workers = [e for e in events_of(node1, "workers_started") if e["node"] == 1][0]["pids"]
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()
-        result = finish(leader, run_dir)
+        result = finish_on(hosts, 0, leader)
         assert result.code == 0, result.output
-        assert finish(standby, run_dir, timeout=30).code == 0
+        assert finish_on(hosts, 2, standby, timeout=30).code == 0
     finally:
         for p in (leader, follower, standby):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     for pid in lost_workers.values():
         assert not alive(pid)
+    everyone = [node0, node1, node2]
     (lost,) = result.events("node_lost")
     assert lost["lost_node"] == 1
-    faults = result.events("fault")
+    faults = result.events("fault")  # the lost node's ranks are the leader's to report
     assert sorted(f["slot"] for f in faults) == [2, 3] and all(f["in_place"] for f in faults)
+    assert sorted(f["slot"] for f in events_in(everyone, "fault")) == [2, 3]
     assigned = {e["slot"]: e["wid"] for e in result.events("spare_assigned")}
     assert set(assigned) == {2, 3} and set(assigned.values()) == {e["wid"] for e in ready}
     assert all(e["spare_node"] == 2 for e in result.events("spare_assigned"))
-    assert not result.events("restart") and not result.events("recovery_fallback")
+    assert not events_in(everyone, "restart") and not events_in(everyone, "recovery_fallback")
     plans = result.events("gen_plan")
     assert [p["world_size"] for p in plans] == [4]
     assert plans[0]["members"] == ["0.0", "1.0", assigned[2], assigned[3]]
-    assert {e["slot"] for e in result.events("training_done")} == {0, 1, 2, 3}
-    _same(torch.load(tmp_path / "faulty.pt", weights_only=True),
+    assert {e["slot"] for e in events_in(everyone, "training_done")} == {0, 1, 2, 3}
+    _same(torch.load(faulty, weights_only=True),
           torch.load(tmp_path / "clean.pt", weights_only=True))
 
 
-def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(tmp_path):
-    port, run_dir = free_port(), tmp_path / "run"
+def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(isolated_hosts):
+    hosts = isolated_hosts
+    node0, node1, node2 = everyone = [run_dir_on(hosts, k) for k in range(3)]
+    leader, follower, standby = _standby_job(
+        hosts, "--max-restarts", "1", args=["--steps", "250", "--step-sleep", "0.05"])
 
-    def node(rank: int, *extra: str):
-        return start(run_dir, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                     "--rdzv-id", "job", "--max-restarts", "1", *extra, port=port,
-                     script=CKPT_TRAIN, args=["--steps", "250", "--step-sleep", "0.05"])
+    def drain(*flags: str):
+        """`unbroken drain` by the run dir, on the leader's host."""
+        return hosts.run(0, unbroken_cmd("drain", str(node0), *flags), 90)
 
-    leader, follower, standby = node(0), node(1), node(2, "--standby")
     try:
-        wait_for(lambda: len(events_of(run_dir, "spare_ready")) >= 2, 120,
-                 "the standby's spares to warm up")
-        refused = subprocess.run(unbroken_cmd("drain", str(run_dir), "--node", "0"),
-                                 capture_output=True, text=True, timeout=60, cwd=REPO)
+        wait_for(lambda: len(events_of(node2, "spare_ready")) >= 2, 120,
+                 "the standby's spares to warm up", explain=node2)
+        refused = drain("--node", "0")
         assert refused.returncode != 0 and "node 0 hosts the control store" in refused.stderr
-        cmd = subprocess.run(unbroken_cmd("drain", str(run_dir), "--node", "1", "--timeout", "60"),
-                             capture_output=True, text=True, timeout=90, cwd=REPO)
+        cmd = drain("--node", "1", "--timeout", "60")
         assert cmd.returncode == 0, cmd.stderr
         assert "moved rank 2" in cmd.stdout and "moved rank 3" in cmd.stdout
-        drained_agent = finish(follower, run_dir, timeout=30)  # leaves while the job goes on
+        drained_agent = finish_on(hosts, 1, follower, timeout=30)  # leaves while the job goes on
         assert drained_agent.code == 0, drained_agent.output
-        assert not events_of(run_dir, "training_done")
-        result = finish(leader, run_dir)
+        assert not events_in(everyone, "training_done")
+        result = finish_on(hosts, 0, leader)
         assert result.code == 0, result.output
-        assert finish(standby, run_dir, timeout=30).code == 0
+        assert finish_on(hosts, 2, standby, timeout=30).code == 0
     finally:
         for p in (leader, follower, standby):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert not result.events("fault") and not result.events("node_lost")
-    assert [e["node"] for e in result.events("node_drained")] == [1]
-    assert sorted(e["slot"] for e in result.events("drained") if e["source"] == "worker") == [2, 3]
+    assert not events_in(everyone, "fault") and not events_in(everyone, "node_lost")
+    assert [e["node"] for e in drained_agent.events("node_drained")] == [1]  # its agent's word
+    left = [e for e in events_of(node1, "drained") if e["source"] == "worker"]
+    assert sorted(e["slot"] for e in left) == [2, 3]  # node 1's workers, in node 1's dir
     assert [p["world_size"] for p in result.events("gen_plan")] == [4]
-    done = {e["slot"]: e["node"] for e in result.events("training_done")}
+    done = {e["slot"]: e["node"] for e in events_in(everyone, "training_done")}
     assert done == {0: 0, 1: 0, 2: 2, 3: 2}
-    assert len({e["step"] for e in result.events("step")}) == 250
+    assert len({e["step"] for e in events_in(everyone, "step")}) == 250

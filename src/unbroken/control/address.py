@@ -101,15 +101,19 @@ def unresolved(hosts: list[str]) -> list[str]:
     return missing
 
 
-def address_toward(endpoint: str) -> str:
+def address_toward(endpoint: str) -> str | None:
     """This host's address on the route to `endpoint` (HOST:PORT): what the other hosts of a
-    job reach it at when they reach that endpoint too. No packet is sent (a UDP connect only
-    picks the route)."""
+    job reach it at when they reach that endpoint too; None when there is no route. No
+    packet is sent (a UDP connect only picks the route)."""
     host, _, port = endpoint.removeprefix("https://").removeprefix("http://").rpartition(":")
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET,
-                       socket.SOCK_DGRAM) as probe:
-        probe.connect((host.strip("[]"), int(port)))
-        return probe.getsockname()[0]
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return None
 
 
 def open_backend(address: ControlAddress, run_id: str, timeout: float = 5.0) -> Backend:
