@@ -16,6 +16,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+from unbroken.cli import main
 from unbroken.control.backend import StoreMisconfigured, StoreUnavailable
 from unbroken.errors import RETRY, ConfigError, ControlPlaneError, ExitCode, Retry, UserError
 
@@ -48,3 +51,12 @@ def test_each_error_class_carries_its_code():
     assert ControlPlaneError("x").exit_code == StoreUnavailable("x").exit_code \
         == ExitCode.CONTROL_PLANE
     assert StoreMisconfigured("x").exit_code == ExitCode.USAGE  # a wrong password: permanent
+
+
+def test_version_names_unbroken_and_torch_and_exits_0(capsys):
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("unbroken 0.") and "(torch 2." in out, out

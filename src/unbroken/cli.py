@@ -26,8 +26,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+def _version() -> str:
+    """`unbroken X (torch Y)`, from the installed distributions' metadata: no import of
+    torch, so that it answers at once."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"unbroken {of('unbroken')} (torch {of('torch')})"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="unbroken", description="Fault-tolerant distributed training for PyTorch.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="launch a training script (a drop-in for torchrun)")
     add_run_flags(run)
