@@ -17,7 +17,17 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, TINY, alive, events_in, events_of, finish, unbroken_cmd, wait_for
+from conftest import (
+    REPO,
+    TINY,
+    alive,
+    events_in,
+    events_of,
+    finish,
+    run_dir_on,
+    unbroken_cmd,
+    wait_for,
+)
 
 from unbroken.control.auth import UNSIGNED_NOTICE
 from unbroken.telemetry.summary import summarize
@@ -27,13 +37,8 @@ pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
 NODES = range(3)
 
 
-def _run_dir(hosts, i: int):
-    """Host i's agent's run dir, on host i's own disk."""
-    return hosts.node_dir(i) / "run"
-
-
 def _run_dirs(hosts, *hosts_: int) -> list:
-    return [_run_dir(hosts, i) for i in (hosts_ or NODES)]
+    return [run_dir_on(hosts, i) for i in (hosts_ or NODES)]
 
 
 def _agent(hosts, i: int, *flags: str, node: int | None = None, steps: int = 300,
@@ -43,7 +48,7 @@ def _agent(hosts, i: int, *flags: str, node: int | None = None, steps: int = 300
     node = i if node is None else node
     ckpt = hosts.shared_dir("ckpt")
     cmd = unbroken_cmd(
-        "run", "--run-dir", str(_run_dir(hosts, i)), "--rdzv-backend", "etcd",
+        "run", "--run-dir", str(run_dir_on(hosts, i)), "--rdzv-backend", "etcd",
         "--rdzv-endpoint", hosts.etcd.endpoint, "--local-addr", hosts.addr(i),
         "--rdzv-id", "job", "--nnodes", "2" if "--standby" in flags else "3",
         "--node-rank", str(node), "--rdzv-timeout", "60", *flags,
@@ -71,12 +76,12 @@ def test_the_leaders_agent_killed_another_agent_takes_over_and_the_job_goes_on_i
         isolated_hosts):
     hosts = isolated_hosts
     agents = _three(hosts, "--max-restarts", "3")
-    _at_step(_run_dir(hosts, 0), 10)
-    old_workers = _workers(_run_dir(hosts, 0), 0)
+    _at_step(run_dir_on(hosts, 0), 10)
+    old_workers = _workers(run_dir_on(hosts, 0), 0)
     killed_at = time.time()
     os.kill(agents[0].pid, signal.SIGKILL)  # the leader's agent, as a host dying would
     agents[0].wait()
-    r1, r2 = finish(agents[1], _run_dir(hosts, 1)), finish(agents[2], _run_dir(hosts, 2))
+    r1, r2 = finish(agents[1], run_dir_on(hosts, 1)), finish(agents[2], run_dir_on(hosts, 2))
     assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
     survivors = _run_dirs(hosts, 1, 2)
     (elected,) = events_in(survivors, "leader_elected")
@@ -86,11 +91,11 @@ def test_the_leaders_agent_killed_another_agent_takes_over_and_the_job_goes_on_i
     assert [(e["node"], e["lost_node"]) for e in lost] == [(elected["node"], 0)]
     assert not events_in(_run_dirs(hosts), "restart")  # in place: the survivors kept theirs
     assert [e["world_size"] for e in events_in(survivors, "gen_plan")] == [2]
-    assert summarize(_run_dir(hosts, 1))["steps"] == 300
+    assert summarize(run_dir_on(hosts, 1))["steps"] == 300
     for pid in old_workers.values():
         assert not alive(pid)
     # Given no secret, every agent said once that the job's control messages go unsigned.
-    for r in (r1, r2, finish(agents[0], _run_dir(hosts, 0))):
+    for r in (r1, r2, finish(agents[0], run_dir_on(hosts, 0))):
         assert r.output.count(UNSIGNED_NOTICE) == 1, r.output
         assert len(r.events("control_unsigned")) == 1
 
@@ -102,11 +107,11 @@ def test_the_leaders_host_cut_off_the_job_goes_on_without_it_in_place(isolated_h
     hosts = isolated_hosts
     flags = ("--max-restarts", "3", "--recovery-timeout", "5", "--control-retry-window", "8")
     agents = _three(hosts, *flags, steps=200)
-    _at_step(_run_dir(hosts, 0), 10)
+    _at_step(run_dir_on(hosts, 0), 10)
     hosts.cut(0)  # link down: no reset, packets dropped
     try:
-        r1, r2 = finish(agents[1], _run_dir(hosts, 1)), finish(agents[2], _run_dir(hosts, 2))
-        r0 = finish(agents[0], _run_dir(hosts, 0), timeout=60)
+        r1, r2 = finish(agents[1], run_dir_on(hosts, 1)), finish(agents[2], run_dir_on(hosts, 2))
+        r0 = finish(agents[0], run_dir_on(hosts, 0), timeout=60)
     finally:
         hosts.heal(0)
     assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
@@ -115,7 +120,7 @@ def test_the_leaders_host_cut_off_the_job_goes_on_without_it_in_place(isolated_h
     everyone = _run_dirs(hosts)
     elected = events_in(everyone, "leader_elected")
     assert [e["previous"] for e in elected] == [0] and elected[0]["node"] in (1, 2)
-    new_leader = _run_dir(hosts, elected[0]["node"])
+    new_leader = run_dir_on(hosts, elected[0]["node"])
     assert [e["lost_node"] for e in events_in(everyone, "node_lost")] == [0]
     assert [e["lost_node"] for e in events_of(new_leader, "node_lost")] == [0]
     assert not [e for e in events_in(everyone, "rendezvous") if e["attempt"] > 0]
@@ -128,7 +133,7 @@ def test_the_leaders_host_cut_off_the_job_goes_on_without_it_in_place(isolated_h
             if e["gen"] == 0}
     assert left == {1: "peer", 2: "peer"}, left
     assert not events_in(everyone, "hang_blamed")  # alive and waiting: nobody to blame
-    assert summarize(_run_dir(hosts, 1))["steps"] == 200
+    assert summarize(run_dir_on(hosts, 1))["steps"] == 200
 
 
 def test_a_follower_cut_off_for_five_seconds_is_a_blip_not_a_fault(isolated_hosts):
@@ -136,25 +141,25 @@ def test_a_follower_cut_off_for_five_seconds_is_a_blip_not_a_fault(isolated_host
     # The other nodes' workers wait for node 2's in their collectives meanwhile; they stall,
     # but node 2 cannot report where its worker stands, and nobody else is behind: no kill.
     agents = _three(hosts, steps=200)
-    _at_step(_run_dir(hosts, 0), 10)
+    _at_step(run_dir_on(hosts, 0), 10)
     hosts.cut(2)
     time.sleep(5)
     hosts.heal(2)
-    results = [finish(a, _run_dir(hosts, i)) for i, a in enumerate(agents)]
+    results = [finish(a, run_dir_on(hosts, i)) for i, a in enumerate(agents)]
     assert [r.code for r in results] == [0, 0, 0], "\n".join(r.output for r in results)
     for name in ("fault", "node_lost", "restart", "leader_elected", "hang_blamed"):
         assert not events_in(_run_dirs(hosts), name), name
-    node2 = _run_dir(hosts, 2)  # the cut-off node's own agent and workers said so
+    node2 = run_dir_on(hosts, 2)  # the cut-off node's own agent and workers said so
     lost = [e for e in events_of(node2, "control_plane_lost") if e["node"] == 2]
     back = [e for e in events_of(node2, "control_plane_back") if e["node"] == 2]
     assert lost and back and max(e["outage"] for e in back) >= 1.0
     for i in NODES:
-        assert summarize(_run_dir(hosts, i))["steps"] == 200
+        assert summarize(run_dir_on(hosts, i))["steps"] == 200
 
 
 def test_a_standby_node_keeps_the_ranks_it_took_over_across_a_full_restart(isolated_hosts):
     hosts = isolated_hosts
-    node0, node2 = _run_dir(hosts, 0), _run_dir(hosts, 2)
+    node0, node2 = run_dir_on(hosts, 0), run_dir_on(hosts, 2)
     flags = ("--nnodes", "2", "--max-restarts", "3", "--on-fault", "wait", "--node-timeout", "3")
     a0 = _agent(hosts, 0, *flags, steps=400)
     a1 = _agent(hosts, 1, *flags, steps=400)
@@ -219,21 +224,21 @@ def test_forged_deaths_and_plans_written_into_etcd_are_rejected(isolated_hosts):
     hosts = isolated_hosts
     # Without a secret the job would run unsigned (and take anyone's word): give one.
     agents = _three(hosts, "--max-restarts", "2", steps=150, env={"UNBROKEN_SECRET": "ab" * 32})
-    _at_step(_run_dir(hosts, 0), 5)
+    _at_step(run_dir_on(hosts, 0), 5)
     forger = Channel(EtcdBackend([hosts.etcd.endpoint], "job"))  # no secret
     keys = AttemptKeys(0)
     forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0", node=0,
                                      attempt=0, in_place=True, detail="forged"))
     forger.write(keys.gen(1).plan, GenPlan(gen=1, members=["1.0"]))
     forger.write(keys.latest_gen, 1)
-    results = [finish(a, _run_dir(hosts, i)) for i, a in enumerate(agents)]
+    results = [finish(a, run_dir_on(hosts, i)) for i, a in enumerate(agents)]
     assert [r.code for r in results] == [0, 0, 0], "\n".join(r.output for r in results)
     assert not any(UNSIGNED_NOTICE in r.output for r in results)
     forged = {e["key"] for e in events_in(_run_dirs(hosts), "forged_message")}
     assert {"a/0/death/0"} <= forged, forged
     everyone = _run_dirs(hosts)
     assert not events_in(everyone, "fault") and not events_in(everyone, "gen_plan")
-    assert summarize(_run_dir(hosts, 0))["steps"] == 150
+    assert summarize(run_dir_on(hosts, 0))["steps"] == 150
 
 
 # ---------------------------------------------------------------- bad input: one line each

@@ -8,16 +8,21 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import EXAMPLE, TINY, alive, events_in, events_of, finish, unbroken_cmd, wait_for
+from conftest import (
+    EXAMPLE,
+    TINY,
+    alive,
+    events_in,
+    events_of,
+    finish,
+    run_dir_on,
+    unbroken_cmd,
+    wait_for,
+)
 
 from unbroken.telemetry.summary import summarize
 
 PORT = 29500  # free in host 0's fresh namespace
-
-
-def _run_dir(hosts, i: int):
-    """Host i's agent's run dir, on host i's own disk."""
-    return hosts.node_dir(i) / "run"
 
 
 def _node(hosts, node_rank, *extra, steps=40, host=None):
@@ -26,7 +31,7 @@ def _node(hosts, node_rank, *extra, steps=40, host=None):
     host = node_rank if host is None else host
     ckpt = hosts.shared_dir("ckpt")
     cmd = unbroken_cmd(
-        "run", "--run-dir", str(_run_dir(hosts, host)), "--master-addr", hosts.addr(0),
+        "run", "--run-dir", str(run_dir_on(hosts, host)), "--master-addr", hosts.addr(0),
         "--master-port", str(PORT), "--nnodes", "2", "--node-rank", str(node_rank),
         "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "2",
         "--node-timeout", "2", "--rdzv-timeout", "60", *extra, str(EXAMPLE),
@@ -38,7 +43,7 @@ def test_two_nodes_recover_in_place_from_a_worker_kill_on_node_1(isolated_hosts)
     """Node 1's agent publishes the death, node 0's leader plans the next generation, and
     both nodes' survivors switch to it without a restart."""
     hosts = isolated_hosts
-    node0, node1 = _run_dir(hosts, 0), _run_dir(hosts, 1)
+    node0, node1 = run_dir_on(hosts, 0), run_dir_on(hosts, 1)
     fault = ["--fault", "crash:rank=3,step=11"]
     leader = _node(hosts, 0, *fault)
     follower = _node(hosts, 1, *fault)
@@ -64,7 +69,7 @@ def test_lost_node_is_detected_the_job_shrinks_and_a_restarted_agent_ends_with_i
     A restarted agent for the node finds the attempt running without it: it waits, and exits
     0 with the job. (Admitting it at a step boundary is elastic growth, issue 12.)"""
     hosts = isolated_hosts
-    node0, node1 = _run_dir(hosts, 0), _run_dir(hosts, 1)
+    node0, node1 = run_dir_on(hosts, 0), run_dir_on(hosts, 1)
     leader = _node(hosts, 0, steps=400)
     follower = _node(hosts, 1, steps=400)
     wait_for(lambda: any(e.get("step", 0) >= 5 for e in events_of(node0, "step")), 120,
@@ -79,7 +84,7 @@ def test_lost_node_is_detected_the_job_shrinks_and_a_restarted_agent_ends_with_i
         wait_for(lambda pid=pid: not alive(pid), 10, "node 1's workers to die with their agent")
     # Node 1 again, on a fresh machine (host 2: nothing of the first node 1's on its disk).
     replacement = _node(hosts, 1, steps=400, host=2)
-    r0, r1 = finish(leader, node0, timeout=300), finish(replacement, _run_dir(hosts, 2), timeout=60)
+    r0, r1 = finish(leader, node0, timeout=300), finish(replacement, run_dir_on(hosts, 2), timeout=60)
     assert r0.code == 0, r0.output
     assert r1.code == 0, r1.output
     assert "job finished" in r1.output
@@ -91,8 +96,8 @@ def _endless_two_node_job(hosts, *extra):
     """Leader and follower of a job that trains until it is stopped."""
     leader = _node(hosts, 0, *extra, steps=100000)
     follower = _node(hosts, 1, *extra, steps=100000)
-    wait_for(lambda: events_of(_run_dir(hosts, 0), "step"), 120, "training to start",
-             explain=_run_dir(hosts, 0))
+    wait_for(lambda: events_of(run_dir_on(hosts, 0), "step"), 120, "training to start",
+             explain=run_dir_on(hosts, 0))
     return leader, follower
 
 
@@ -102,12 +107,12 @@ def test_with_the_tcpstore_followers_stop_when_the_leader_dies(isolated_hosts):
     workers and exits 3. (With etcd the job goes on: tests/test_failover.py.)"""
     hosts = isolated_hosts
     leader, follower = _endless_two_node_job(hosts, "--control-retry-window", "3")
-    workers = [p for e in events_in([_run_dir(hosts, 0), _run_dir(hosts, 1)], "workers_started")
+    workers = [p for e in events_in([run_dir_on(hosts, 0), run_dir_on(hosts, 1)], "workers_started")
                for p in e["pids"].values()]
     assert len(workers) == 4, workers
     os.kill(leader.pid, signal.SIGKILL)
     leader.wait()
-    r1 = finish(follower, _run_dir(hosts, 1), timeout=60)
+    r1 = finish(follower, run_dir_on(hosts, 1), timeout=60)
     assert r1.code == 3, r1.output
     assert "retrying for up to 3s" in r1.output and "still unreachable after 3s" in r1.output
     for pid in workers:
@@ -118,8 +123,8 @@ def test_interrupting_the_leader_stops_every_node(isolated_hosts):
     hosts = isolated_hosts
     leader, follower = _endless_two_node_job(hosts)
     leader.send_signal(signal.SIGTERM)
-    r0 = finish(leader, _run_dir(hosts, 0), timeout=60)
-    r1 = finish(follower, _run_dir(hosts, 1), timeout=60)
+    r0 = finish(leader, run_dir_on(hosts, 0), timeout=60)
+    r1 = finish(follower, run_dir_on(hosts, 1), timeout=60)
     assert r0.code == 143, r0.output
     assert r1.code == 143, r1.output
     assert "the node-0 agent was interrupted" in r1.output

@@ -21,9 +21,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, SCRIPTS, TINY, Launched, finish, unbroken_cmd, wait_for
+from conftest import (
+    EXAMPLE,
+    SCRIPTS,
+    TINY,
+    Launched,
+    events_of,
+    finish,
+    finish_on,
+    run_dir_on,
+    start_on,
+    unbroken_cmd,
+    wait_for,
+)
 
-from unbroken.telemetry.events import read_events
 from unbroken.telemetry.summary import summarize
 
 pytestmark = pytest.mark.usefixtures("no_process_outlives_its_test")
@@ -39,20 +50,18 @@ def _train(steps: int, *extra: str) -> list[str]:
 
 def _events(hosts, i: int, name: str) -> list[dict]:
     """Host i's events (the test process sees every host's disk; the hosts do not)."""
-    path = hosts.node_dir(i) / "run" / "events.jsonl"
-    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+    return events_of(run_dir_on(hosts, i), name)
 
 
 def _unbroken(hosts, i: int, *flags: str, steps: int = 20, script_args: tuple[str, ...] = (),
               env: dict[str, str] | None = None, shared=()) -> subprocess.Popen:
     """`unbroken run` on host i, from its own directory, with its own run dir."""
-    argv = unbroken_cmd("run", "--run-dir", "run", "--nproc-per-node", "1",
-                        "--rdzv-timeout", "60", *flags, *_train(steps, *script_args))
-    return hosts.agent(i, argv, env=env, shared=shared)
+    return start_on(hosts, i, "--nproc-per-node", "1", "--rdzv-timeout", "60", *flags,
+                    args=_train(steps, *script_args)[1:], env=env, shared=shared)
 
 
 def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180) -> Launched:
-    return finish(proc, hosts.node_dir(i) / "run", timeout)
+    return finish_on(hosts, i, proc, timeout)
 
 
 def _static(hosts, k: int) -> list[str]:
