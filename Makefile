@@ -34,15 +34,21 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 install: $(BIN)/unbroken $(ETCD) $(IP) $(CHROMIUM)
 
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
 	$(BIN)/unbroken demo
 
+# Two tiers: tests/unit (no processes, sockets or sleeps; under a minute) answers first, then
+# tests/integration (real agents, workers, faults, etcd, namespaces, a browser).
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests/unit
+	$(BIN)/pytest -q tests/integration
+
+test-fast: $(BIN)/unbroken
+	$(BIN)/pytest -q tests/unit
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples

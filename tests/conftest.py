@@ -176,23 +176,6 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.fixture(autouse=True)
-def no_process_outlives_its_test(tmp_path):
-    yield
-    marker = str(tmp_path)
-    try:
-        wait_for(lambda: not [p for p in processes_mentioning(marker) if alive(p)], 10,
-                 "the test's processes to exit")
-    except AssertionError:
-        leaked = [p for p in processes_mentioning(marker) if alive(p)]
-        for pid in leaked:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        raise AssertionError(f"processes outlived the test: {leaked}") from None
-
-
 @dataclass
 class Etcd:
     endpoint: str  # HOST:PORT, on the address it was started for

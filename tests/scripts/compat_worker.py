@@ -1,4 +1,4 @@
-"""A torchrun-style worker for tests/test_torchrun_compat.py.
+"""A torchrun-style worker for tests/integration/test_torchrun_compat.py.
 
 Each rank prints one line to stdout and one to stderr, joins the job with
 `init_process_group("gloo")` (env:// by default, `--init tcp` for

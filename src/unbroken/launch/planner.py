@@ -3,7 +3,7 @@
 `decide` takes the planner's state (a serialisable value: a later leader can resume it) and
 an `Inbox` (what the store said since the last look, read by `plan_executor`), and returns
 the new state and the `Command`s to carry out. It does no I/O and reads no clock, so every
-scenario is a table test (tests/test_planner.py).
+scenario is a table test (tests/unit/test_planner.py).
 
 The state machine of one attempt's generations:
 

@@ -1,6 +1,6 @@
 """Every event name of the run's log (`events.jsonl`), declared once.
 
-docs/events.md documents each one and its fields; tests/test_control.py checks that the two
+docs/events.md documents each one and its fields; tests/unit/test_control.py checks that the two
 agree. Readers may compare with plain strings: an `Event` is a `str`.
 """
 

@@ -1,1 +1,1 @@
-"""A package for the `-m` case of tests/test_torchrun_compat.py (on PYTHONPATH=tests/scripts)."""
+"""A package for the `-m` case of tests/integration/test_torchrun_compat.py (on PYTHONPATH=tests/scripts)."""

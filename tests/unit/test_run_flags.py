@@ -1,5 +1,5 @@
 """`unbroken run`'s flags, their PET_ variables and their validation: pure, no processes.
-The torchrun side-by-side table is tests/test_torchrun_compat.py."""
+The torchrun side-by-side table is tests/integration/test_torchrun_compat.py."""
 
 from __future__ import annotations
 

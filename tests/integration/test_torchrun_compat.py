@@ -33,8 +33,6 @@ Every run is bounded (RUN_TIMEOUT); on a timeout the launchers' process groups a
 
 from __future__ import annotations
 
-import argparse
-import enum
 import json
 import os
 import re
@@ -42,174 +40,39 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS, free_port, unbroken_cmd
-
-from unbroken.cli import _build_parser
-
-
-class Exit(enum.Enum):
-    OK = "0"
-    WORKER_FAILURE = "worker failure"  # 1 from both
-    USAGE = "usage"  # 2 from both: argparse rejected the command line
-    BAD_INPUT = "bad input"  # torchrun: non-zero (1, a traceback); unbroken: 2, one line
-
-
-@dataclass
-class Case:
-    name: str
-    args: tuple[str, ...]  # launcher flags; {port}, {log_dir}, {scripts} are filled in
-    script: str = "worker"  # worker: compat_worker.py; shell: compat_worker.sh; module: -m
-    script_args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)  # launcher env, placeholders filled
-    exit: Exit = Exit.OK
-    ranks: int = 2  # rank files expected, rank0.json ... (0: no worker may run)
-    agents: int = 1  # launchers started at once, on one port
-    expect: dict[str, object] = field(default_factory=dict)  # in every rank file; {rank}
-    console: tuple[str, ...] | None = None  # worker lines on the console: out0, err1, ...
-    prefix: str = ""  # what the shown lines start with; {rank} is filled in
-    logs: tuple[str, ...] | None = None  # *.log and *.json files below <run_id>_*/
-    log_has: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    log_lacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    bad_flag: tuple[str, ...] = ()  # USAGE/BAD_INPUT: unbroken's one line names one of these
-    note: str = ""
-
-
-STANDALONE = ("--standalone", "--nproc-per-node", "2")
-C10D = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}")
-ALL_LINES = ("out0", "err0", "out1", "err1")
-ALL_LOGS = ("attempt_0/0/stdout.log", "attempt_0/0/stderr.log",
-            "attempt_0/1/stdout.log", "attempt_0/1/stderr.log")
-PREFIX_TEMPLATE = "[${role_name}-${rank}]:"
-MESSAGE = "compat worker failure on rank {rank}"  # as tests/scripts/compat_worker.py raises
-
-CASES = [
-    # -- flags: rendezvous and sizes
-    Case("standalone", STANDALONE, console=ALL_LINES),
-    Case("nproc_underscore", ("--standalone", "--nproc_per_node", "2")),
-    Case("static_master_addr_port",
-         ("--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
-          "--master-port", "{port}", "--nproc-per-node", "2"), script_args=("--init", "tcp")),
-    Case("c10d_rdzv_id", (*C10D, "--rdzv-id", "compat-job", "--nproc-per-node", "2"),
-         expect={"TORCHELASTIC_RUN_ID": "compat-job", "GROUP_WORLD_SIZE": "1"}),
-    Case("static_backend_endpoint",
-         ("--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:{port}", "--node_rank", "0",
-          "--nproc-per-node", "2"), script_args=("--init", "tcp")),
-    Case("role", (*STANDALONE, "--role", "trainer", "--tee", "3"),
-         expect={"ROLE_NAME": "trainer"}, console=ALL_LINES, prefix="[trainer{rank}]:"),
-    Case("monitor_interval", (*STANDALONE, "--monitor-interval", "0.5")),
-    Case("start_method_fork", (*STANDALONE, "--start-method", "fork")),
-    Case("shutdown_timeout", (*STANDALONE, "--shutdown-timeout", "5")),
-    Case("signals_to_handle", (*STANDALONE, "--signals-to-handle", "SIGTERM,SIGINT")),
-    Case("rdzv_conf", (*C10D, "--rdzv-id", "conf", "--nproc-per-node", "2",
-                       "--rdzv-conf", "join_timeout=60,last_call_timeout=1")),
-    Case("local_addr", (*C10D, "--rdzv-id", "addr", "--nproc-per-node", "2",
-                        "--local-addr", "127.0.0.1")),
-    Case("event_log_handler", (*STANDALONE, "--event-log-handler", "null")),
-    Case("virtual_local_rank", (*STANDALONE, "--virtual-local-rank"),
-         expect={"LOCAL_RANK": "0"}),
-    # -- restarts and failures
-    Case("max_restarts_recovers", (*STANDALONE, "--max-restarts", "1"),
-         script_args=("--fail-first",),
-         expect={"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "1"}),
-    Case("failing_script", STANDALONE, script_args=("--raise-on-rank", "1"),
-         exit=Exit.WORKER_FAILURE),
-    Case("failing_script_record", STANDALONE, script_args=("--raise-on-rank", "1", "--record"),
-         exit=Exit.WORKER_FAILURE),
-    Case("failing_script_record_log_dir", (*STANDALONE, "--log-dir", "{log_dir}"),
-         script_args=("--raise-on-rank", "1", "--record"), exit=Exit.WORKER_FAILURE,
-         logs=("attempt_0/1/error.json",),
-         log_has={"attempt_0/1/error.json": (MESSAGE.replace("{rank}", "1"),)},
-         note="@record's error file in torchrun's layout: attempt_0/<local_rank>/error.json"),
-    # -- what is run
-    Case("module", ("--standalone", "--nproc-per-node", "2", "-m"), script="module",
-         env={"PYTHONPATH": "{scripts}"}, expect={"main_module": "compat_pkg.worker"}),
-    Case("no_python", (*STANDALONE, "--no-python"), script="shell"),
-    Case("no_python_module_refused", (*STANDALONE, "--no-python", "-m"), script="shell",
-         exit=Exit.BAD_INPUT, ranks=0, bad_flag=("--no-python", "-m", "--module"),
-         note="torchrun raises ValueError after parsing (exit 1); compared as non-zero"),
-    Case("run_path", (*STANDALONE, "--run-path"), expect={"main_module": None}),
-    # -- logs: redirects, tee, filters, prefix template
-    Case("redirects_3_log_dir", (*STANDALONE, "--redirects", "3", "--log-dir", "{log_dir}"),
-         console=(), logs=ALL_LOGS),
-    Case("redirects_1_default_dir", (*STANDALONE, "--redirects", "1"),
-         console=("err0", "err1"), logs=("attempt_0/0/stdout.log", "attempt_0/1/stdout.log"),
-         note="no --log-dir: torchrun logs under a temp dir, unbroken under its run dir"),
-    Case("redirects_map", (*STANDALONE, "-r", "0:1,1:2", "--log-dir", "{log_dir}"),
-         console=("err0", "out1"), logs=("attempt_0/0/stdout.log", "attempt_0/1/stderr.log")),
-    Case("tee_3", (*STANDALONE, "--tee", "3", "--log-dir", "{log_dir}"),
-         console=ALL_LINES, prefix="[default{rank}]:", logs=ALL_LOGS),
-    Case("tee_prefix_template", (*STANDALONE, "-t", "3", "--log-dir", "{log_dir}"),
-         env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": PREFIX_TEMPLATE},
-         console=ALL_LINES, prefix="[default-{rank}]:", logs=ALL_LOGS),
-    Case("local_ranks_filter", (*STANDALONE, "--tee", "3", "--local-ranks-filter", "0",
-                                "--log-dir", "{log_dir}"),
-         console=("out0", "err0"), prefix="[default{rank}]:", logs=ALL_LOGS),
-    Case("duplicate_filters", (*STANDALONE, "--tee", "3", "--duplicate-stdout-filters", "compat",
-                               "--duplicate-stderr-filters", "rank=1", "--log-dir", "{log_dir}"),
-         console=ALL_LINES, prefix="[default{rank}]:",
-         logs=(*ALL_LOGS, "attempt_0/filtered_stdout.log", "attempt_0/filtered_stderr.log"),
-         log_has={"attempt_0/filtered_stdout.log": ("compat-stdout rank=0", "compat-stdout rank=1"),
-                  "attempt_0/filtered_stderr.log": ("compat-stderr rank=1",)},
-         log_lacks={"attempt_0/filtered_stderr.log": ("compat-stderr rank=0",)}),
-    # -- PET_* configuration
-    Case("pet_kubeflow", (),
-         env={"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1", "PET_NODE_RANK": "0",
-              "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "{port}",
-              # what a PyTorchJob pod also holds; the launcher must override it per worker
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}", "WORLD_SIZE": "2",
-              "RANK": "0", "PYTHONUNBUFFERED": "0"},
-         note="TrainJob's PET_ set (a PyTorchJob without an elastic policy writes the same "
-              "PET_NNODES/NPROC_PER_NODE/NODE_RANK), and the plain variables a PyTorchJob "
-              "pod also holds"),
-    Case("pet_no_python", STANDALONE, script="shell", env={"PET_NO_PYTHON": "1"}),
-    Case("pet_elastic_one_agent", ("--rdzv-conf", "last_call_timeout=1"),
-         env={"PET_NNODES": "1:2", "PET_NPROC_PER_NODE": "2", "PET_RDZV_BACKEND": "c10d",
-              "PET_RDZV_ENDPOINT": "127.0.0.1:{port}", "PET_RDZV_ID": "pet-elastic"},
-         expect={"TORCHELASTIC_RUN_ID": "pet-elastic", "GROUP_WORLD_SIZE": "1"}),
-    Case("pet_flag_wins", (*STANDALONE, "--role", "trainer"),
-         env={"PET_NPROC_PER_NODE": "1", "PET_ROLE": "from-pet"},
-         expect={"ROLE_NAME": "trainer", "LOCAL_WORLD_SIZE": "2"}),
-    # -- elastic ranges
-    Case("elastic_two_agents",
-         ("--nnodes", "1:2", "--nproc-per-node", "1", *C10D, "--rdzv-id", "two",
-          "--rdzv-conf", "last_call_timeout=3"), agents=2,
-         expect={"GROUP_WORLD_SIZE": "2", "GROUP_RANK": "{rank}", "LOCAL_RANK": "0",
-                 "TORCHELASTIC_RUN_ID": "two"}),
-    Case("elastic_one_agent",
-         ("--nnodes", "1:2", "--nproc-per-node", "2", *C10D, "--rdzv-id", "one",
-          "--rdzv-conf", "last_call_timeout=1"),
-         expect={"GROUP_WORLD_SIZE": "1", "GROUP_RANK": "0"}),
-    # -- bad input
-    Case("unknown_flag", (*STANDALONE, "--no-such-flag"), exit=Exit.USAGE, ranks=0,
-         bad_flag=("--no-such-flag",)),
-    Case("nnodes_reversed", ("--nnodes", "3:1"), exit=Exit.BAD_INPUT, ranks=0,
-         bad_flag=("--nnodes",), note="torchrun: AssertionError (exit 1)"),
-    Case("nnodes_zero", ("--nnodes", "0:2"), exit=Exit.BAD_INPUT, ranks=0,
-         bad_flag=("--nnodes",), note="torchrun: AssertionError (exit 1)"),
-    Case("nnodes_not_numbers", ("--nnodes", "a:b"), exit=Exit.BAD_INPUT, ranks=0,
-         bad_flag=("--nnodes",), note="torchrun: ValueError (exit 1)"),
-    Case("redirects_bad_map", (*STANDALONE, "-r", "0:9"), exit=Exit.BAD_INPUT, ranks=0,
-         bad_flag=("-r", "--redirects"), note="torchrun: ValueError (exit 1)"),
-]
+from torchrun_cases import CASES, MESSAGE, Case, Exit
 
 RUN_TIMEOUT = 120.0  # seconds for one launcher run (a row takes a few)
+
+
 # Presence only: these differ between any two runs.
 PRESENCE_ONLY = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
 SCRIPT_PATHS = {"worker": str(SCRIPTS / "compat_worker.py"),
                 "shell": str(SCRIPTS / "compat_worker.sh"), "module": "compat_pkg.worker"}
+
+
 LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "unbroken": unbroken_cmd("run")}
+
+
 # Different on purpose (docs/torchrun-migration.md): in place, a survivor must outlive a
 # communicator error, so NCCL's handling aborts the communicators but keeps the process (2);
 # without in-place recovery (--no-python, or PET_NO_PYTHON), torchrun's 1.
 ON_PURPOSE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": lambda case: "1" if (
     "--no-python" in case.args or case.env.get("PET_NO_PYTHON") == "1") else "2"}
+
+
 # Inherited from the test's own environment, these would change what a launcher does.
 STRIPPED_PREFIXES = ("PET_", "TORCHELASTIC_", "UNBROKEN_")
+
+
 STRIPPED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
@@ -290,9 +153,6 @@ def _run(launcher: str, case: Case, home: Path) -> Outcome:
     files = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
     return Outcome(launcher, cmd, [p.returncode for p in procs], text["stdout"], text["stderr"],
                    home, out, files)
-
-
-# -- what one launcher's outcome must show
 
 
 def _check_exit(o: Outcome, case: Case) -> None:
@@ -451,118 +311,3 @@ def test_same_outcome_as_torchrun(case: Case, tmp_path: Path) -> None:
     _check(ours, case)
     _compare(reference, ours, case)
 
-
-def test_the_table_covers_the_issue() -> None:
-    assert len(CASES) >= 20
-    assert len({c.name for c in CASES}) == len(CASES)
-    flags = {a for c in CASES for a in c.args}
-    for flag in ("--standalone", "--nproc_per_node", "--max-restarts", "-m", "--no-python",
-                 "--run-path", "--redirects", "-r", "--tee", "-t", "--log-dir",
-                 "--local-ranks-filter", "--role", "--virtual-local-rank", "--nnodes"):
-        assert flag in flags, flag
-    assert any(c.agents == 2 for c in CASES)
-    assert any(k.startswith("PET_") for c in CASES for k in c.env)
-
-
-# -- torchrun's own parser: every flag a newer torch adds shows up here as a failure
-
-
-def _torch_parser() -> argparse.ArgumentParser:
-    from torch.distributed.run import get_args_parser
-
-    return get_args_parser()
-
-
-def _unbroken_run_parser() -> argparse.ArgumentParser:
-    sub = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["run"]
-
-
-def _takes_value(action: argparse.Action) -> bool:
-    return action.nargs != 0
-
-
-# A sensible value per torchrun flag (dest); a flag a newer torch adds falls back below.
-SAMPLE = {"nnodes": "1:2", "nproc_per_node": "2", "rdzv_backend": "c10d",
-          "rdzv_endpoint": "127.0.0.1:29400", "rdzv_id": "job7",
-          "rdzv_conf": "join_timeout=60,last_call_timeout=1", "max_restarts": "2",
-          "monitor_interval": "0.5", "event_log_handler": "null", "role": "trainer",
-          "log_dir": "logs", "redirects": "0:1,1:2", "tee": "3", "local_ranks_filter": "0,1",
-          "duplicate_stdout_filters": "loss,step", "duplicate_stderr_filters": "error",
-          "node_rank": "0", "master_addr": "127.0.0.1", "master_port": "29501",
-          "local_addr": "127.0.0.1", "signals_to_handle": "SIGTERM,SIGUSR1",
-          "shutdown_timeout": "5", "logs_specs": "default"}
-
-
-def _sample(action: argparse.Action) -> list[str]:
-    if not _takes_value(action):
-        return []
-    if action.dest in SAMPLE:
-        return [SAMPLE[action.dest]]
-    if action.choices:
-        return [next((c for c in action.choices if c != action.default), action.default)]
-    if action.type is int:
-        return ["1"]
-    if action.type is float:
-        return ["0.5"]
-    if isinstance(action.default, str) and action.default:
-        return [action.default]
-    return ["x"]
-
-
-def _torch_options() -> list[tuple[str, argparse.Action]]:
-    return [(opt, a) for a in _torch_parser()._actions if not isinstance(a, argparse._HelpAction)
-            for opt in a.option_strings]
-
-
-@pytest.fixture
-def no_pet(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("PET_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
-@pytest.mark.parametrize("option,action",
-                         [pytest.param(opt, a, id=opt) for opt, a in _torch_options()])
-def test_every_torchrun_option_is_accepted(option: str, action: argparse.Action, no_pet, capsys):
-    run = _unbroken_run_parser()
-    ours = run._option_string_actions.get(option)
-    assert ours is not None, f"`unbroken run` has no {option} (torchrun has it)"
-    assert _takes_value(ours) == _takes_value(action), (
-        f"{option} takes a value under {'torchrun' if _takes_value(action) else 'unbroken'} only")
-    argv = ["run", option, *_sample(action), "train.py", "--lr", "1"]
-    try:
-        args = _build_parser().parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"`unbroken {' '.join(argv)}` was refused: {capsys.readouterr().err}")
-    assert args.script == "train.py" and args.script_args == ["--lr", "1"], vars(args)
-
-
-def test_no_unbroken_option_shadows_a_torchrun_abbreviation() -> None:
-    """argparse lets torchrun read `--redirect 3` as `--redirects 3`; an unbroken option of
-    that name with another arity (a boolean --redirect) would read `3` as the script."""
-    torch_opts = dict(_torch_options())
-    for option, ours in _unbroken_run_parser()._option_string_actions.items():
-        if option in torch_opts or not option.startswith("--"):
-            continue
-        meant = {id(a): a for t, a in torch_opts.items() if t.startswith(option)}
-        if len(meant) == 1:
-            (theirs,) = meant.values()
-            assert _takes_value(ours) == _takes_value(theirs), (
-                f"unbroken's {option} takes {'a' if _takes_value(ours) else 'no'} value; "
-                f"torchrun reads {option} as {max(theirs.option_strings, key=len)}")
-
-
-@pytest.mark.parametrize("option,action",
-                         [pytest.param(a.option_strings[0], a, id=a.option_strings[0])
-                          for a in _torch_parser()._actions
-                          if type(a).__name__ in ("env", "check_env")])
-def test_every_pet_variable_sets_its_flag(option: str, action: argparse.Action, no_pet):
-    """torchrun reads PET_<DEST> as the default of every flag of its `env`/`check_env`
-    actions; unbroken reads the same variable to the same effect."""
-    value = _sample(action)
-    by_flag = vars(_build_parser().parse_args(["run", option, *value, "train.py"]))
-    no_pet.setenv(f"PET_{action.dest.upper()}", value[0] if value else "1")
-    by_env = vars(_build_parser().parse_args(["run", "train.py"]))
-    assert by_env == by_flag, f"PET_{action.dest.upper()} differs from {option}"

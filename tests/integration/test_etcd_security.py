@@ -197,12 +197,6 @@ def test_https_against_a_plain_etcd_says_to_use_http(auth, tmp_path):
         f"etcd at {https} does not speak TLS: use an http:// endpoint")
 
 
-def test_an_unreadable_tls_file_is_one_line_at_construction(tmp_path):
-    with pytest.raises(StoreUnavailable, match=r"^cannot load etcd's CA from --etcd-cacert "
-                       r".*nope\.pem: No such file or directory$"):
-        EtcdBackend(["127.0.0.1:1"], "r", cacert=str(tmp_path / "nope.pem"))
-
-
 # ------------------------------------------------------------------ users
 def test_the_protocol_works_as_a_user_and_renews_a_forgotten_token(auth):
     backend = EtcdBackend([auth], "users", user="root", password=PASSWORD)
@@ -259,3 +253,4 @@ def test_get_many_reads_hundreds_of_keys_in_order(auth):
         backend.set(keys[i], str(i))
     assert backend.get_many(keys) == [str(i) if i % 3 == 0 else None for i in range(300)]
     assert backend.get_many([]) == []
+

@@ -15,7 +15,7 @@ import yaml
 from unbroken.telemetry.categories import Category
 from unbroken.telemetry.metric_names import Metric
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 METRIC_NAMES_SRC = ROOT / "src" / "unbroken" / "telemetry" / "metric_names.py"
 

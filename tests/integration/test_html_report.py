@@ -14,19 +14,23 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from builders import T0, plots_in
 
-from unbroken.errors import UserError
 from unbroken.telemetry.categories import Category
 from unbroken.telemetry.html_report import write_html
 
 CHROMIUM = shutil.which("chromium")
+
+
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (`make install` installs Debian's chromium)")
-T0 = 1_700_000_000.0
+
+
+
+
 EVIL = "<script>alert('x')</script>&\"quoted\""
 
 
@@ -180,13 +184,6 @@ def plain_report() -> dict:
             "timeline": timeline}
 
 
-def bare_report() -> dict:
-    return {"run_dir": "x", "t0": T0, "wall_s": 0.0, "world_size": 0, "goodput": 0.0,
-            "steps_known": False, "events_dropped": 0, "categories": [], "seconds": {},
-            "badput_s": {}, "ranks": [], "attempts": [], "faults": [], "recoveries": [],
-            "checkpoints": [], "steps": [], "spares": [], "timeline": []}
-
-
 def browse(page: Path, tmp_path: Path, *flags: str, timeout: float = 90) -> str:
     """Run headless Chromium on the page in a session of its own (it spawns a zygote, a
     renderer, ...); kill the whole group after, and on timeout. Returns its stdout."""
@@ -211,8 +208,6 @@ def browse(page: Path, tmp_path: Path, *flags: str, timeout: float = 90) -> str:
     return out.decode()
 
 
-def plots_in(page: Path) -> int:
-    return page.read_text().count('<img class="plot"')
 
 
 def assert_self_contained(text: str) -> None:
@@ -277,16 +272,3 @@ def test_a_plain_script_report_says_what_is_unknown_and_loads(tmp_path):
     assert title_of(dom).startswith(f"unbroken report: broken (1 of {n} plots did not load: "
                                     "Timeline per rank"), title_of(dom)
 
-
-def test_an_empty_report_renders_notes_instead_of_plots(tmp_path):
-    text = write_html(bare_report(), tmp_path / "report.html").read_text()
-    assert plots_in(tmp_path / "report.html") == 0
-    assert "No timeline" in text and "No breakdown" in text
-
-
-def test_without_matplotlib_it_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(UserError, match=r"pip install 'unbroken\[report\]'"):
-        write_html(bare_report(), tmp_path / "report.html")
-    assert not (tmp_path / "report.html").exists()

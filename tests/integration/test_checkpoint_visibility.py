@@ -15,51 +15,26 @@ import time
 from pathlib import Path
 
 import pytest
+from builders import file_reports, write_file
 from conftest import SCRIPTS, finish, free_port, unbroken_cmd
 
 from unbroken.checkpoint.layout import committed_checkpoints
 from unbroken.checkpoint.loader import choose
-from unbroken.checkpoint.manifest import Unseen, still_unseen, unseen_files
 from unbroken.checkpoint.persist import CheckpointDirNotShared, CheckpointWriteError, check_visible
 
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
+
+
 LINE = "is not shared: rank 0 cannot see"
 
 
-def _write(directory: Path, name: str, size: int) -> None:
-    (directory / name).write_bytes(b"x" * size)
 
 
-def _reports(*ranks: dict[str, int]) -> list[dict]:
-    return [{"ok": True, "files": {n: {"bytes": b, "crc32": "0"} for n, b in files.items()}}
-            for files in ranks]
-
-
-def test_every_file_there_as_reported_is_seen(tmp_path):
-    _write(tmp_path, "__0_0.distcp", 10)
-    _write(tmp_path, "__1_0.distcp", 0)
-    reports = _reports({"__0_0.distcp": 10}, {"__1_0.distcp": 0})
-    assert unseen_files(tmp_path, reports) == []
-    check_visible(tmp_path, reports, str(tmp_path), look_again=())
-    assert unseen_files(tmp_path, [{"ok": False, "error": "x"}]) == []  # a report without files
-
-
-def test_a_missing_file_and_one_of_another_size_are_unseen(tmp_path):
-    _write(tmp_path, "__0_0.distcp", 10)
-    _write(tmp_path, "__1_0.distcp", 7)  # rank 1 reported 12 bytes
-    reports = _reports({"__0_0.distcp": 10}, {"__1_0.distcp": 12}, {"__2_0.distcp": 5})
-    unseen = unseen_files(tmp_path, reports)
-    assert unseen == [Unseen(1, "__1_0.distcp", 12, 7), Unseen(2, "__2_0.distcp", 5, None)]
-    assert [u.describe() for u in unseen] == ["rank 1's __1_0.distcp (7 of its 12 bytes)",
-                                             "rank 2's __2_0.distcp"]
-    _write(tmp_path, "__2_0.distcp", 5)  # shown late, as a slow shared filesystem might
-    assert still_unseen(tmp_path, unseen) == [Unseen(1, "__1_0.distcp", 12, 7)]
-    assert list(p.name for p in tmp_path.iterdir()).count("__1_0.distcp") == 1  # nothing changed
 
 
 def test_other_ranks_files_unseen_is_not_shared_own_files_unseen_is_a_failed_save(tmp_path):
-    _write(tmp_path, "__0_0.distcp", 10)
-    reports = _reports({"__0_0.distcp": 10}, {"__1_0.distcp": 4}, {"__2_0.distcp": 4, "b": 1})
+    write_file(tmp_path, "__0_0.distcp", 10)
+    reports = file_reports({"__0_0.distcp": 10}, {"__1_0.distcp": 4}, {"__2_0.distcp": 4, "b": 1})
     t0 = time.monotonic()
     with pytest.raises(CheckpointDirNotShared) as caught:
         check_visible(tmp_path, reports, "/x", look_again=(0.05, 0.05))
@@ -70,7 +45,7 @@ def test_other_ranks_files_unseen_is_not_shared_own_files_unseen_is_a_failed_sav
         "unbroken: checkpoint_dir /x is not shared: rank 0 cannot see 3 of the 3 files other "
         "ranks wrote (e.g. rank 1's __1_0.distcp); checkpoint_dir must be storage every node "
         "can see (a shared filesystem or volume); no checkpoint is committed")
-    reports = _reports({"__0_0.distcp": 11})  # rank 0's own file changed after it was written
+    reports = file_reports({"__0_0.distcp": 11})  # rank 0's own file changed after it was written
     with pytest.raises(CheckpointWriteError) as caught:
         check_visible(tmp_path, reports, "/x", look_again=())
     assert not isinstance(caught.value, CheckpointDirNotShared)
@@ -122,3 +97,4 @@ def test_node_local_checkpoint_dirs_are_refused_once_said_and_training_finishes(
         assert committed_checkpoints(ckpt) == [], node
         assert choose(ckpt, 0, None, lambda *a, **k: None) is None  # nothing a loader takes
         assert not list(ckpt.glob(".tmp-*")), f"{node}: a refused save was left behind"
+

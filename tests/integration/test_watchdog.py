@@ -1,6 +1,6 @@
 """The worker's watchdog thread against a real heartbeat page: it ticks, and it aborts a
 generation only when the leader's switch is due and the main thread is inside a step of an
-older generation, once. (The real abort of real groups: tests/test_failover.py, test_hang.py.)"""
+older generation, once. (The real abort of real groups: tests/integration/test_failover.py, test_hang.py.)"""
 
 from __future__ import annotations
 

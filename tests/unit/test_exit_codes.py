@@ -22,7 +22,7 @@ from unbroken.cli import main
 from unbroken.control.backend import StoreMisconfigured, StoreUnavailable
 from unbroken.errors import RETRY, ConfigError, ControlPlaneError, ExitCode, Retry, UserError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _readme_table() -> dict[int, str]:
