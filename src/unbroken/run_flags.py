@@ -96,8 +96,13 @@ def _spellings(name: str) -> list[str]:
     return [name] if "-" not in name[2:] else [name, "--" + name[2:].replace("-", "_")]
 
 
+# torchrun's --print-completion shells (torch 2.15; shtab's, when shtab is installed).
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
+
+
 def _add_torchrun_flags(p: argparse.ArgumentParser) -> None:
-    """torchrun's parser, flag for flag (torch 2.13): the same names, values and defaults."""
+    """torchrun's parser, flag for flag (torch 2.13, and the two flags 2.15 added): the same
+    names, values and defaults."""
 
     def add(name: str, *more: str, **kw) -> None:  # noqa: ANN003
         p.add_argument(*_spellings(name), *more, **kw)
@@ -140,6 +145,10 @@ def _add_torchrun_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--tee", default="0",
                    help="streams that go to log files and to the console, with a prefix "
                         "(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE); values as --redirects")
+    add("--log-line-prefix-template", default="",
+        help="the prefix of each tee'd console line: ${role_name}, ${local_rank}, ${rank}, "
+             "${hostname} (default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else "
+             "[<role><local_rank>]:)")
     add("--local-ranks-filter", default="",
         help="show only these local ranks' output on the console, e.g. 0,1")
     add("--duplicate-stdout-filters", type=_comma_list, default=[],
@@ -166,6 +175,9 @@ def _add_torchrun_flags(p: argparse.ArgumentParser) -> None:
              "to stop (SIGTERM) to hand its ranks to spares first (default 3)")
     add("--virtual-local-rank", action="store_true",
         help="LOCAL_RANK is 0 in every worker, and CUDA_VISIBLE_DEVICES names its own device")
+    add("--print-completion", choices=COMPLETION_SHELLS, default=None,
+        help="torchrun prints its shell completion script and exits; unbroken has none to "
+             "print and refuses, saying so")
 
 
 def _add_own_flags(p: argparse.ArgumentParser) -> None:
@@ -394,6 +406,10 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
     for value in vars(args).values():
         if isinstance(value, BadPet):
             raise UserError(value.message)
+    if args.print_completion:
+        raise UserError(f"--print-completion {args.print_completion}: unbroken has no shell "
+                        "completion script; torchrun prints its own and exits without "
+                        "running SCRIPT (torchrun --print-completion needs shtab)")
     nodes = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf, warn)
     extra = ExtraNodes(args.extra_nodes)
@@ -490,7 +506,7 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         log_dir=args.log_dir, redirects=parse_std("--redirects", args.redirects),
         tee=parse_std("--tee", args.tee),
         local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
-        prefix_template=os.environ.get(PREFIX_TEMPLATE_VAR) or None,
+        prefix_template=args.log_line_prefix_template or os.environ.get(PREFIX_TEMPLATE_VAR) or None,
         duplicate_stdout=tuple(args.duplicate_stdout_filters),
         duplicate_stderr=tuple(args.duplicate_stderr_filters), role=args.role)
     if args.log_dir and Path(args.log_dir).is_file():

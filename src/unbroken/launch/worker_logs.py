@@ -16,6 +16,7 @@ makes one attempt's directories; `Tailer` copies tee'd files to the console.
 from __future__ import annotations
 
 import os
+import socket
 import string
 import sys
 import tempfile
@@ -88,7 +89,8 @@ class LogSpec:
     local_ranks_filter: frozenset[int] | None = None
     """Local ranks shown on the console (None: all)."""
     prefix_template: str | None = None
-    """`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`: `${role_name}`, `${rank}`, `${local_rank}`."""
+    """`--log-line-prefix-template`, else `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`:
+    `${role_name}`, `${rank}`, `${local_rank}`, `${hostname}` (this host's short name)."""
     duplicate_stdout: tuple[str, ...] = ()
     """Lines containing one of these also go to the attempt's filtered_stdout.log."""
     duplicate_stderr: tuple[str, ...] = ()
@@ -117,7 +119,8 @@ class LogSpec:
     def prefix(self, rank: int, local_rank: int) -> str:
         if self.prefix_template:
             return string.Template(self.prefix_template).safe_substitute(
-                role_name=self.role, rank=rank, local_rank=local_rank)
+                role_name=self.role, rank=rank, local_rank=local_rank,
+                hostname=socket.gethostname())
         return f"[{self.role}{local_rank}]:"
 
 
