@@ -48,16 +48,18 @@ def last_committed(result: Launched, attempt: int = 0) -> int:
     return max(steps, default=0)
 
 
-def assert_resumed_from_the_last_checkpoint(result: Launched, before_step: int) -> int:
-    """Attempt 1 resumed from the newest checkpoint attempt 0 committed before the fault.
-    (A worker stopped right after its commit may not have logged it: the resumed step can
-    then be newer than the last `checkpoint_saved`, never older.)"""
-    resumed = {e["step"] for e in result.events("resume") if e["attempt"] == 1}
+def assert_resumed_from_the_last_checkpoint(result: Launched, before_step: int,
+                                            attempt: int = 1) -> int:
+    """`attempt` resumed from the newest checkpoint the attempt before it committed before
+    the fault. (A worker stopped right after its commit may not have logged it: the resumed
+    step can then be newer than the last `checkpoint_saved`, never older.)"""
+    resumed = {e["step"] for e in result.events("resume") if e["attempt"] == attempt}
     assert len(resumed) == 1, resumed
     step = resumed.pop()
-    assert last_committed(result) <= step <= before_step, (step, last_committed(result))
+    committed = last_committed(result, attempt - 1)
+    assert committed <= step <= before_step, (step, committed)
     if step:
-        loaded = {e["step"] for e in result.events("checkpoint_loaded") if e["attempt"] == 1}
+        loaded = {e["step"] for e in result.events("checkpoint_loaded") if e["attempt"] == attempt}
         assert loaded == {step}, loaded
     return step
 

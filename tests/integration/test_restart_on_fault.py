@@ -18,6 +18,7 @@ from conftest import (
     wait_for,
 )
 
+from unbroken.errors import ExitCode
 from unbroken.telemetry.summary import summarize
 
 STEPS = 40
@@ -25,47 +26,35 @@ RESTART = ["--on-fault", "restart"]
 ARGS = ["--steps", str(STEPS), *TINY]
 
 
-def _run_with_fault(tmp_path, fault: str, workers: int = 2):
-    run_dir = tmp_path / "run"
-    result = launch(run_dir, "--nproc-per-node", str(workers), "--max-restarts", "2", *RESTART,
-                    "--fault", fault, args=[*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                            "--checkpoint-every", "5"])
+def test_a_kill_a_hang_and_an_exception_each_restart_from_the_last_checkpoint(tmp_path):
+    """Three faults in one job, each restarting every worker: a SIGKILL of rank 1 at step
+    13, a SIGSTOP of rank 0 at step 22 (a hang: detected, killed), an exception in rank 1
+    at step 31. Each attempt resumes from the newest checkpoint before its fault, and the
+    job completes with its loss going down."""
+    faults_at = [("crash", 1, 13), ("hang", 0, 22), ("exception", 1, 31)]
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "3", *RESTART,
+                    "--quarantine-after", "0",  # three faults on one node: not a lemon here
+                    *(f for kind, rank, step in faults_at
+                      for f in ("--fault", f"{kind}:rank={rank},step={step}")),
+                    args=[*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                          "--checkpoint-every", "5"])
     assert result.code == 0, result.output
-    return result
-
-
-def _assert_recovered(result, kind: str, rank: int, step: int) -> dict:
     faults = result.events("fault")
-    assert [(f["kind"], f["rank"]) for f in faults] == [(kind, rank)]
-    assert faults[0]["step"] == step
-    assert [e["attempt"] for e in result.events("restart")] == [1]
+    assert [(f["kind"], f["rank"], f["step"]) for f in faults] == faults_at
+    assert [e["attempt"] for e in result.events("restart")] == [1, 2, 3]
     summary = summarize(result.run_dir)
     assert summary["steps"] == STEPS
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
-    # The second attempt resumed from the last checkpoint before the fault, not from zero.
-    assert_resumed_from_the_last_checkpoint(result, before_step=step)
-    return faults[0]
-
-
-def test_sigkill_restarts_and_completes(tmp_path):
-    result = _run_with_fault(tmp_path, "crash:rank=1,step=13")
-    fault = _assert_recovered(result, "crash", 1, 13)
-    assert fault["exit_code"] == -signal.SIGKILL
-
-
-def test_sigstop_hang_is_detected_killed_and_restarted(tmp_path):
-    result = _run_with_fault(tmp_path, "hang:rank=0,step=12")
-    fault = _assert_recovered(result, "hang", 0, 12)
-    # Calibrated from ~tens-of-ms steps, so the 5 s floor applies: detected in seconds, not minutes.
-    assert 0.9 <= fault["silent_for"] < 15, fault  # the calibrated timeout's 1 s floor
-
-
-def test_exception_traceback_is_recorded(tmp_path):
-    result = _run_with_fault(tmp_path, "exception:rank=1,step=17")
-    fault = _assert_recovered(result, "exception", 1, 17)
-    assert "InjectedFault" in fault["detail"]
-    assert "Traceback (most recent call last)" in fault["traceback"]
-    assert "train.py" in fault["traceback"]
+    # Every attempt resumed from the last checkpoint before its fault, not from zero.
+    for attempt, (_, _, step) in enumerate(faults_at, start=1):
+        assert_resumed_from_the_last_checkpoint(result, before_step=step, attempt=attempt)
+    crash, hang, exception = faults
+    assert crash["exit_code"] == -signal.SIGKILL
+    # Calibrated from ~tens-of-ms steps, so the floor applies: detected in seconds, not minutes.
+    assert 0.9 <= hang["silent_for"] < 15, hang  # the calibrated timeout's 1 s floor
+    assert "InjectedFault" in exception["detail"]
+    assert "Traceback (most recent call last)" in exception["traceback"]
+    assert "train.py" in exception["traceback"]
 
 
 def test_external_sigkill_of_a_worker(tmp_path):
@@ -96,6 +85,21 @@ def test_restart_budget_is_respected(tmp_path):
                     "--fault", "exception:rank=0,step=3", "--fault", "exception:rank=1,step=6",
                     args=["--steps", "20", *TINY])
     assert_gave_up(result, 1, "InjectedFault", 2)
+
+
+def test_a_one_node_job_whose_node_is_quarantined_ends_with_exit_4_not_a_wait(tmp_path):
+    """Two faults with --quarantine-after 2 on the only node: no node is left to train on,
+    and no standby node can take the ranks. The job ends at once with exit 4 (reschedule it
+    elsewhere) and one line that says why, instead of waiting for nobody."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "3", *RESTART,
+                    "--quarantine-after", "2", "--fault", "exception:rank=0,step=3",
+                    "--fault", "exception:rank=1,step=6", args=["--steps", "20", *TINY],
+                    timeout=120)
+    assert result.code == ExitCode.QUARANTINED, result.output
+    assert [e["quarantined"] for e in result.events("node_quarantined")] == [0]
+    said = [line for line in result.output.splitlines() if "no node is left to train on" in line]
+    assert len(said) == 1 and "--quarantine-after" in said[0], result.output
+    assert len(result.events("fault")) == 2 and [e["attempt"] for e in result.events("restart")] == [1]
 
 
 def test_hang_blames_the_stopped_worker_among_four(tmp_path):

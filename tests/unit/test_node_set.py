@@ -120,3 +120,12 @@ def test_a_restart_waits_the_last_call_for_the_nodes_that_stood_by_in_the_last_a
     assert after.order == [0]
     after, _ = node_set.gather(ns, [0], 0, rule, 1, None)  # nobody stood by: no wait
     assert after.order == [0]
+
+
+def test_nobody_is_left_when_every_node_of_the_order_is_out():
+    ns = node_set.initial(2)
+    assert not node_set.nobody_left(ns)
+    ns = node_set.mark_out(ns, 1, NodeOut.LOST)
+    assert not node_set.nobody_left(ns)  # node 0 still trains
+    ns, quarantined = node_set.blame(ns, 0, 0.0, QuarantineRule(after=1, window=60.0))
+    assert quarantined and node_set.nobody_left(ns)

@@ -129,6 +129,8 @@ class Leader(Role):
                 return ExitCode.SUCCESS
             self._end_attempt(attempt, outcome)
             fault, end = outcome.fault, outcome.end
+            if self._stranded():
+                return self._fail(fault, self._stranded_reason(), ExitCode.QUARANTINED)
             if end is not None and end.action == EndAction.GIVE_UP:
                 return self._fail(fault, end.reason)
             if not (end is not None and end.action == EndAction.FALLBACK) \
@@ -522,12 +524,29 @@ class Leader(Role):
             if pending:
                 self._sleep()
 
-    def _fail(self, fault: Fault | None, reason: str) -> int:
+    def _fail(self, fault: Fault | None, reason: str,
+              code: ExitCode = ExitCode.GAVE_UP) -> int:
         self.channel.write(RESULT, Result(Status.FAILED, fault=fault, reason=reason))
         self._report_failure(fault, reason)
         self._wait_acks()
         self._clear()
-        return ExitCode.GAVE_UP
+        return code
+
+    def _stranded(self) -> bool:
+        """A static job whose every node is out, with no standby node to take their ranks:
+        the next attempt would wait for nobody, forever (a one-node job whose node was
+        quarantined). Elastic jobs wait for newcomers, bounded by --rdzv-timeout."""
+        if self.cfg.joins_freely or not node_set.nobody_left(self.nodes):
+            return False
+        return not (set(self._standbys) - self._lost - set(self.nodes.out))
+
+    def _stranded_reason(self) -> str:
+        rule = self.cfg.quarantine
+        out = ", ".join(f"node {k} {why.value}" for k, why in sorted(self.nodes.out.items()))
+        return (f"no node is left to train on ({out}; quarantine: {rule.after} faults within "
+                f"{rule.window:g}s), and no standby node can take the ranks; exit "
+                f"{int(ExitCode.QUARANTINED)}: run the job on other machines, or raise "
+                "--quarantine-after (0 turns quarantine off)")
 
     def _clear(self) -> None:
         """With etcd, the job's keys outlive it: delete them once every follower has read

@@ -45,6 +45,12 @@ def blame(ns: NodeSet, node: int, t: float, rule: QuarantineRule) -> tuple[NodeS
     return ns, False
 
 
+def nobody_left(ns: NodeSet) -> bool:
+    """Every node of the order is out (lost, drained or quarantined): a static job has no
+    node left to wait for, and would wait for nothing forever."""
+    return all(k in ns.out for k in ns.order)
+
+
 def mark_out(ns: NodeSet, node: int, why: NodeOut) -> NodeSet:
     """`node` is out (a quarantine is never downgraded to lost or drained)."""
     ns = copy.deepcopy(ns)
