@@ -26,20 +26,18 @@ The last line printed is one JSON object with the figures and their ratios to to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+from harness import REPO, alternate, emit, ratio, temp_root
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -190,36 +188,38 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(2):  # AdamW state exists from the first update on
         tr.step()
     state_mb = tr.nbytes() / 2**20
-    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    root = temp_root("ckpt-bench-", dir=args.dir)
     print(f"state: {state_mb:.0f} MB (model + AdamW), width {args.width} x {args.layers} layers; "
           f"checkpoints under {root}", flush=True)
     arms = {name: Arm(name, tr, root) for name in ARMS}
     baseline: list[float] = []
     results: dict[str, dict[str, list]] = {n: {"stall": [], "durable": [], "during": [],
                                                "rounds": []} for n in ARMS}
-    try:
-        for i in range(args.checkpoints):
-            for name in ARMS:  # alternate, so that machine noise hits every arm
-                arm = arms[name]
-                baseline.extend(tr.step() for _ in range(args.quiet_steps))
-                arm.step_time = statistics.fmean(baseline[-args.quiet_steps:])
-                t0 = time.perf_counter()
-                arm.begin()
-                call = time.perf_counter() - t0
-                during, waits = [], 0.0
-                for _ in range(args.max_steps):
-                    if arm.done():
-                        break
-                    during.append(tr.step())
-                    waits += tr.waited
-                reported_stall, durable = arm.finish(t0)
-                stall = reported_stall if name == "unbroken" else call + waits
-                results[name]["stall"].append(stall)
-                results[name]["durable"].append(durable)
-                results[name]["during"].extend(during)
-                results[name]["rounds"].append(during)
-                print(f"  round {i + 1} {name:24s} stall {stall * 1e3:8.1f} ms   durable "
-                      f"{durable:6.2f} s   steps during persist {len(during)}", flush=True)
+
+    def one_checkpoint(name: str, i: int) -> None:
+        arm = arms[name]
+        baseline.extend(tr.step() for _ in range(args.quiet_steps))
+        arm.step_time = statistics.fmean(baseline[-args.quiet_steps:])
+        t0 = time.perf_counter()
+        arm.begin()
+        call = time.perf_counter() - t0
+        during, waits = [], 0.0
+        for _ in range(args.max_steps):
+            if arm.done():
+                break
+            during.append(tr.step())
+            waits += tr.waited
+        reported_stall, durable = arm.finish(t0)
+        stall = reported_stall if name == "unbroken" else call + waits
+        results[name]["stall"].append(stall)
+        results[name]["durable"].append(durable)
+        results[name]["during"].extend(during)
+        results[name]["rounds"].append(during)
+        print(f"  round {i + 1} {name:24s} stall {stall * 1e3:8.1f} ms   durable "
+              f"{durable:6.2f} s   steps during persist {len(during)}", flush=True)
+
+    try:  # every arm in each round, in the same order, so that machine noise hits them all
+        alternate(ARMS, args.checkpoints, one_checkpoint, reverse=False)
     finally:
         for arm in arms.values():
             arm.close()
@@ -237,8 +237,8 @@ def run(args: argparse.Namespace) -> dict:
         during = statistics.fmean(r["during"]) if r["during"] else None
         out[name] = {
             "stall_s": round(stall, 4), "durable_s": round(durable, 3),
-            "stall_vs_torch_save": round(stall / ref_stall, 4),
-            "durable_vs_torch_save": round(durable / ref_durable, 3),
+            "stall_vs_torch_save": ratio(stall, ref_stall, 4),
+            "durable_vs_torch_save": ratio(durable, ref_durable, 3),
             "steps_during_persist": len(r["during"]),
             # What the background work cost the loop per checkpoint, in seconds of step time.
             "background_cost_s": round(statistics.median(
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         "stall_pct_of_torch_save": round(ours["stall_vs_torch_save"] * 100, 2),
         "stall_below_every_dcp_variant": all(
             ours["stall_s"] < out[n]["stall_s"] for n in ARMS if n.startswith("dcp")),
-        "durable_vs_dcp_save": round(ours["durable_s"] / out["dcp.save"]["durable_s"], 3) if "dcp.save" in out else None,
+        "durable_vs_dcp_save": ratio(ours["durable_s"], out["dcp.save"]["durable_s"], 3),
         "step_slowdown_during_persist_pct": ours["step_slowdown_during_persist_pct"],
     }
     return out
@@ -283,7 +283,7 @@ def main() -> None:
           f"below every DCP variant: {t['stall_below_every_dcp_variant']}; durable "
           f"{t['durable_vs_dcp_save']}x dcp.save (target <= 1.5x); steps "
           f"{t['step_slowdown_during_persist_pct']:+.1f} % while persisting (target <= 5 %)")
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

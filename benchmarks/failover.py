@@ -24,28 +24,37 @@ The last line printed is one JSON object with the figures (keys named in issue 1
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+from harness import (
+    EXAMPLE,
+    REPO,
+    EventTail,
+    alternate,
+    change_pct,
+    emit,
+    epoch,
+    free_port,
+    kill_everything,
+    launch,
+    step_period,
+    temp_root,
+    track,
+)
+
 TINY = ["--global-batch", "8", "--seq", "32", "--dim", "32", "--layers", "1",
         "--print-every", "100000"]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))  # start_etcd: the tests' one-member etcd
 
 from conftest import start_etcd  # noqa: E402
-from harness import EventTail, epoch, free_port, kill_everything, step_period  # noqa: E402
 
 from unbroken.control.address import BackendKind, ControlAddress, open_backend  # noqa: E402
 from unbroken.control.channel import Channel  # noqa: E402
@@ -69,16 +78,11 @@ def _agents(backend: str, endpoint: str, root: Path, steps: int) -> tuple[list, 
     port = free_port()
     plane = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint] if backend == "etcd"
              else ["--master-port", str(port), "--control-retry-window", "3"])
-    procs = []
-    for node in range(3):
-        cmd = [sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir), "--nnodes", "3",
-               "--node-rank", str(node), "--rdzv-id", "bench", "--max-restarts", "3", *plane,
-               str(EXAMPLE), "--steps", str(steps), *TINY, "--checkpoint-dir",
-               str(root / "ckpt"), "--checkpoint-every", "10"]
-        out = open(root / f"agent-{node}.out", "wb")  # noqa: SIM115 - the child holds it
-        procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                      start_new_session=True))
-        out.close()
+    procs = [launch([sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir),
+                     "--nnodes", "3", "--node-rank", str(node), "--rdzv-id", "bench",
+                     "--max-restarts", "3", *plane, str(EXAMPLE), "--steps", str(steps), *TINY,
+                     "--checkpoint-dir", str(root / "ckpt"), "--checkpoint-every", "10"],
+                    run_dir, log=f"agent-{node}.log") for node in range(3)]
     return procs, run_dir
 
 
@@ -219,11 +223,10 @@ def steady_step(backend: str, endpoint: str, root: Path, steps: int,
     port = free_port()
     plane = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint] if backend == "etcd"
              else ["--master-port", str(port)])
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir), "--nnodes", "2",
-         "--node-rank", str(k), "--rdzv-id", "steady", *plane, str(EXAMPLE), "--steps",
-         str(steps), *model], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-        start_new_session=True) for k in range(2)]
+    procs = [launch([sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir),
+                     "--nnodes", "2", "--node-rank", str(k), "--rdzv-id", "steady", *plane,
+                     str(EXAMPLE), "--steps", str(steps), *model],
+                    run_dir, log=f"agent-{k}.log") for k in range(2)]
     try:
         for p in procs:
             p.wait(timeout=300)
@@ -247,18 +250,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="steady-state rounds per backend")
     p.add_argument("--steady-steps", type=int, default=500)
     args = p.parse_args()
-    # SIGTERM unwinds like Ctrl-C, so that every `finally` stops its agents and etcd.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    root = Path(tempfile.mkdtemp(prefix="unbroken-failover-"))
+    root = temp_root("unbroken-failover-")  # a SIGTERM ends the agents and etcd (harness)
     etcd = start_etcd("127.0.0.1", root / "etcd")
+    track(etcd.proc)
     try:
-        fail: dict[str, list[float | None]] = {"etcd": [], "tcp": []}
-        for i in range(args.tries):
-            for backend in ("etcd", "tcp") if i == 0 else ("etcd",):
-                t = failover_once(backend, etcd.endpoint, root / f"fail-{backend}-{i}")
-                fail[backend].append(t)
-                print(f"failover try {i + 1} {backend:4s} "
-                      + (f"{t:.3f}s" if t is not None else "job lost"), flush=True)
+        def show_fail(i: int, backend: str, t: float | None) -> None:
+            print(f"failover try {i + 1} {backend:4s} "
+                  + (f"{t:.3f}s" if t is not None else "job lost"), flush=True)
+
+        # The TCPStore loses the job every time: one try shows it.
+        fail = alternate(["etcd", "tcp"], args.tries,
+                         lambda backend, i: failover_once(backend, etcd.endpoint,
+                                                          root / f"fail-{backend}-{i}"),
+                         tries={"tcp": 1}, report=show_fail)
         plan: dict[str, dict[str, float | None]] = {"etcd": {}, "tcp": {}}
         planner: dict[str, dict[str, float | None]] = {"etcd": {}, "tcp": {}}
         for n in (int(x) for x in args.agents.split(",")):
@@ -267,38 +271,41 @@ def main() -> None:
                 plan[backend][str(n)], planner[backend][str(n)] = round(total, 1), round(own, 1)
                 print(f"planning {backend:4s} {n:4d} agents: fault -> plan {total:7.1f} ms "
                       f"(planner's own share {own:6.1f} ms)", flush=True)
-        steady: dict[str, list[float]] = {"etcd": [], "tcp": []}
-        for i in range(args.rounds):
-            for backend in ("tcp", "etcd"):
-                t = steady_step(backend, etcd.endpoint, root / f"steady-{backend}-{i}",
-                                args.steady_steps)
-                if t is not None:
-                    steady[backend].append(t)
-                print(f"steady round {i + 1} {backend:4s} "
-                      + (f"{1000 * t:.2f} ms/step" if t else "FAILED"), flush=True)
+
+        def show_steady(i: int, backend: str, t: float | None) -> None:
+            print(f"steady round {i + 1} {backend:4s} "
+                  + (f"{1000 * t:.2f} ms/step" if t else "FAILED"), flush=True)
+
+        steady = alternate(["tcp", "etcd"], args.rounds,
+                           lambda backend, i: steady_step(backend, etcd.endpoint,
+                                                          root / f"steady-{backend}-{i}",
+                                                          args.steady_steps),
+                           reverse=False, report=show_steady)
     finally:
         etcd.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
     def median(values: list[float | None]) -> float | None:
+        """None if any try lost the job (or there was none)."""
         ok = [v for v in values if v is not None]
         return round(statistics.median(ok), 3) if ok and len(ok) == len(values) else None
 
-    tcp_step = statistics.median(steady["tcp"]) if steady["tcp"] else None
-    etcd_step = statistics.median(steady["etcd"]) if steady["etcd"] else None
-    overhead = (round(100 * (etcd_step / tcp_step - 1), 2) if tcp_step and etcd_step else None)
+    tcp_ok = [t for t in steady["tcp"] if t is not None]
+    etcd_ok = [t for t in steady["etcd"] if t is not None]
+    tcp_step = statistics.median(tcp_ok) if tcp_ok else None
+    etcd_step = statistics.median(etcd_ok) if etcd_ok else None
+    overhead = change_pct(etcd_step, tcp_step) if tcp_step and etcd_step else None
     print(f"failover median: etcd {median(fail['etcd'])}s over {len(fail['etcd'])} tries, "
           f"tcpstore {median(fail['tcp'])} (null: the job is lost with node 0)")
     print(f"steady state: tcpstore {1000 * (tcp_step or 0):.2f} ms/step, etcd "
           f"{1000 * (etcd_step or 0):.2f} ms/step: etcd overhead {overhead}%")
-    print(json.dumps({
+    emit({
         "etcd": {"failover_median_s": median(fail["etcd"]), "failover_s": fail["etcd"],
                  "plan_ms": plan["etcd"], "planner_ms": planner["etcd"]},
         "tcpstore": {"failover_median_s": median(fail["tcp"]), "plan_ms": plan["tcp"],
                      "planner_ms": planner["tcp"]},
         "etcd_step_overhead_pct": overhead,
         "step_s": {"tcpstore": tcp_step, "etcd": etcd_step},
-    }))
+    })
 
 
 if __name__ == "__main__":

@@ -24,16 +24,14 @@ on a machine without a GPU; it proves nothing about CUDA.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, launch, temp_root, wait_or_kill
+
 sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
@@ -160,17 +158,20 @@ try:
     x = torch.zeros(4, device="cuda")
     x[torch.tensor([10], device="cuda")] = 1.0
     torch.cuda.synchronize()
-    print("no error")
+    print("RESULT no error")
 except Exception as exc:
-    print(type(exc).__name__, classify(exc, current_device()).value)
+    print("RESULT", type(exc).__name__, classify(exc, current_device()).value)
 """
 
 
-def device_error_is_own(_: Path) -> None:
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", _DEVICE_ERROR], capture_output=True, text=True,
-                         env=env, timeout=120)
-    last = (out.stdout.strip().splitlines() or ["nothing"])[-1]
+def device_error_is_own(root: Path) -> None:
+    run_dir = root / "device-error"  # a process of its own, tracked by the harness
+    proc = launch([sys.executable, "-c", _DEVICE_ERROR], run_dir,
+                  env={"CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": str(REPO / "src")})
+    code = wait_or_kill(proc, run_dir, 120)
+    output = (run_dir / "launcher.log").read_text(errors="replace").splitlines()
+    results = [line.removeprefix("RESULT ") for line in output if line.startswith("RESULT ")]
+    last = results[-1] if results else "timed out after 120 s" if code is None else "nothing"
     check("a device-side assert is the worker's own device error", last.endswith("own_device"),
           last)
 
@@ -189,12 +190,13 @@ def main() -> int:
         print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
         checks += [nccl_world_of_one, device_error_is_own]
-    with tempfile.TemporaryDirectory() as tmp:
-        for fn in checks:
-            try:
-                fn(Path(tmp))
-            except Exception as exc:  # a check that raised is a failed check, reported
-                check(fn.__name__, False, f"{type(exc).__name__}: {exc}")
+    # The harness ends the checks' processes (mp.spawn's too) if this script is stopped.
+    tmp = temp_root("unbroken-gpu-check-")
+    for fn in checks:
+        try:
+            fn(tmp)
+        except Exception as exc:  # a check that raised is a failed check, reported
+            check(fn.__name__, False, f"{type(exc).__name__}: {exc}")
     failures = sum(1 for _, ok, _ in RESULTS if not ok)
     print(f"{len(RESULTS) - failures} passed, {failures} failed")
     return failures

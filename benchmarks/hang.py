@@ -24,23 +24,30 @@ The last line printed is one JSON object: `unbroken.median_s`, `unbroken.innocen
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "gpt" / "train.py"
-sys.path.insert(0, str(REPO / "src"))
+from harness import (
+    EXAMPLE,
+    REPO,
+    EventTail,
+    Try,
+    emit,
+    free_port,
+    kill_everything,
+    launch,
+    median_of,
+    recovery_times,
+    temp_root,
+)
 
-from harness import EventTail, free_port, kill_everything  # noqa: E402
+sys.path.insert(0, str(REPO / "src"))
 
 WORKERS_PER_NODE = 2
 WORLD = 2 * WORKERS_PER_NODE
@@ -54,28 +61,30 @@ def _script_args(steps: int, sleep: float, jitter: float = 1.0) -> list[str]:
             "--step-jitter", str(jitter)]
 
 
-def _launch(cmd: list[str], run_dir: Path, log: str) -> subprocess.Popen:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "UNBROKEN_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
-    with open(run_dir / log, "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=REPO)
+@dataclass
+class HangTry(Try):
+    """A try, and: the slot stopped, the faults the job recorded for it, how many of them
+    were another worker's (innocents killed), and the slots the leader blamed."""
+
+    slot: int | None = None
+    faults: int = 0
+    innocent: int = 0
+    blamed: list[int] = field(default_factory=list)
 
 
 def _two_unbroken_nodes(run_dir: Path, script_args: list[str]) -> list[subprocess.Popen]:
     port = free_port()
-    return [_launch([sys.executable, "-m", "unbroken", "run", "--nnodes", "2",
-                     "--node-rank", str(node), "--nproc-per-node", str(WORKERS_PER_NODE),
-                     "--master-port", str(port), "--rdzv-id", "hang", "--max-restarts", "100",
-                     "--quarantine-after", "0",  # every try faults a node: no lemons here
-                     "--run-dir", str(run_dir), str(EXAMPLE), *script_args],
-                    run_dir, f"agent-{node}.log") for node in (0, 1)]
+    return [launch([sys.executable, "-m", "unbroken", "run", "--nnodes", "2",
+                    "--node-rank", str(node), "--nproc-per-node", str(WORKERS_PER_NODE),
+                    "--master-port", str(port), "--rdzv-id", "hang", "--max-restarts", "100",
+                    "--quarantine-after", "0",  # every try faults a node: no lemons here
+                    "--run-dir", str(run_dir), str(EXAMPLE), *script_args],
+                   run_dir, log=f"agent-{node}.log") for node in (0, 1)]
 
 
 def _stop_all(procs: list[subprocess.Popen], run_dir: Path) -> None:
     for proc in procs:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+        kill_everything(proc, run_dir)
 
 
 def _wait(tail: EventTail, procs: list[subprocess.Popen], what: str, timeout: float, ready):
@@ -107,7 +116,7 @@ def _pid_of(events: list[dict], slot: int) -> int:
     return [e["pid"] for e in events if e["event"] == "worker_start" and e.get("slot") == slot][-1]
 
 
-def unbroken_hangs(root: Path, tries: int, sleep: float) -> dict:
+def unbroken_hangs(root: Path, tries: int, sleep: float) -> list[HangTry]:
     run_dir = root / "unbroken"
     procs = _two_unbroken_nodes(run_dir, _script_args(10**6, sleep))
     tail = EventTail(run_dir)
@@ -129,16 +138,16 @@ def unbroken_hangs(root: Path, tries: int, sleep: float) -> dict:
             _wait(tail, procs, "the replacement to join", 240,
                   lambda ev, since=resumed["t"]: _steady(ev, since))
             faults = [e for e in tail.events if e["event"] == "fault"][faults_before:]
-            results.append({"slot": slot, "recovery": resumed["t"] - stopped,
-                            "faults": len(faults),
-                            "innocent": sum(1 for f in faults if f.get("pid") != victim),
-                            "blamed": [e["slot"] for e in tail.events
-                                       if e["event"] == "hang_blamed" and e["t"] > stopped]})
+            results.append(HangTry(
+                "unbroken", slot=slot, recovery=resumed["t"] - stopped, faults=len(faults),
+                innocent=sum(1 for f in faults if f.get("pid") != victim),
+                blamed=[e["slot"] for e in tail.events
+                        if e["event"] == "hang_blamed" and e["t"] > stopped]))
             print(f"unbroken try {i + 1}: rank {slot} stopped, first resumed step after "
-                  f"{results[-1]['recovery']:.3f}s, faults {len(faults)}", flush=True)
+                  f"{results[-1].recovery:.3f}s, faults {len(faults)}", flush=True)
     finally:
         _stop_all(procs, run_dir)
-    return {"tries": results}
+    return results
 
 
 def jitter_run(root: Path, steps: int, sleep: float) -> dict:
@@ -158,16 +167,17 @@ def jitter_run(root: Path, steps: int, sleep: float) -> dict:
             "step_p99_s": durations[len(durations) * 99 // 100] if durations else None}
 
 
-def torchrun_hang(root: Path, index: int, sleep: float) -> dict:
-    """Two torchrun agents; rank 3 stopped once steady. Recovered: a restart resumes."""
+def torchrun_hang(root: Path, index: int, sleep: float) -> Try:
+    """Two torchrun agents; rank 3 stopped once steady. Recovered (`recovery` set): a
+    restart resumes within TORCHRUN_WAIT s."""
     run_dir = root / f"torchrun-{index}"
     port = free_port()
-    procs = [_launch([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                      "--node-rank", str(node), "--nproc-per-node", str(WORKERS_PER_NODE),
-                      "--max-restarts", "3", "--rdzv-backend", "c10d",
-                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hang{index}",
-                      "--monitor-interval", "0.1", str(EXAMPLE), *_script_args(10**6, sleep)],
-                     run_dir, f"agent-{node}.log") for node in (0, 1)]
+    procs = [launch([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                     "--node-rank", str(node), "--nproc-per-node", str(WORKERS_PER_NODE),
+                     "--max-restarts", "3", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hang{index}",
+                     "--monitor-interval", "0.1", str(EXAMPLE), *_script_args(10**6, sleep)],
+                    run_dir, log=f"agent-{node}.log") for node in (0, 1)]
     tail = EventTail(run_dir)
     try:
         _wait(tail, procs, "steady training under torchrun", 240, lambda ev: all(
@@ -182,11 +192,11 @@ def torchrun_hang(root: Path, index: int, sleep: float) -> dict:
             resumed = [e for e in tail.events if e["event"] == "step" and e["t"] > stopped
                        and e.get("attempt", 0) > 0]
             if resumed:
-                return {"recovered": True, "recovery": resumed[0]["t"] - stopped}
+                return Try("torchrun", recovery=resumed[0]["t"] - stopped)
             if any(p.poll() is not None for p in procs):
-                return {"recovered": False, "exited": True}
+                return Try("torchrun", error="a launcher exited without resuming")
             time.sleep(0.05)
-        return {"recovered": False}
+        return Try("torchrun", hang=True)
     finally:
         _stop_all(procs, run_dir)
 
@@ -200,39 +210,34 @@ def main() -> None:
     p.add_argument("--jitter-steps", type=int, default=1000)
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="unbroken-hang-"))
-    try:
-        ours = unbroken_hangs(root, args.tries, args.step_sleep)
-        theirs = [torchrun_hang(root, i, args.step_sleep) for i in range(args.torchrun_tries)]
-        for i, t in enumerate(theirs):
-            print(f"torchrun try {i + 1}: recovered within {TORCHRUN_WAIT:g}s: {t['recovered']}",
-                  flush=True)
-        jitter = jitter_run(root, args.jitter_steps, args.step_sleep)
-        print(f"jitter run: {jitter}", flush=True)
-    finally:
-        if args.keep:
-            print(f"run dirs kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    times = [t["recovery"] for t in ours["tries"]]
-    summary = {
+    root = temp_root("unbroken-hang-", keep=args.keep)
+    ours = unbroken_hangs(root, args.tries, args.step_sleep)
+    theirs = [torchrun_hang(root, i, args.step_sleep) for i in range(args.torchrun_tries)]
+    for i, t in enumerate(theirs):
+        print(f"torchrun try {i + 1}: recovered within {TORCHRUN_WAIT:g}s: "
+              f"{t.recovery is not None}", flush=True)
+    jitter = jitter_run(root, args.jitter_steps, args.step_sleep)
+    print(f"jitter run: {jitter}", flush=True)
+    if args.keep:
+        print(f"run dirs kept in {root}")
+    times = recovery_times(ours)
+    emit({
         "step_sleep_s": args.step_sleep,
         "unbroken": {
             "tries": len(times),
-            "median_s": round(statistics.median(times), 3),
-            "max_s": round(max(times), 3),
-            "min_s": round(min(times), 3),
-            "innocent_killed": sum(t["innocent"] for t in ours["tries"]),
-            "faults": sum(t["faults"] for t in ours["tries"]),
+            "median_s": median_of(times, 3),
+            "max_s": round(max(times), 3) if times else None,
+            "min_s": round(min(times), 3) if times else None,
+            "innocent_killed": sum(t.innocent for t in ours),
+            "faults": sum(t.faults for t in ours),
             "false_kills": jitter["false_kills"],
             "jitter_steps": jitter["steps"],
             "jitter_step_p1_s": jitter["step_p1_s"],
             "jitter_step_p99_s": jitter["step_p99_s"],
         },
         "torchrun": {"tries": len(theirs),
-                     "recovered": sum(1 for t in theirs if t["recovered"])},
-    }
-    print(json.dumps(summary))
+                     "recovered": sum(1 for t in theirs if t.recovery is not None)},
+    })
 
 
 if __name__ == "__main__":

@@ -40,19 +40,34 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+from harness import (
+    EXAMPLE,
+    REPO,
+    ArmStats,
+    Try,
+    alternate,
+    emit,
+    events_of,
+    kill_everything,
+    launch,
+    median_of,
+    ratio,
+    recovery_times,
+    temp_root,
+    torchrun_cmd,
+    unbroken_cmd,
+    wait_or_kill,
+)
+
 PLAIN_HEAVY = REPO / "benchmarks" / "plain_heavy.py"
 sys.path.insert(0, str(REPO / "src"))
 
-from harness import free_port, kill_everything  # noqa: E402
-
 from unbroken.runtime.warm_imports import modules_path  # noqa: E402
-from unbroken.telemetry.events import read_events  # noqa: E402
 
 # Killed in steady state (a few seconds into training), as real faults mostly are.
 KILL_AT = 120
@@ -61,37 +76,39 @@ STEPS = 140
 # for a script that sends no heartbeats, and the standbys' imports (~6 s at idle priority).
 PLAIN_KILL_AT = 300
 PLAIN_STEPS = 340
-
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return read_events(path) if path.exists() else []
-
-
 TORCHRUN_RDZV = "c10d"
+
+
+@dataclass
+class RestartTry(Try):
+    """A try, and: `restart_failed` (the launcher gave up: every restart failed); the
+    restarted workers' mean start-up (s); the attempt the first resumed step belongs to;
+    for the plain script under unbroken, the standbys that had caught up with the workers'
+    module list at the kill and the modules each taken standby had pre-imported."""
+
+    restart_failed: bool = False
+    startup: float | None = None
+    resumed_in_attempt: int | None = None
+    warm_standbys_at_kill: int | None = None
+    preimported: list | None = None
 
 
 def _command(launcher: str, run_dir: Path, workers: int) -> list[str]:
     args = ["--steps", str(STEPS), "--checkpoint-dir", str(run_dir / "ckpt"),
             "--checkpoint-every", "10", "--print-every", "1000"]
     if launcher == "torchrun":
-        port = free_port()
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-                "--max-restarts", "3", "--rdzv-backend", TORCHRUN_RDZV,
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
-                "--monitor-interval", "0.1", str(EXAMPLE), *args]
+        return torchrun_cmd(workers, EXAMPLE, run_dir.name, *args, rdzv_backend=TORCHRUN_RDZV)
     cold = ["--no-warm-restarts"] if launcher == "unbroken-cold" else []
     # Full restarts only: in-place recovery is measured by benchmarks/recovery.py.
-    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
-            "--max-restarts", "3", "--on-fault", "restart", "--run-dir", str(run_dir), *cold,
-            str(EXAMPLE), *args]
+    return unbroken_cmd(workers, run_dir, EXAMPLE, *args, flags=["--on-fault", "restart", *cold])
 
 
-def _kill_and_wait(proc: subprocess.Popen, run_dir: Path, victim: int, hang_after: float,
-                   first_resumed) -> tuple[float, dict | None, int | None, dict | None]:  # noqa: ANN001
+def _kill_and_wait(launcher: str, proc: subprocess.Popen, run_dir: Path, victim: int,
+                   hang_after: float, first_resumed: Callable[[float], dict | None],
+                   ) -> tuple[float, dict, int] | RestartTry:
     """SIGKILL `victim`, then wait for `first_resumed(killed_at)` (the first step of a later
-    attempt) and for the launcher's exit. Returns (killed_at, that step, exit code, None),
-    or a failed try's fields (a hang, or every restart failed) as the last item."""
+    attempt) and for the launcher's exit. Returns (killed_at, that step, exit code), or the
+    failed try (a hang, or every restart failed)."""
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     resumed = None
@@ -105,66 +122,60 @@ def _kill_and_wait(proc: subprocess.Popen, run_dir: Path, victim: int, hang_afte
         code = proc.poll()
         kill_everything(proc, run_dir)
         if code is not None:  # gave up: every restart failed
-            return killed_at, None, code, {"hang": False, "exit": code, "restart_failed": True}
-        return killed_at, None, None, {"hang": True}
-    try:
-        code = proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        kill_everything(proc, run_dir)
-        return killed_at, resumed, None, {"hang": True, "recovery": resumed["t"] - killed_at}
-    return killed_at, resumed, code, None
+            return RestartTry(launcher, exit=code, restart_failed=True)
+        return RestartTry(launcher, hang=True)
+    code = wait_or_kill(proc, run_dir, 120)
+    if code is None:
+        return RestartTry(launcher, hang=True, recovery=resumed["t"] - killed_at)
+    return killed_at, resumed, code
 
 
-def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
+def one_try(launcher: str, root: Path, index: int, workers: int, hang_after: float) -> RestartTry:
     run_dir = root / f"{launcher}-{index}"
-    run_dir.mkdir(parents=True)
-    env = {**os.environ, "UNBROKEN_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
-    with open(run_dir / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(_command(launcher, run_dir, workers), env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    proc = launch(_command(launcher, run_dir, workers), run_dir)
     try:
         deadline = time.monotonic() + 180
         victim = None
         while time.monotonic() < deadline and victim is None:
-            evs = _events(run_dir)
+            evs = events_of(run_dir)
             if any(e["event"] == "step" and e["step"] >= KILL_AT for e in evs):
                 victim = next(e["pid"] for e in evs if e["event"] == "worker_start" and e["rank"] == 1)
             elif proc.poll() is not None:
                 break
             time.sleep(0.02)
         if victim is None:
-            kill_everything(proc, run_dir)
-            return {"launcher": launcher, "error": "never reached the kill step"}
-        killed_at, resumed, code, failed = _kill_and_wait(
-            proc, run_dir, victim, hang_after,
-            lambda t: next((e for e in _events(run_dir) if e["event"] == "step"
+            return RestartTry(launcher, error="never reached the kill step")
+        done = _kill_and_wait(
+            launcher, proc, run_dir, victim, hang_after,
+            lambda t: next((e for e in events_of(run_dir) if e["event"] == "step"
                             and e["attempt"] >= 1 and e["t"] > t), None))
-        if failed is not None:
-            return {"launcher": launcher, **failed}
-        evs = _events(run_dir)
+        if isinstance(done, RestartTry):
+            return done
+        killed_at, resumed, code = done
+        evs = events_of(run_dir)
         startup = [e["startup"] for e in evs if e["event"] == "worker_start" and e["attempt"] >= 1
                    and e.get("startup")]
-        return {"launcher": launcher, "hang": False, "exit": code,
-                "recovery": resumed["t"] - killed_at,
-                "startup": statistics.fmean(startup) if startup else None,
-                "finished": max((e["step"] for e in evs if e["event"] == "step"), default=-1) + 1 == STEPS}
+        return RestartTry(launcher, exit=code, recovery=resumed["t"] - killed_at,
+                          startup=statistics.fmean(startup) if startup else None,
+                          finished=max((e["step"] for e in evs if e["event"] == "step"),
+                                       default=-1) + 1 == STEPS)
     finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+        kill_everything(proc, run_dir)
 
 
-def _stats(results: list[dict]) -> dict:
-    times = [r["recovery"] for r in results if not r.get("hang") and "recovery" in r]
+def _stats(results: list[RestartTry]) -> dict:
+    """An arm's figures: ArmStats's counts, the median and max recovery, restarts failed,
+    and the restarted workers' median start-up."""
+    stats = ArmStats.of(results)
+    times = recovery_times(results)
     return {
-        "tries": len(results),
-        "median_s": round(statistics.median(times), 3) if times else None,
+        "tries": stats.tries,
+        "median_s": stats.median_s,
         "max_s": round(max(times), 3) if times else None,
-        "hangs": sum(1 for r in results if r.get("hang")),
-        "restarts_failed": sum(1 for r in results if r.get("restart_failed")),
-        "failed": sum(1 for r in results if "error" in r or r.get("exit") not in (0, None)
-                      or r.get("finished") is False),
-        "restart_startup_s": round(statistics.median([r["startup"] for r in results if r.get("startup")]), 3)
-        if any(r.get("startup") for r in results) else None,
+        "hangs": stats.hangs,
+        "restarts_failed": sum(1 for r in results if r.restart_failed),
+        "failed": stats.failed,
+        "restart_startup_s": median_of([r.startup for r in results if r.startup], 3),
     }
 
 
@@ -187,39 +198,27 @@ def _plain_command(launcher: str, run_dir: Path, workers: int, step_sleep: float
     args = ["--out", str(run_dir / "out"), "--steps", str(PLAIN_STEPS),
             "--step-sleep", str(step_sleep)]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-                "--max-restarts", "3", "--rdzv-backend", TORCHRUN_RDZV,
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_dir.name,
-                "--monitor-interval", "0.1", str(PLAIN_HEAVY), *args]
-    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
-            "--max-restarts", "3", "--on-fault", "restart", "--run-dir", str(run_dir),
-            str(PLAIN_HEAVY), *args]  # unbroken and unbroken-torch-only
+        return torchrun_cmd(workers, PLAIN_HEAVY, run_dir.name, *args, rdzv_backend=TORCHRUN_RDZV)
+    return unbroken_cmd(workers, run_dir, PLAIN_HEAVY, *args,
+                        flags=["--on-fault", "restart"])  # unbroken and unbroken-torch-only
 
 
-def _plain_env(run_dir: Path | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error"}
-    if run_dir is not None:
-        env["UNBROKEN_RUN_DIR"] = str(run_dir)  # marks every process of the try (kill_everything)
-    return env
+PLAIN_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: float,
-              step_sleep: float, torchrun_store: str) -> dict:
+              step_sleep: float, torchrun_store: str) -> RestartTry:
     """One kill of rank 1 of the plain script, in steady state; kill to first resumed step."""
     run_dir = root / f"plain-{launcher}-{index}"
     out = run_dir / "out"
     out.mkdir(parents=True)
-    env = _plain_env(run_dir)
+    env = dict(PLAIN_ENV)
     if launcher == "torchrun" and torchrun_store == "worker":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if launcher == "unbroken-torch-only":  # no list can be written or read there
         modules_path(run_dir, 0).mkdir(parents=True)
     steps = out / "steps.jsonl"
-    with open(run_dir / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(_plain_command(launcher, run_dir, workers, step_sleep), env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=REPO)
+    proc = launch(_plain_command(launcher, run_dir, workers, step_sleep), run_dir, env=env)
     try:
         deadline = time.monotonic() + 240
         victim = None
@@ -230,31 +229,29 @@ def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: f
                 break
             time.sleep(0.05)
         if victim is None:
-            kill_everything(proc, run_dir)
-            return {"launcher": launcher, "error": "never reached the kill step"}
+            return RestartTry(launcher, error="never reached the kill step")
         # How many standbys had caught up with the workers' module list at the kill.
-        warm = (len({e["pid"] for e in _events(run_dir) if e["event"] == "standby_imports"})
+        warm = (len({e["pid"] for e in events_of(run_dir) if e["event"] == "standby_imports"})
                 if launcher.startswith("unbroken") else None)
-        killed_at, resumed, code, failed = _kill_and_wait(
-            proc, run_dir, victim, hang_after,
+        done = _kill_and_wait(
+            launcher, proc, run_dir, victim, hang_after,
             lambda t: next((r for r in _read_steps(steps) if "step" in r
                             and r["attempt"] >= 1 and r["t"] > t), None))
-        if failed is not None:
-            return {"launcher": launcher, **failed}
+        if isinstance(done, RestartTry):
+            return done
+        killed_at, resumed, code = done
         rows = _read_steps(steps)
-        taken = [e for e in _events(run_dir) if e["event"] == "standby_taken"]
-        return {"launcher": launcher, "hang": False, "exit": code,
-                "recovery": resumed["t"] - killed_at, "resumed_in_attempt": resumed["attempt"],
-                "warm_standbys_at_kill": warm,
-                "preimported": [e["modules"] for e in taken] if warm is not None else None,
-                "finished": max((r["step"] for r in rows if "step" in r), default=-1) + 1
-                == PLAIN_STEPS}
+        taken = [e for e in events_of(run_dir) if e["event"] == "standby_taken"]
+        return RestartTry(launcher, exit=code, recovery=resumed["t"] - killed_at,
+                          resumed_in_attempt=resumed["attempt"], warm_standbys_at_kill=warm,
+                          preimported=[e["modules"] for e in taken] if warm is not None else None,
+                          finished=max((r["step"] for r in rows if "step" in r), default=-1) + 1
+                          == PLAIN_STEPS)
     finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+        kill_everything(proc, run_dir)
 
 
-def _heavy_imports() -> dict:
+def _heavy_imports(root: Path) -> dict:
     """What the plain script's imports cost here, torch's apart (one fresh interpreter)."""
     code = ("import json, sys, time\n"
             "t0 = time.perf_counter()\n"
@@ -264,34 +261,37 @@ def _heavy_imports() -> dict:
             "import plain_heavy\n"
             "library, _ = plain_heavy.heavy_model()\n"
             "t2 = time.perf_counter()\n"
-            "print(json.dumps({'library': library, 'torch_import_s': round(t1 - t0, 3),"
+            "print('IMPORTS', json.dumps({'library': library, 'torch_import_s': round(t1 - t0, 3),"
             " 'heavy_import_s': round(t2 - t1, 3)}))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env=_plain_env(), cwd=REPO)
-    if res.returncode != 0:
-        raise SystemExit(f"plain_heavy.py's imports failed:\n{res.stderr}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    run_dir = root / "imports"
+    code_ = wait_or_kill(launch([sys.executable, "-c", code], run_dir, env=PLAIN_ENV), run_dir, 300)
+    output = (run_dir / "launcher.log").read_text(errors="replace")
+    if code_ != 0:
+        raise SystemExit(f"plain_heavy.py's imports failed:\n{output}")
+    line = [x for x in output.splitlines() if x.startswith("IMPORTS ")][-1]
+    return json.loads(line.removeprefix("IMPORTS "))
 
 
-def _ratio(a: dict, b: dict) -> float | None:
-    return round(a["median_s"] / b["median_s"], 2) if a["median_s"] and b["median_s"] else None
+def _shown(r: RestartTry) -> str:
+    return (f"{r.recovery:.2f}s" if r.recovery is not None and not r.hang else "HANG" if r.hang
+            else f"RESTART FAILED (exit {r.exit})" if r.restart_failed else str(r.error))
 
 
-def _shown(r: dict) -> str:
-    return (f"{r['recovery']:.2f}s" if "recovery" in r else "HANG" if r.get("hang")
-            else f"RESTART FAILED (exit {r['exit']})" if r.get("restart_failed") else r.get("error"))
+def _unfinished(r: RestartTry) -> str:
+    return "  (did not finish)" if r.finished is False or r.exit not in (0, None) else ""
 
 
 def run_gpt(args: argparse.Namespace, root: Path) -> dict:
     launchers = ["torchrun", "unbroken-cold", "unbroken"]
-    results: dict[str, list[dict]] = {name: [] for name in launchers}
-    for i in range(args.tries):
-        for launcher in launchers if i % 2 == 0 else launchers[::-1]:
-            r = one_try(launcher, root, i, args.workers, args.hang_after)
-            results[launcher].append(r)
-            print(f"try {i + 1:2d} {launcher:13s} kill-to-resumed-step {_shown(r)}"
-                  f"{'  (did not finish)' if r.get('finished') is False or r.get('exit') not in (0, None) else ''}",
-                  flush=True)
+
+    def show(i: int, launcher: str, r: RestartTry) -> None:
+        print(f"try {i + 1:2d} {launcher:13s} kill-to-resumed-step {_shown(r)}{_unfinished(r)}",
+              flush=True)
+
+    results = alternate(launchers, args.tries,
+                        lambda launcher, i: one_try(launcher, root, i, args.workers,
+                                                    args.hang_after),
+                        report=show)
     summary = {name: _stats(rs) for name, rs in results.items()}
     t, c, u = summary["torchrun"], summary["unbroken-cold"], summary["unbroken"]
     print()
@@ -299,57 +299,59 @@ def run_gpt(args: argparse.Namespace, root: Path) -> dict:
         print(f"{name:13s} median {s['median_s']}s  max {s['max_s']}s  hangs {s['hangs']}/{s['tries']}  "
               f"restarts failed {s['restarts_failed']}/{s['tries']}  "
               f"failed {s['failed']}  worker start-up after restart {s['restart_startup_s']}s")
-    print(f"torchrun / unbroken (median kill-to-resumed-step): {_ratio(t, u)}x"
+    print(f"torchrun / unbroken (median kill-to-resumed-step): {ratio(t['median_s'], u['median_s'], 2)}x"
           + ("  (torchrun never resumed)" if t["median_s"] is None else ""))
-    print(f"unbroken cold / warm restart: {_ratio(c, u)}x")
+    print(f"unbroken cold / warm restart: {ratio(c['median_s'], u['median_s'], 2)}x")
     return {"workers": args.workers, "torchrun_rdzv": args.torchrun_rdzv, **summary,
-            "ratio_median_torchrun_over_unbroken": _ratio(t, u),
-            "ratio_median_cold_over_warm": _ratio(c, u)}
+            "ratio_median_torchrun_over_unbroken": ratio(t["median_s"], u["median_s"], 2),
+            "ratio_median_cold_over_warm": ratio(c["median_s"], u["median_s"], 2)}
 
 
 def run_plain_heavy(args: argparse.Namespace, root: Path) -> dict:
-    imports = _heavy_imports()
+    imports = _heavy_imports(root)
     print(f"plain_heavy: {imports['library']} takes {imports['heavy_import_s']:.2f}s to import "
           f"(and build its model) after torch's {imports['torch_import_s']:.2f}s", flush=True)
     launchers = ["torchrun", "unbroken", *(["unbroken-torch-only"] if args.plain_control else [])]
-    results: dict[str, list[dict]] = {name: [] for name in launchers}
-    for i in range(args.tries):
-        for launcher in launchers if i % 2 == 0 else launchers[::-1]:
-            r = plain_try(launcher, root, i, args.plain_workers, args.hang_after,
-                          args.plain_step_sleep, args.plain_torchrun_store)
-            results[launcher].append(r)
-            extra = (f"  resumed in attempt {r['resumed_in_attempt']}"
-                     if r.get("resumed_in_attempt", 1) > 1 else "")
-            if r.get("warm_standbys_at_kill") is not None:
-                extra += (f"  standbys caught up at the kill {r['warm_standbys_at_kill']}"
-                          f"/{args.plain_workers}, modules pre-imported {r['preimported']}")
-            print(f"try {i + 1:2d} plain_heavy {launcher:19s} kill-to-resumed-step {_shown(r)}"
-                  f"{'  (did not finish)' if r.get('finished') is False or r.get('exit') not in (0, None) else ''}"
-                  f"{extra}", flush=True)
+
+    def show(i: int, launcher: str, r: RestartTry) -> None:
+        extra = (f"  resumed in attempt {r.resumed_in_attempt}"
+                 if (r.resumed_in_attempt or 1) > 1 else "")
+        if r.warm_standbys_at_kill is not None:
+            extra += (f"  standbys caught up at the kill {r.warm_standbys_at_kill}"
+                      f"/{args.plain_workers}, modules pre-imported {r.preimported}")
+        print(f"try {i + 1:2d} plain_heavy {launcher:19s} kill-to-resumed-step {_shown(r)}"
+              f"{_unfinished(r)}{extra}", flush=True)
+
+    results = alternate(launchers, args.tries,
+                        lambda launcher, i: plain_try(launcher, root, i, args.plain_workers,
+                                                      args.hang_after, args.plain_step_sleep,
+                                                      args.plain_torchrun_store),
+                        report=show)
     summary = {}
     for name, rs in results.items():
         stats = _stats(rs)
         del stats["restart_startup_s"]  # the plain script reports no start-up
-        stats["resumed_in_later_attempt"] = sum(1 for r in rs if r.get("resumed_in_attempt", 1) > 1)
+        stats["resumed_in_later_attempt"] = sum(1 for r in rs if (r.resumed_in_attempt or 1) > 1)
         summary[name] = stats
-    t, u = summary["torchrun"], summary["unbroken"]
+    t, u = summary["torchrun"]["median_s"], summary["unbroken"]["median_s"]
     print()
     for name, s in summary.items():
         print(f"plain_heavy {name:19s} median {s['median_s']}s  max {s['max_s']}s  "
               f"hangs {s['hangs']}/{s['tries']}  restarts failed {s['restarts_failed']}/{s['tries']}  "
               f"failed {s['failed']}  resumed only after a failed restart {s['resumed_in_later_attempt']}")
-    ratio = _ratio(t, u)
-    print(f"plain_heavy torchrun / unbroken (median kill-to-resumed-step): {ratio}x"
-          + (f"  (unbroken takes {_ratio(u, t)}x torchrun's time; target <= 0.5x)" if ratio else ""))
+    over = ratio(t, u, 2)
+    print(f"plain_heavy torchrun / unbroken (median kill-to-resumed-step): {over}x"
+          + (f"  (unbroken takes {ratio(u, t, 2)}x torchrun's time; target <= 0.5x)" if over else ""))
     control = {}
     if args.plain_control:
-        control["ratio_plain_heavy_torch_only_over_unbroken"] = _ratio(summary["unbroken-torch-only"], u)
+        control["ratio_plain_heavy_torch_only_over_unbroken"] = ratio(
+            summary["unbroken-torch-only"]["median_s"], u, 2)
         print("plain_heavy standbys importing torch only / also the workers' modules: "
               f"{control['ratio_plain_heavy_torch_only_over_unbroken']}x")
     return {"plain_heavy": {**imports, "workers": args.plain_workers,
                             "step_sleep_s": args.plain_step_sleep, "kill_at_step": PLAIN_KILL_AT,
                             "torchrun_store": args.plain_torchrun_store, **summary},
-            "ratio_plain_heavy_torchrun_over_unbroken": ratio, **control}
+            "ratio_plain_heavy_torchrun_over_unbroken": over, **control}
 
 
 def main() -> None:
@@ -376,7 +378,7 @@ def main() -> None:
     args = p.parse_args()
     global TORCHRUN_RDZV
     TORCHRUN_RDZV = args.torchrun_rdzv
-    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-restart-"))
+    root = temp_root("unbroken-bench-restart-", keep=args.keep)
     figures: dict = {}
     if args.case in ("all", "gpt"):
         figures.update(run_gpt(args, root))
@@ -384,13 +386,9 @@ def main() -> None:
         if figures:
             print()
         figures.update(run_plain_heavy(args, root))
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
-    else:
+    if args.keep:
         print(f"run directories kept in {root}")
-    print(json.dumps({"benchmark": "restart", "case": args.case, **figures}))
+    emit({"benchmark": "restart", "case": args.case, **figures})
 
 
 if __name__ == "__main__":

@@ -31,32 +31,54 @@ The last line printed is one JSON object with the figures and their ratios.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import (
+    REPO,
+    ArmStats,
+    EventTail,
+    Fault,
+    Try,
+    alternate,
+    emit,
+    events_of,
+    inject_fault,
+    kill_everything,
+    launch,
+    lost_steps,
+    median_of,
+    paired_ratios,
+    ratio,
+    step_period,
+    temp_root,
+    torchrun_cmd,
+    unbroken_cmd,
+    wait_or_kill,
+)
+
 WORKER = REPO / "benchmarks" / "fsdp_worker.py"
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from harness import (  # noqa: E402
-    EventTail,
-    kill_and_time,
-    kill_everything,
-    step_period,
-    wait_for_victim,
-)
-from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
 
 KILL_AT = 40  # try i kills at KILL_AT + 3 i: faults land at different points between snapshots
 STEP_SLEEP = "0.04"
 ARMS = ["torchrun", "restart", "in_memory"]
+
+
+@dataclass
+class ShardedTry(Try):
+    """A try, and: seconds from the fault to the start of the first resumed step
+    (`to_start`); the snapshot interval and host bytes the job agreed; whether the spare was
+    promoted, and whether anything was loaded from storage after the fault."""
+
+    to_start: float | None = None
+    every: int | None = None
+    host_bytes: int | None = None
+    promoted: bool = False
+    from_storage: bool = False
 
 
 def _command(arm: str, run_dir: Path, workers: int, steps: int, snapshot_every: int | None,
@@ -67,12 +89,10 @@ def _command(arm: str, run_dir: Path, workers: int, steps: int, snapshot_every: 
     if snapshot_every is not None:
         args += ["--snapshot-every", str(snapshot_every)]
     if arm == "torchrun":
-        return _torchrun(workers, WORKER, run_dir, *args)
+        return torchrun_cmd(workers, WORKER, run_dir.name, *args)
     extra = ["--on-fault", "restart"] if arm == "restart" else ["--spares", "1"] \
         if arm == "in_memory" else []
-    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node",
-            str(workers), "--max-restarts", "3", "--run-dir", str(run_dir), *extra,
-            str(WORKER), *args]
+    return unbroken_cmd(workers, run_dir, WORKER, *args, flags=extra)
 
 
 def _ready(arm: str):
@@ -82,33 +102,27 @@ def _ready(arm: str):
                            and any(e["event"] == "snapshot_config" for e in events))
 
 
-def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
+def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> Try:
     run_dir = root / f"{arm}-{index}"
-    proc = _launch(_command(arm, run_dir, workers, 1000, None), run_dir)
-    tail = EventTail(run_dir)
+    proc = launch(_command(arm, run_dir, workers, 1000, None), run_dir)
     try:
-        victim = wait_for_victim(proc, tail, KILL_AT + 3 * index, rank=1, timeout=400,
-                                 ready=_ready(arm))
-        if victim is None:
-            return {"arm": arm, "error": "never reached the kill step (or the spare never got ready)"}
-        killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
-        if isinstance(resumed, str):
-            return {"arm": arm, "error": resumed}
-        if resumed is None:
-            return {"arm": arm, "hang": True}
+        fault = inject_fault(arm, proc, EventTail(run_dir), KILL_AT + 3 * index, timeout=400,
+                             hang_after=hang_after, ready=_ready(arm),
+                             not_reached="never reached the kill step (or the spare never got ready)")
+        if not isinstance(fault, Fault):
+            return fault
         time.sleep(0.5)
-        evs = _events(run_dir)
-        committed = max((e["step"] for e in evs if e["event"] == "step" and e["t"] <= killed_at),
-                        default=-1)
+        evs = events_of(run_dir)
+        killed_at, resumed = fault.killed_at, fault.resumed
         config = [e for e in evs if e["event"] == "snapshot_config"]
-        return {"arm": arm, "recovery": resumed["t"] - killed_at,
-                "to_start": resumed["t"] - resumed["duration"] - killed_at,
-                "lost_steps": max(0, committed + 1 - resumed["step"]),
-                "every": config[0]["every"] if config else None,
-                "host_bytes": config[0]["host_bytes"] if config else None,
-                "promoted": any(e["event"] == "spare_promoted" for e in evs),
-                "from_storage": any(e["event"] == "checkpoint_loaded" and e["t"] > killed_at
-                                    for e in evs)}
+        return ShardedTry(arm, recovery=resumed["t"] - killed_at,
+                          to_start=resumed["t"] - resumed["duration"] - killed_at,
+                          lost_steps=lost_steps(evs, killed_at, resumed),
+                          every=config[0]["every"] if config else None,
+                          host_bytes=config[0]["host_bytes"] if config else None,
+                          promoted=any(e["event"] == "spare_promoted" for e in evs),
+                          from_storage=any(e["event"] == "checkpoint_loaded"
+                                           and e["t"] > killed_at for e in evs))
     finally:
         kill_everything(proc, run_dir)
 
@@ -117,14 +131,11 @@ def steady(snapshot_every: int | None, root: Path, index: int, workers: int, ste
            ) -> tuple[float | None, dict | None]:
     """Rank 0's median step time once the interval is agreed; the snapshot_config event."""
     run_dir = root / f"steady-{snapshot_every}-{index}"
-    proc = _launch(_command("unbroken", run_dir, workers, steps, snapshot_every,
-                            checkpoints=False), run_dir)
-    try:
-        proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        kill_everything(proc, run_dir)
+    proc = launch(_command("unbroken", run_dir, workers, steps, snapshot_every,
+                           checkpoints=False), run_dir)
+    if wait_or_kill(proc, run_dir, 900) is None:
         return None, None
-    evs = _events(run_dir)
+    evs = events_of(run_dir)
     config = next((e for e in evs if e["event"] == "snapshot_config"), None)
     ends = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0 and e["step"] >= 20]
     return step_period(ends), config
@@ -141,77 +152,66 @@ def main() -> None:
     p.add_argument("--steady-steps", type=int, default=120)
     p.add_argument("--hang-after", type=float, default=120.0)
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-sharded-"))
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    try:
-        for i in range(max(args.tries, args.baseline_tries)):
-            for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
-                if (arm == "in_memory" and i >= args.tries) or \
-                        (arm != "in_memory" and i >= args.baseline_tries):
-                    continue
-                r = one_fault(arm, root, i, args.workers, args.hang_after)
-                results[arm].append(r)
-                shown = (f"{r['recovery']:.3f}s, {r['lost_steps']} lost step(s), snapshot every "
-                         f"{r['every']}, spare promoted: {r['promoted']}, from storage: "
-                         f"{r['from_storage']}" if "recovery" in r
-                         else "HANG" if r.get("hang") else r.get("error"))
-                print(f"try {i + 1:2d} {arm:10s} kill-to-resumed-step {shown}", flush=True)
-        times: dict[str, list[float]] = {"none": [], "auto": []}
-        paired, configs = [], []
-        for i in range(args.rounds):
-            got = {}
-            for side in ("none", "auto") if i % 2 == 0 else ("auto", "none"):
-                t, config = steady(0 if side == "none" else None, root, i, args.workers,
-                                   args.steady_steps)
-                if config:
-                    configs.append(config)
-                if t is not None:
-                    times[side].append(t)
-                    got[side] = t
-                every_note = f" (every {config['every']} steps)" if config else ""
-                print(f"steady round {i + 1} snapshots={side} "
-                      f"{f'{1000 * t:.2f} ms/step' if t else 'FAILED'}{every_note}", flush=True)
-            if len(got) == 2:
-                paired.append(got["auto"] / got["none"] - 1)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    summary = {arm: _stats(rs) for arm, rs in results.items()}
+    root = temp_root("unbroken-bench-sharded-")
+
+    def show(i: int, arm: str, r: Try) -> None:
+        shown = (f"{r.shown()}, snapshot every {r.every}, spare promoted: {r.promoted}, "
+                 f"from storage: {r.from_storage}" if isinstance(r, ShardedTry) else r.shown())
+        print(f"try {i + 1:2d} {arm:10s} kill-to-resumed-step {shown}", flush=True)
+
+    results = alternate(ARMS, max(args.tries, args.baseline_tries),
+                        lambda arm, i: one_fault(arm, root, i, args.workers, args.hang_after),
+                        tries={"in_memory": args.tries, "torchrun": args.baseline_tries,
+                               "restart": args.baseline_tries},
+                        report=show)
+    def one_round(side: str, i: int) -> float | None:
+        t, config = steady(0 if side == "none" else None, root, i, args.workers,
+                           args.steady_steps)
+        every_note = f" (every {config['every']} steps)" if config else ""
+        print(f"steady round {i + 1} snapshots={side} "
+              f"{f'{1000 * t:.2f} ms/step' if t else 'FAILED'}{every_note}", flush=True)
+        return t
+
+    times = alternate(["none", "auto"], args.rounds, one_round)
+    paired = paired_ratios(times["none"], times["auto"])
+    summary = {arm: ArmStats.of(rs).as_json() for arm, rs in results.items()}
     for arm, rs in results.items():  # to the resumed step's start: recovery without the step
-        starts = [r["to_start"] for r in rs if "to_start" in r]
-        summary[arm]["to_start_median_s"] = round(statistics.median(starts), 3) if starts else None
-    mem = results["in_memory"]
-    summary["in_memory"]["from_storage"] = sum(1 for r in mem if r.get("from_storage"))
-    summary["in_memory"]["spare_promoted"] = sum(1 for r in mem if r.get("promoted"))
-    every = sorted({r["every"] for r in mem if r.get("every")})
-    host = [r["host_bytes"] for r in mem if r.get("host_bytes")]
+        starts = [r.to_start for r in rs if isinstance(r, ShardedTry) and r.to_start is not None]
+        summary[arm]["to_start_median_s"] = median_of(starts, 3)
+    mem = [r for r in results["in_memory"] if isinstance(r, ShardedTry)]
+    summary["in_memory"]["from_storage"] = sum(1 for r in mem if r.from_storage)
+    summary["in_memory"]["spare_promoted"] = sum(1 for r in mem if r.promoted)
+    every = sorted({r.every for r in mem if r.every})
+    host = [r.host_bytes for r in mem if r.host_bytes]
     host_mb = round(host[0] / 1e6, 1) if host else None
     overhead = round(100 * statistics.median(paired), 2) if paired else None
     t, r, m = summary["torchrun"], summary["restart"], summary["in_memory"]
-
-    def ratio(a: dict, b: dict, key: str = "median_s") -> float | None:
-        return round(a[key] / b[key], 1) if a[key] and b[key] else None
+    none = median_of([x for x in times["none"] if x is not None])
+    auto = median_of([x for x in times["auto"] if x is not None])
 
     print()
     for arm, st in summary.items():
         print(f"{arm:10s} median {st['median_s']}s (to the step's start {st['to_start_median_s']}s)"
               f"  p90 {st['p90_s']}s  lost steps max "
               f"{st['lost_steps_max']}  hangs {st['hangs']}/{st['tries']}  failed {st['failed']}")
-    print(f"torchrun / in-memory: {ratio(t, m)}x;  restart / in-memory: {ratio(r, m)}x;  "
+    print(f"torchrun / in-memory: {ratio(t['median_s'], m['median_s'])}x;  restart / in-memory: "
+          f"{ratio(r['median_s'], m['median_s'])}x;  "
           f"snapshot every {every} step(s), {host_mb} MB of host memory per rank, "
           f"per-step overhead {overhead}% (per round: {[round(100 * x, 2) for x in paired]})")
-    print(json.dumps({
+    emit({
         "benchmark": "sharded_recovery", "workers": args.workers, "kill_at_step": KILL_AT,
         "state_mb_total": 201.3, "step_sleep_s": float(STEP_SLEEP),
         "in_memory": m, "restart": r, "torchrun": t,
-        "ratio_torchrun_over_in_memory": ratio(t, m),
-        "ratio_restart_over_in_memory": ratio(r, m),
-        "ratio_torchrun_over_in_memory_to_start": ratio(t, m, "to_start_median_s"),
+        "ratio_torchrun_over_in_memory": ratio(t["median_s"], m["median_s"]),
+        "ratio_restart_over_in_memory": ratio(r["median_s"], m["median_s"]),
+        "ratio_torchrun_over_in_memory_to_start": ratio(t["to_start_median_s"],
+                                                        m["to_start_median_s"]),
         "snapshot_every": every, "snapshot_overhead_pct": overhead,
         "snapshot_overhead_per_round_pct": [round(100 * x, 2) for x in paired],
-        "steady_none_ms": round(1000 * statistics.median(times["none"]), 3) if times["none"] else None,
-        "steady_auto_ms": round(1000 * statistics.median(times["auto"]), 3) if times["auto"] else None,
+        "steady_none_ms": round(1000 * none, 3) if none else None,
+        "steady_auto_ms": round(1000 * auto, 3) if auto else None,
         "host_mb_per_rank": host_mb,
-    }))
+    })
 
 
 if __name__ == "__main__":

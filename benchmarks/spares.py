@@ -26,33 +26,52 @@ The last line printed is one JSON object with the figures and their ratios.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "gpt" / "train.py"
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from harness import (  # noqa: E402
+from harness import (
+    EXAMPLE,
+    REPO,
+    ArmStats,
     EventTail,
-    kill_and_time,
+    Fault,
+    Try,
+    alternate,
+    change_pct,
+    emit,
+    events_of,
+    inject_fault,
     kill_everything,
+    launch,
+    lost_steps,
+    median_of,
+    paired_ratios,
+    ratio,
     step_period,
-    wait_for_victim,
+    temp_root,
+    torchrun_cmd,
+    unbroken_cmd,
+    wait_or_kill,
 )
-from recovery import _events, _launch, _stats, _torchrun  # noqa: E402
+
+sys.path.insert(0, str(REPO / "src"))
 
 KILL_AT = 125
 STEPS = 600  # never reached: a try ends a few steps after the recovery
 STEP_SLEEP = "0.04"
 ARMS = ["torchrun", "unbroken", "unbroken-spare"]
+
+
+@dataclass
+class SpareTry(Try):
+    """A try, and the world size of the first generation planned after the fault, and
+    whether a spare was promoted."""
+
+    world_size_after: int | None = None
+    promoted: bool = False
 
 
 def _command(arm: str, run_dir: Path, workers: int, steps: int, checkpoints: bool,
@@ -61,52 +80,41 @@ def _command(arm: str, run_dir: Path, workers: int, steps: int, checkpoints: boo
     if checkpoints:
         args += ["--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every", "10"]
     if arm == "torchrun":
-        return _torchrun(workers, EXAMPLE, run_dir, *args)
+        return torchrun_cmd(workers, EXAMPLE, run_dir.name, *args)
     if arm == "unbroken-spare":
         spares = 1
-    return [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", str(workers),
-            "--max-restarts", "3", "--run-dir", str(run_dir), "--spares", str(spares),
-            str(EXAMPLE), *args]
+    return unbroken_cmd(workers, run_dir, EXAMPLE, *args, flags=["--spares", str(spares)])
 
 
-def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> dict:
+def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float) -> Try:
     run_dir = root / f"{arm}-{index}"
-    proc = _launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
-    tail = EventTail(run_dir)
+    proc = launch(_command(arm, run_dir, workers, STEPS, checkpoints=True), run_dir)
     try:
         spare_ready = (lambda events: any(e["event"] == "spare_ready" for e in events)) \
             if arm == "unbroken-spare" else (lambda events: True)
-        victim = wait_for_victim(proc, tail, KILL_AT, rank=1, timeout=240, ready=spare_ready)
-        if victim is None:
-            return {"arm": arm, "error": "never reached the kill step (or the spare never got ready)"}
-        killed_at, resumed = kill_and_time(proc, tail, victim, hang_after)
-        if isinstance(resumed, str):
-            return {"arm": arm, "error": resumed}
-        if resumed is None:
-            return {"arm": arm, "hang": True}
+        fault = inject_fault(arm, proc, EventTail(run_dir), KILL_AT, timeout=240,
+                             hang_after=hang_after, ready=spare_ready,
+                             not_reached="never reached the kill step (or the spare never got ready)")
+        if not isinstance(fault, Fault):
+            return fault
         time.sleep(1.0)  # a few more steps, then the try is over
-        evs = _events(run_dir)
-        steps = [e for e in evs if e["event"] == "step"]
-        committed = max((e["step"] for e in steps if e["t"] <= killed_at), default=-1)
+        evs = events_of(run_dir)
         plans = [e["world_size"] for e in evs if e["event"] == "gen_plan"]
-        return {"arm": arm, "recovery": resumed["t"] - killed_at,
-                "lost_steps": max(0, committed + 1 - resumed["step"]),
-                "world_size_after": plans[0] if plans else None,
-                "promoted": any(e["event"] == "spare_promoted" for e in evs)}
+        return SpareTry(arm, recovery=fault.resumed["t"] - fault.killed_at,
+                        lost_steps=lost_steps(evs, fault.killed_at, fault.resumed),
+                        world_size_after=plans[0] if plans else None,
+                        promoted=any(e["event"] == "spare_promoted" for e in evs))
     finally:
         kill_everything(proc, run_dir)
 
 
 def steady_step_time(spares: int, root: Path, index: int, workers: int, steps: int) -> float | None:
     run_dir = root / f"steady-{spares}-{index}"
-    proc = _launch(_command("unbroken", run_dir, workers, steps, checkpoints=False, spares=spares),
-                   run_dir)
-    try:
-        proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        kill_everything(proc, run_dir)
+    proc = launch(_command("unbroken", run_dir, workers, steps, checkpoints=False, spares=spares),
+                  run_dir)
+    if wait_or_kill(proc, run_dir, 600) is None:
         return None
-    evs = _events(run_dir)
+    evs = events_of(run_dir)
     ready = max((e["t"] for e in evs if e["event"] in ("standby_ready", "spare_ready")), default=0.0)
     if spares and not any(e["event"] == "spare_ready" for e in evs):
         return None  # the spare never got warm: not the steady state we measure
@@ -123,46 +131,38 @@ def main() -> None:
     p.add_argument("--steady-steps", type=int, default=500)
     p.add_argument("--hang-after", type=float, default=30.0)
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-spares-"))
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    try:
-        for i in range(args.tries):
-            for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
-                r = one_fault(arm, root, i, args.workers, args.hang_after)
-                results[arm].append(r)
-                shown = (f"{r['recovery']:.3f}s, {r['lost_steps']} lost step(s), world size after "
-                         f"{r['world_size_after']}, spare promoted: {r['promoted']}"
-                         if "recovery" in r else "HANG" if r.get("hang") else r.get("error"))
-                print(f"try {i + 1:2d} {arm:15s} kill-to-resumed-step {shown}", flush=True)
-        steady: dict[int, list[float]] = {0: [], 1: []}
-        paired: list[float] = []  # per round: with a spare / without, run back to back
-        for i in range(args.rounds):
-            got = {}
-            for spares in (0, 1) if i % 2 == 0 else (1, 0):
-                t = steady_step_time(spares, root, i, args.workers, args.steady_steps)
-                if t is not None:
-                    steady[spares].append(t)
-                    got[spares] = t
-                print(f"steady round {i + 1} spares={spares} "
-                      f"{f'{1000 * t:.2f} ms/step' if t else 'FAILED'}", flush=True)
-            if len(got) == 2:
-                paired.append(got[1] / got[0] - 1)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    summary = {arm: _stats(rs) for arm, rs in results.items()}
+    root = temp_root("unbroken-bench-spares-")
+
+    def show(i: int, arm: str, r: Try) -> None:
+        shown = (f"{r.shown()}, world size after {r.world_size_after}, spare promoted: "
+                 f"{r.promoted}" if isinstance(r, SpareTry) else r.shown())
+        print(f"try {i + 1:2d} {arm:15s} kill-to-resumed-step {shown}", flush=True)
+
+    results = alternate(ARMS, args.tries,
+                        lambda arm, i: one_fault(arm, root, i, args.workers, args.hang_after),
+                        report=show)
+
+    def show_steady(i: int, side: str, t: float | None) -> None:
+        print(f"steady round {i + 1} spares={side} "
+              f"{f'{1000 * t:.2f} ms/step' if t else 'FAILED'}", flush=True)
+
+    steady = alternate(["0", "1"], args.rounds,
+                       lambda side, i: steady_step_time(int(side), root, i, args.workers,
+                                                        args.steady_steps),
+                       report=show_steady)
+    paired = paired_ratios(steady["0"], steady["1"])  # per round: with a spare / without
+    summary = {arm: ArmStats.of(rs).as_json() for arm, rs in results.items()}
     for arm, rs in results.items():
-        summary[arm]["world_size_after"] = sorted({r.get("world_size_after") for r in rs
-                                                   if r.get("world_size_after")})
-        summary[arm]["spare_promoted"] = sum(1 for r in rs if r.get("promoted"))
-    none = statistics.median(steady[0]) if steady[0] else None
-    idle = statistics.median(steady[1]) if steady[1] else None
-    cost = round(100 * (idle / none - 1), 2) if none and idle else None
+        spared = [r for r in rs if isinstance(r, SpareTry)]
+        summary[arm]["world_size_after"] = sorted({r.world_size_after for r in spared
+                                                   if r.world_size_after})
+        summary[arm]["spare_promoted"] = sum(1 for r in spared if r.promoted)
+    none = median_of([t for t in steady["0"] if t is not None])
+    idle = median_of([t for t in steady["1"] if t is not None])
+    cost = change_pct(idle, none)
     # Rounds differ by a few percent on this machine; the ratio within each round is steadier.
     paired_cost = round(100 * statistics.median(paired), 2) if paired else None
-    t, u, s = summary["torchrun"], summary["unbroken"], summary["unbroken-spare"]
-
-    def ratio(a: dict, b: dict) -> float | None:
-        return round(a["median_s"] / b["median_s"], 1) if a["median_s"] and b["median_s"] else None
+    t, u, s = (summary[arm]["median_s"] for arm in ("torchrun", "unbroken", "unbroken-spare"))
 
     print()
     for arm, st in summary.items():
@@ -173,7 +173,7 @@ def main() -> None:
     if none and idle:
         print(f"steady state: no spare {1000 * none:.2f} ms/step, an idle spare {1000 * idle:.2f} "
               f"ms/step: {cost:+.2f}% (median of the per-round ratios: {paired_cost:+.2f}%)")
-    print(json.dumps({
+    emit({
         "benchmark": "spares", "workers": args.workers, "kill_at_step": KILL_AT,
         "step_sleep_s": float(STEP_SLEEP), **summary,
         "ratio_median_torchrun_over_spare": ratio(t, s),
@@ -183,7 +183,7 @@ def main() -> None:
         "idle_spare_cost_pct": cost,
         "idle_spare_cost_paired_pct": paired_cost,
         "idle_spare_cost_per_round_pct": [round(100 * p, 2) for p in paired],
-    }))
+    })
 
 
 if __name__ == "__main__":

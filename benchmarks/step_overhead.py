@@ -16,15 +16,14 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, alternate, emit, temp_root
+
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 sys.path.insert(0, str(REPO / "src"))
 
@@ -117,19 +116,15 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = CharCorpus.load()
-    tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-overhead-"))
-    times: dict[str, list[float]] = {"plain": [], "steps": [], "train": [], "watchdog": []}
+    tmp = temp_root("unbroken-bench-overhead-")
     loops = {"plain": lambda r: plain(corpus, args.steps),
              "steps": lambda r: with_runtime(corpus, args.steps, tmp / f"s{r}"),
              "train": lambda r: with_train(corpus, args.steps, tmp / f"t{r}"),
              "watchdog": lambda r: with_train(corpus, args.steps, tmp / f"w{r}", watchdog=True)}
     plain(corpus, 20)  # warm caches and lazy imports for all
-    for r in range(args.rounds):
-        order = list(loops) if r % 2 == 0 else list(loops)[::-1]
-        for name in order:
-            t = loops[name](r)
-            times[name].append(t)
-            print(f"round {r + 1} {name:6s} {1000 * t:.3f} ms/step", flush=True)
+    times = alternate(list(loops), args.rounds, lambda name, r: loops[name](r),
+                      report=lambda r, name, t: print(f"round {r + 1} {name:6s} {1000 * t:.3f} "
+                                                      "ms/step", flush=True))
     stamp = stamp_cost(tmp / "stamp.hb")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     result = {"benchmark": "step_overhead", "plain_ms": round(1000 * med["plain"], 4)}
@@ -142,7 +137,7 @@ def main() -> None:
                        f"{name}_overhead_pct": round(100 * overhead, 2),
                        f"{name}_overhead_us": round(1e6 * (med[name] - med["plain"]), 1)})
     print(f"heartbeat stamp alone: {1e9 * stamp:.0f} ns")
-    print(json.dumps({**result, "stamp_ns": round(1e9 * stamp)}))
+    emit({**result, "stamp_ns": round(1e9 * stamp)})
 
 
 if __name__ == "__main__":

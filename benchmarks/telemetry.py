@@ -17,20 +17,26 @@ The last line printed is one JSON object holding at least `metrics_overhead_pct`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from harness import (
+    EXAMPLE,
+    REPO,
+    alternate,
+    emit,
+    free_port,
+    kill_everything,
+    launch,
+    temp_root,
+    wait_or_kill,
+)
 
-from harness import free_port  # noqa: E402
+sys.path.insert(0, str(REPO / "src"))
 
 from unbroken.telemetry.events import read_events  # noqa: E402
 from unbroken.telemetry.goodput import account  # noqa: E402
@@ -39,7 +45,7 @@ MODEL = ["--global-batch", "16", "--seq", "64", "--dim", "64", "--layers", "2",
          "--print-every", "100000"]
 
 
-def run_once(steps: int, live: bool, workdir: Path) -> tuple[float, int, Path]:
+def run_once(steps: int, skip: int, live: bool, workdir: Path) -> tuple[float, int, Path]:
     """One job; returns rank 0's steady-state seconds per step, the scrapes made, run dir."""
     run_dir = workdir / f"run-{'on' if live else 'off'}-{time.monotonic_ns()}"
     flags = ["--status-every", "0"]
@@ -47,9 +53,8 @@ def run_once(steps: int, live: bool, workdir: Path) -> tuple[float, int, Path]:
     if live:
         flags = ["--metrics-port", str(port), "--status-every", "5"]
     cmd = [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", "2",
-           "--run-dir", str(run_dir), *flags, str(REPO / "examples" / "gpt" / "train.py"),
-           "--steps", str(steps), *MODEL]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=REPO)
+           "--run-dir", str(run_dir), *flags, str(EXAMPLE), "--steps", str(steps), *MODEL]
+    proc = launch(cmd, run_dir)
     scrapes, stop = [0], threading.Event()
 
     def scrape() -> None:
@@ -64,42 +69,48 @@ def run_once(steps: int, live: bool, workdir: Path) -> tuple[float, int, Path]:
     if live:
         scraper.start()
     try:
-        if proc.wait(timeout=900) != 0:
-            raise SystemExit(f"the job failed (exit {proc.returncode}); see {run_dir}")
+        code = wait_or_kill(proc, run_dir, 900)
+        if code != 0:
+            raise SystemExit(f"the job failed (exit {code}); see {run_dir}")
     finally:
         stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_everything(proc, run_dir)
     events = read_events(run_dir / "events.jsonl")
     steps0 = [e for e in events if e["event"] == "step" and e.get("slot") == 0]
-    kept = steps0[args.skip:]
+    kept = steps0[skip:]
     per_step = (kept[-1]["t"] - (kept[0]["t"] - kept[0]["duration"])) / len(kept)
     return per_step, scrapes[0], run_dir
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="unbroken-telemetry-bench-") as tmp:
-        workdir = Path(tmp)
-        rounds = []
-        last_on = None
-        for r in range(args.rounds):
-            pair = {}
-            for live in ((False, True) if r % 2 == 0 else (True, False)):
-                per_step, scrapes, run_dir = run_once(args.steps, live, workdir)
-                pair["on" if live else "off"] = per_step
-                if live:
-                    pair["scrapes"] = scrapes
-                    last_on = run_dir
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--skip", type=int, default=50, help="warm-up steps left out")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    workdir = temp_root("unbroken-telemetry-bench-")
+    rounds: list[dict] = [{} for _ in range(args.rounds)]
+    last_on: list[Path] = []
+
+    def one_run(side: str, i: int) -> float:
+        per_step, scrapes, run_dir = run_once(args.steps, args.skip, side == "on", workdir)
+        pair = rounds[i]
+        pair[side] = per_step
+        if side == "on":
+            pair["scrapes"] = scrapes
+            last_on.append(run_dir)
+        if "on" in pair and "off" in pair:  # the round's second run
             pair["ratio"] = pair["on"] / pair["off"]
-            rounds.append(pair)
-            print(f"round {r + 1}: off {1000 * pair['off']:.2f} ms/step, on "
+            print(f"round {i + 1}: off {1000 * pair['off']:.2f} ms/step, on "
                   f"{1000 * pair['on']:.2f} ms/step ({pair['scrapes']} scrapes), "
                   f"on/off {pair['ratio']:.4f}", flush=True)
-        events = read_events(last_on / "events.jsonl")
-        t0 = time.perf_counter()
-        account(events)
-        account_s = time.perf_counter() - t0
+        return per_step
+
+    alternate(["off", "on"], args.rounds, one_run)
+    events = read_events(last_on[-1] / "events.jsonl")
+    t0 = time.perf_counter()
+    account(events)
+    account_s = time.perf_counter() - t0
     ratio = statistics.median(p["ratio"] for p in rounds)
     result = {
         "metrics_overhead_pct": round(100 * (ratio - 1), 3),
@@ -114,13 +125,8 @@ def main() -> None:
     print(f"telemetry overhead: {result['metrics_overhead_pct']:+.2f}% per step "
           f"(median of {args.rounds} on/off ratios {result['ratios']}); one accounting of "
           f"{len(events)} events: {1000 * account_s:.0f} ms")
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--skip", type=int, default=50, help="warm-up steps left out")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
     main()

@@ -15,22 +15,17 @@ The last line printed is one JSON object with those figures.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
-import sys
-import tempfile
 import threading
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint import Trainer  # noqa: E402
+from checkpoint import Trainer
+from harness import alternate, emit, temp_root
 
 SIZE = 515 << 20
 CHUNK = 16 << 20
@@ -49,7 +44,7 @@ def main() -> None:
     src = np.full(SIZE, 3, dtype=np.uint8)
     chunk = mmap.mmap(-1, CHUNK)
     ring = np.frombuffer(chunk, dtype=np.uint8)
-    path = Path(tempfile.mkdtemp(dir=args.dir)) / "direct.bin"
+    path = temp_root("unbroken-write-interference-", dir=args.dir) / "direct.bin"
 
     def crc() -> None:
         for o in range(0, SIZE, PIECE):
@@ -75,27 +70,30 @@ def main() -> None:
 
     kinds = {"idle": lambda: time.sleep(0.1), "crc32": crc, "copy": copy, "crc32+copy": crc_copy,
              "o_direct_write": direct_write}
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
-    try:
-        for r in range(args.rounds):
-            for name, work in kinds.items():
-                stop, passes = threading.Event(), [0]
 
-                def loop(work=work, stop=stop, passes=passes) -> None:
-                    while not stop.is_set():
-                        work()
-                        passes[0] += 1
+    def one_kind(name: str, r: int) -> tuple[float, float]:
+        """(mean step time, passes per second) while `name`'s work runs beside the loop."""
+        work, stop, passes = kinds[name], threading.Event(), [0]
 
-                thread = threading.Thread(target=loop)
-                t0 = time.perf_counter()
-                thread.start()
-                steps = [trainer.step() for _ in range(args.steps)]
-                elapsed = time.perf_counter() - t0
-                stop.set()
-                thread.join()
-                samples[name].append((statistics.fmean(steps), passes[0] / elapsed))
-                print(f"  round {r + 1} {name:15s} step {samples[name][-1][0] * 1e3:6.1f} ms  "
-                      f"{samples[name][-1][1]:5.2f} passes/s", flush=True)
+        def loop() -> None:
+            while not stop.is_set():
+                work()
+                passes[0] += 1
+
+        thread = threading.Thread(target=loop)
+        t0 = time.perf_counter()
+        thread.start()
+        steps = [trainer.step() for _ in range(args.steps)]
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        thread.join()
+        step, rate = statistics.fmean(steps), passes[0] / elapsed
+        print(f"  round {r + 1} {name:15s} step {step * 1e3:6.1f} ms  {rate:5.2f} passes/s",
+              flush=True)
+        return step, rate
+
+    try:  # every kind in each round, in the same order
+        samples = alternate(list(kinds), args.rounds, one_kind, reverse=False)
     finally:
         path.unlink(missing_ok=True)
         path.parent.rmdir()
@@ -112,7 +110,7 @@ def main() -> None:
                      "cost_ms_per_515mb": round(cost_ms, 1) if cost_ms is not None else None}
         print(f"{name:15s} steps {slowdown:+6.1%} while it runs, {rate:5.2f} passes/s: "
               f"{cost_ms:5.1f} ms of step time per 515 MB")
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

@@ -124,38 +124,32 @@ def test_replacement_makes_the_run_bit_identical_to_a_failure_free_one(tmp_path)
     assert len(expected) == STEPS * 4
 
 
-def test_sigstop_hang_is_killed_and_recovered_in_place(tmp_path):
-    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "2",
-                    "--fault", "hang:rank=2,step=12", args=ARGS)
-    _assert_in_place(result, [("hang", 2)], replaced={2})
-    assert 0.9 <= result.events("fault")[0]["silent_for"] < 15  # the 1 s floor, loosely
-    assert [e["slot"] for e in result.events("hang_blamed")] == [2]
-
-
-def test_exception_worker_keeps_its_process_too(tmp_path):
-    """An exception is caught by the runtime: even the raising worker recovers in place."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "2",
-                    "--fault", "exception:rank=1,step=10", args=ARGS)
-    _assert_in_place(result, [("exception", 1)], replaced=set())
-    fault = result.events("fault")[0]
-    assert "InjectedFault" in fault["detail"]
-    assert "Traceback (most recent call last)" in fault["traceback"]
-    assert not result.events("replacement_started")
+def test_an_exception_a_device_error_and_a_hang_each_recover_in_place(tmp_path):
+    """Three faults in one job of 3 workers, none a full restart:
+    - rank 1 raises at step 10: the runtime catches it, and even the raising worker keeps
+      its process;
+    - rank 2 hits a sticky device error (torch.AcceleratorError) at step 20: its device
+      context is broken, so unlike a script's exception the worker exits, its agent reports
+      the death, and a fresh process takes its rank (issue 13);
+    - rank 0 is SIGSTOPped at step 30: the hang is detected, blamed on it alone, killed and
+      replaced, while the others go on in place."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3",
+                    "--quarantine-after", "0", "--fault", "exception:rank=1,step=10",
+                    "--fault", "device_error:rank=2,step=20", "--fault", "hang:rank=0,step=30",
+                    args=ARGS)
+    _assert_in_place(result, [("exception", 1), ("exception", 2), ("hang", 0)], replaced={0, 2})
+    exception, device, hang = result.events("fault")
+    assert "InjectedFault" in exception["detail"]
+    assert "Traceback (most recent call last)" in exception["traceback"]
     assert "exception" in result.output and "recovered in place" in result.output
-
-
-def test_an_error_of_the_workers_own_device_replaces_its_process(tmp_path):
-    """A sticky CUDA error (torch.AcceleratorError) leaves the worker's device context broken:
-    unlike an exception of the script, the worker exits, its agent reports the death, and a
-    fresh process takes its rank while the others go on in place (issue 13)."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "2",
-                    "--fault", "device_error:rank=1,step=10", args=ARGS)
-    _assert_in_place(result, [("exception", 1)], replaced={1})
-    fault = result.events("fault")[0]
-    assert fault["error_class"] == "own_device" and "AcceleratorError" in fault["detail"]
-    failed = result.events("step_failed")
-    assert [(e["slot"], e["error_class"]) for e in failed] == [(1, "own_device")]
-    assert [e["slot"] for e in result.events("replacement_started")] == [1]
+    assert device["error_class"] == "own_device" and "AcceleratorError" in device["detail"]
+    own_device = [(e["slot"], e["error_class"]) for e in result.events("step_failed")
+                  if e["error_class"] == "own_device"]
+    assert own_device == [(2, "own_device")]
+    replaced = [e["slot"] for e in result.events("replacement_started")]
+    assert 2 in replaced and 1 not in replaced  # the raising worker was never replaced
+    assert 0.9 <= hang["silent_for"] < 15  # the 1 s floor, loosely
+    assert [e["slot"] for e in result.events("hang_blamed")] == [0]
 
 
 def test_two_workers_killed_at_once(tmp_path):
