@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
+import pytest
 import torch
 from conftest import (
     MASTER_PORT,
@@ -53,11 +55,22 @@ def _same(a, b, where="state") -> None:
         assert a == b, where
 
 
-def test_a_spare_takes_the_failed_rank_and_the_run_stays_bit_identical(tmp_path):
-    steps = 300
-    clean = launch(tmp_path / "clean", "--nproc-per-node", "4", script=CKPT_TRAIN,
-                   args=_args(steps, str(tmp_path / "clean.pt")))
+STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def clean_4(tmp_path_factory) -> Path:
+    """The final state of a failure-free run of 4 workers, STEPS steps: what every faulty
+    4-worker run of this module must end with, bit for bit (run once for the module)."""
+    root = tmp_path_factory.mktemp("clean_4")
+    clean = launch(root / "run", "--nproc-per-node", "4", script=CKPT_TRAIN,
+                   args=_args(STEPS, str(root / "clean.pt")))
     assert clean.code == 0, clean.output
+    return root / "clean.pt"
+
+
+def test_a_spare_takes_the_failed_rank_and_the_run_stays_bit_identical(tmp_path, clean_4):
+    steps = STEPS
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc-per-node", "4", "--spares", "1", "--max-restarts", "3",
                  script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "faulty.pt")))
@@ -85,7 +98,7 @@ def test_a_spare_takes_the_failed_rank_and_the_run_stays_bit_identical(tmp_path)
     # The spare ran rank 1's steps from the recovery on, and the end state is bit-identical.
     assert {e["slot"] for e in result.events("training_done")} == {0, 1, 2, 3}
     _same(torch.load(tmp_path / "faulty.pt", weights_only=True),
-          torch.load(tmp_path / "clean.pt", weights_only=True))
+          torch.load(clean_4, weights_only=True))
 
 
 def test_a_spare_that_dies_is_replaced_and_none_is_promoted_before_it_is_ready(tmp_path):
@@ -177,15 +190,12 @@ def _standby_job(hosts, *flags: str, args: list[str]) -> list:
     return [node(0), node(1), node(2, "--standby")]
 
 
-def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, tmp_path):
+def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4):
     """Two nodes of 2 workers and a standby node, on three hosts. Node 1's agent is SIGKILLed,
     as with a lost machine: its workers die with it, the standby's warm spares take ranks 2
     and 3 in place, the world size stays 4 and the run ends bit-identical."""
     hosts = isolated_hosts
-    steps = 300
-    clean = launch(tmp_path / "clean", "--nproc-per-node", "4", script=CKPT_TRAIN,
-                   args=_args(steps, str(tmp_path / "clean.pt")))
-    assert clean.code == 0, clean.output
+    steps = STEPS
     node0, node1, node2 = (run_dir_on(hosts, k) for k in range(3))
     faulty = hosts.node_dir(0) / "faulty.pt"  # rank 0 writes it, on node 0's disk
     leader, follower, standby = _standby_job(hosts, "--max-restarts", "3", "--node-timeout", "1",
@@ -224,8 +234,7 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, tmp_path
     assert [p["world_size"] for p in plans] == [4]
     assert plans[0]["members"] == ["0.0", "1.0", assigned[2], assigned[3]]
     assert {e["slot"] for e in events_in(everyone, "training_done")} == {0, 1, 2, 3}
-    _same(torch.load(faulty, weights_only=True),
-          torch.load(tmp_path / "clean.pt", weights_only=True))
+    _same(torch.load(faulty, weights_only=True), torch.load(clean_4, weights_only=True))
 
 
 def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(isolated_hosts):
