@@ -116,7 +116,18 @@ def _kill_groups(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _run(launcher: str, case: Case, home: Path) -> Outcome:
+@dataclass
+class Started:
+    """One launcher's agents for one case, running."""
+    launcher: str
+    case: Case
+    home: Path
+    cmd: list[str]
+    procs: list[subprocess.Popen]
+    streams: list
+
+
+def _start(launcher: str, case: Case, home: Path) -> Started:
     home.mkdir(parents=True)
     out, tmp = home / "out", home / "tmp"
     out.mkdir()
@@ -127,32 +138,39 @@ def _run(launcher: str, case: Case, home: Path) -> Outcome:
     env = _base_env()
     env.update(COMPAT_OUT=str(out), COMPAT_PYTHON=sys.executable, TMPDIR=str(tmp))
     env.update({k: _fill(v, subst) for k, v in case.env.items()})
-    procs, streams = [], []
+    started = Started(launcher, case, home, cmd, [], [])
+    for i in range(case.agents):
+        so = open(home / f"agent{i}.stdout", "w+b")  # noqa: SIM115
+        se = open(home / f"agent{i}.stderr", "w+b")  # noqa: SIM115
+        started.streams += [so, se]
+        started.procs.append(subprocess.Popen(cmd, cwd=home, env=env, stdout=so, stderr=se,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+    return started
+
+
+def _wait(started: Started, deadline: float) -> Outcome:
+    """Wait for a started case's agents (killing them all at `deadline`) and read what they
+    left: exit codes, output, the workers' files."""
+    launcher, case, home, procs = started.launcher, started.case, started.home, started.procs
     try:
-        for i in range(case.agents):
-            so = open(home / f"agent{i}.stdout", "w+b")  # noqa: SIM115
-            se = open(home / f"agent{i}.stderr", "w+b")  # noqa: SIM115
-            streams += [so, se]
-            procs.append(subprocess.Popen(cmd, cwd=home, env=env, stdout=so, stderr=se,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + RUN_TIMEOUT
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _kill_groups(procs)
                 raise AssertionError(f"[{launcher}] {case.name}: not done within "
-                                     f"{RUN_TIMEOUT:.0f}s: {' '.join(cmd)}\n"
+                                     f"{RUN_TIMEOUT:.0f}s: {' '.join(started.cmd)}\n"
                                      f"{(home / 'agent0.stderr').read_text(errors='replace')[-3000:]}"
                                      ) from None
     finally:
-        for s in streams:
+        for s in started.streams:
             s.close()
     text = {name: "".join((home / f"agent{i}.{name}").read_text(errors="replace")
                           for i in range(case.agents)) for name in ("stdout", "stderr")}
+    out = home / "out"
     files = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
-    return Outcome(launcher, cmd, [p.returncode for p in procs], text["stdout"], text["stderr"],
-                   home, out, files)
+    return Outcome(launcher, started.cmd, [p.returncode for p in procs], text["stdout"],
+                   text["stderr"], home, out, files)
 
 
 def _check_exit(o: Outcome, case: Case) -> None:
@@ -305,9 +323,17 @@ def _compare(t: Outcome, u: Outcome, case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_same_outcome_as_torchrun(case: Case, tmp_path: Path) -> None:
     assert os.access(SCRIPTS / "compat_worker.sh", os.X_OK), "compat_worker.sh must be executable"
-    reference = _run("torchrun", case, tmp_path / "torchrun")
+    # Both launchers run at once, each on its own port and in its own directory: the
+    # comparison needs both outcomes, not one after the other.
+    started = [_start("torchrun", case, tmp_path / "torchrun"),
+               _start("unbroken", case, tmp_path / "unbroken")]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        reference, ours = (_wait(s, deadline) for s in started)
+    finally:
+        for s in started:
+            _kill_groups(s.procs)
     _check(reference, case)
-    ours = _run("unbroken", case, tmp_path / "unbroken")
     _check(ours, case)
     _compare(reference, ours, case)
 
