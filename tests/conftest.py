@@ -279,20 +279,23 @@ def isolated_hosts(tmp_path):
 MASTER_PORT = "29500"  # every host is a network namespace of its own: the port is free on each
 
 
-def run_dir_on(hosts, i: int) -> Path:
+def run_dir_on(hosts, i: int, run_dir: str = "run") -> Path:
     """Host i's agent's run dir (`--run-dir run`, in host i's node dir), as the test sees it."""
-    return hosts.node_dir(i) / "run"
+    return hosts.node_dir(i) / run_dir
 
 
 def start_on(hosts, i: int, *flags: str, script: Path | str = EXAMPLE,
              args: list[str] | None = None, shared=(), env: dict[str, str] | None = None,
-             ) -> subprocess.Popen:
-    """`start` on host i of `hosts` (tests/netns.py): `unbroken run --run-dir run` from host
-    i's own dir, seeing of the hosts' root only its node dir and the `shared` dirs."""
-    cmd = unbroken_cmd("run", "--run-dir", "run", *flags, str(script), *(args or []))
-    return hosts.agent(i, cmd, shared=shared, env=env)
+             run_dir: str = "run") -> subprocess.Popen:
+    """`start` on host i of `hosts` (tests/netns.py): `unbroken run --run-dir RUN_DIR` from
+    host i's own dir, seeing of the hosts' root only its node dir and the `shared` dirs. A
+    second agent on the same host takes another `run_dir` (its output: agent-RUN_DIR.out)."""
+    cmd = unbroken_cmd("run", "--run-dir", run_dir, *flags, str(script), *(args or []))
+    output = "agent.out" if run_dir == "run" else f"agent-{run_dir}.out"
+    return hosts.agent(i, cmd, shared=shared, env=env, output=output)
 
 
-def finish_on(hosts, i: int, proc: subprocess.Popen, timeout: float = 240) -> Launched:
+def finish_on(hosts, i: int, proc: subprocess.Popen, timeout: float = 240,
+              run_dir: str = "run") -> Launched:
     """`finish` for an agent `start_on` started on host i: its output, its own run dir."""
-    return finish(proc, run_dir_on(hosts, i), timeout)
+    return finish(proc, run_dir_on(hosts, i, run_dir), timeout)

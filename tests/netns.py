@@ -340,12 +340,12 @@ class Hosts:
                               capture_output=True, text=True, timeout=timeout)
 
     def agent(self, i: int, argv: list[str], *, shared: Iterable[Path | str] = (),
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+              env: dict[str, str] | None = None, output: str = "agent.out") -> subprocess.Popen:
         """popen argv on host i in node_dir(i), its output (both streams) in
-        node_dir(i)/agent.out, kept open as `proc.output_file` for conftest's `finish`;
+        node_dir(i)/`output`, kept open as `proc.output_file` for conftest's `finish`;
         GLOO_SOCKET_IFNAME=eth0 (each host's own address, for gloo) and `env` added to
         this process's environment."""
-        out = open(self.node_dir(i) / "agent.out", "w+b")  # noqa: SIM115 - closed by finish()
+        out = open(self.node_dir(i) / output, "w+b")  # noqa: SIM115 - closed by finish()
         try:
             proc = self.popen(i, argv, shared=shared, stdout=out, stderr=subprocess.STDOUT,
                               cwd=self.node_dir(i),

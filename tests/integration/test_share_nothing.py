@@ -5,9 +5,10 @@ wrote fails. Only where a test says so do the nodes share a checkpoint volume.
 
 What is shown: torchrun's own two-node command lines (static and c10d) under both launchers
 with no secret; a node with another secret leaves alone and the job finishes; a node-local
-checkpoint_dir is named at the first save and nothing is committed; a master name that
-resolves 5 s late; SIGTERM to a training node's agent hands its ranks to a standby node in
-place; `unbroken drain` from another host after a leader failover, on etcd.
+checkpoint_dir is named at the first save and nothing is committed, and `unbroken drain
+RUN_DIR` works from a follower's host; a master name that resolves 5 s late; SIGTERM to a
+training node's agent hands its ranks to a standby node in place; `unbroken drain` from
+another host after a leader failover, on etcd.
 """
 
 from __future__ import annotations
@@ -54,14 +55,17 @@ def _events(hosts, i: int, name: str) -> list[dict]:
 
 
 def _unbroken(hosts, i: int, *flags: str, steps: int = 20, script_args: tuple[str, ...] = (),
-              env: dict[str, str] | None = None, shared=()) -> subprocess.Popen:
+              env: dict[str, str] | None = None, shared=(), run_dir: str = "run",
+              ) -> subprocess.Popen:
     """`unbroken run` on host i, from its own directory, with its own run dir."""
     return start_on(hosts, i, "--nproc-per-node", "1", "--rdzv-timeout", "60", *flags,
-                    args=_train(steps, *script_args)[1:], env=env, shared=shared)
+                    args=_train(steps, *script_args)[1:], env=env, shared=shared,
+                    run_dir=run_dir)
 
 
-def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180) -> Launched:
-    return finish_on(hosts, i, proc, timeout)
+def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180,
+          run_dir: str = "run") -> Launched:
+    return finish_on(hosts, i, proc, timeout, run_dir)
 
 
 def _static(hosts, k: int) -> list[str]:
@@ -117,16 +121,17 @@ def test_torchruns_two_node_command_lines_run_under_both_launchers(isolated_host
 def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_hosts):
     hosts = isolated_hosts
     job, other = {"UNBROKEN_SECRET": "ab" * 32}, {"UNBROKEN_SECRET": "cd" * 32}
-    slow = ("--step-sleep", "0.05")  # the job runs for 40 s or more: the intruders meet it
-    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=800, env=job, script_args=slow)
-    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=800, env=job, script_args=slow)
+    slow = ("--step-sleep", "0.05")  # the job runs for 25 s or more: the intruders meet it
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=500, env=job, script_args=slow)
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=500, env=job, script_args=slow)
     wait_for(lambda: _events(hosts, 0, "step"), 120, "training to start")
-    intruders = []
-    for secret in (other, {"UNBROKEN_SECRET": ""}):  # another secret; none while the job signs
-        t0 = time.monotonic()
-        proc = _unbroken(hosts, 2, *_static(hosts, 1), steps=800, env=secret)
-        r = _done(hosts, 2, proc, timeout=60)
-        intruders.append((r, time.monotonic() - t0))
+    # Both at once, from host 2: another secret; none while the job signs.
+    t0 = time.monotonic()
+    procs = [_unbroken(hosts, 2, *_static(hosts, 1), steps=500, env=secret, run_dir=f"run{i}")
+             for i, secret in enumerate((other, {"UNBROKEN_SECRET": ""}))]
+    intruders = [(_done(hosts, 2, proc, timeout=60, run_dir=f"run{i}"), time.monotonic() - t0)
+                 for i, proc in enumerate(procs)]
+    assert all(p.poll() is None for p in (a0, a1)), "the job ended before the intruders met it"
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
     assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
     for (r, took), said in zip(intruders, ("secret differs from the job's", "has no secret"),
@@ -140,24 +145,6 @@ def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_h
     assert len(rejected) == 2, r0.events("agent_rejected")
     assert not r0.events("fault") and not r0.events("forged_message")
     assert UNSIGNED not in r0.output + r1.output
-
-
-def test_a_node_local_checkpoint_dir_is_named_at_the_first_save_and_nothing_is_committed(
-        isolated_hosts):
-    hosts = isolated_hosts
-    ckpt = ("--checkpoint-dir", "ckpt", "--checkpoint-every", "5")  # relative: each host's own
-    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=30, script_args=ckpt)
-    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=30, script_args=ckpt)
-    r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
-    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output  # training goes on
-    said = [line for line in r0.output.splitlines() if "is not shared" in line]
-    assert len(said) == 1, r0.output  # one line, once per job, not once per save
-    assert "storage every node can see" in said[0]
-    for k in (0, 1):
-        committed = [p for p in (hosts.node_dir(k) / "ckpt").glob("*")
-                     if not p.name.startswith(".")]
-        assert committed == [], committed
-    assert not [e for e in r0.events("checkpoint_saved")]
 
 
 def test_a_master_name_that_resolves_five_seconds_late_is_waited_for(isolated_hosts):
@@ -234,22 +221,36 @@ def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts)
     assert max(steps) == 599
 
 
-def test_drain_by_run_dir_works_on_any_nodes_host(isolated_hosts, tmp_path):
-    """Every agent writes its control file: `unbroken drain RUN_DIR` on a follower's host
-    (node 0's disk is not there) finds the job."""
+def test_drain_by_run_dir_on_a_followers_host_and_a_node_local_checkpoint_dir(isolated_hosts):
+    """Two nodes, node 1 with a spare, given the same relative checkpoint_dir `ckpt`: the
+    same string names a different disk on each host.
+    - Every agent writes its control file: `unbroken drain RUN_DIR` on a follower's host
+      (node 0's disk is not there) finds the job, and moves rank 1 onto a spare.
+    - The checkpoint_dir is named at the first save as not shared, in one line, once per job;
+      nothing is committed on either disk, and training goes on to the end."""
     hosts = isolated_hosts
-    flags = lambda k: (*_static(hosts, k), "--spares", "1")  # noqa: E731
-    slow = ("--step-sleep", "0.05")  # long enough for the spare to warm up
-    a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow)
-    a1 = _unbroken(hosts, 1, *flags(1), steps=600, script_args=slow)
+    # Long enough for the spare to warm up; checkpoints every 5 steps to each host's own disk.
+    args = ("--step-sleep", "0.05", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5")
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=600, script_args=args)
+    # The spare on node 1 only: rank 1 stays on host 1, away from rank 0's disk.
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), "--spares", "1", steps=600, script_args=args)
     wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
     wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
     run_dir = Path(hosts.node_dir(1)) / "run"
     drain = hosts.run(1, unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"), 90)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
-    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
+    assert (r0.code, r1.code) == (0, 0), r0.output + r1.output  # training goes on
     assert [e["request"] for e in r0.events("drain_started")] == [{"slot": 1}]
+    said = [line for line in r0.output.splitlines() if "is not shared" in line]
+    assert len(said) == 1, r0.output  # one line, once per job, not once per save
+    assert "storage every node can see" in said[0]
+    for k in (0, 1):
+        committed = [p for p in (hosts.node_dir(k) / "ckpt").glob("*")
+                     if not p.name.startswith(".")]
+        assert committed == [], committed
+    assert not r0.events("checkpoint_saved")
+    assert max(e["step"] for e in r0.events("step")) == 599
 
 
 def test_sigterm_to_a_standby_node_that_holds_no_rank_restarts_nothing(isolated_hosts):
