@@ -91,20 +91,8 @@ def _one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) 
         assert needle in lines[0], lines[0]
 
 
-def test_bad_input_gets_one_clear_line(tmp_path):
-    _one_line_error(_cli("run", "--no-such-flag", str(EXAMPLE)), 2, "--no-such-flag")
-    _one_line_error(_cli("run", str(tmp_path / "missing.py")), 2, "script not found", "missing.py")
-    _one_line_error(_cli("run", "--nproc-per-node", "0", str(EXAMPLE)), 2, "at least 1")
-    _one_line_error(_cli("run", "--nnodes", "2", "--node-rank", "2", str(EXAMPLE)), 2, "--node-rank")
-    _one_line_error(_cli("run", "--fault", "explode:rank=0,step=1", str(EXAMPLE)), 2, "explode")
-    _one_line_error(_cli("run", "--nnodes", "4:1", str(EXAMPLE)), 2, "--nnodes", "MIN")
-    _one_line_error(_cli("run", "--tee", "0:7", str(EXAMPLE)), 2, "--tee")
-    _one_line_error(_cli("report", str(tmp_path)), 2, "no event log")
-    _one_line_error(_cli("run", "--standby", "--nnodes", "2", "--node-rank", "1", str(EXAMPLE)), 2,
-                    "--standby", "--node-rank of 2 or more")
-    _one_line_error(_cli("drain", str(tmp_path), "--rank", "1"), 2, "control.json not found")
-    _one_line_error(_cli("drain", "--rank", "1"), 2, "give the job's --rdzv-endpoint")
-    _one_line_error(_cli("drain", str(tmp_path)), 2, "one of the arguments --rank --node")
+def test_a_drain_that_cannot_reach_its_job_is_one_line_and_exit_3():
+    """(Every mistake found before anything starts: tests/unit/test_cli_errors.py.)"""
     port = free_port()  # nobody listens there
     _one_line_error(_cli("drain", "--master-port", str(port), "--rdzv-id", "x", "--rank", "0"),
                     3, "cannot reach")
