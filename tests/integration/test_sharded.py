@@ -12,9 +12,10 @@ import os
 import signal
 
 import torch
-from conftest import SCRIPTS, events_of, finish, launch, start, wait_for
+from conftest import REPO, SCRIPTS, events_of, finish, launch, start, wait_for
 
 FSDP_TRAIN = SCRIPTS / "fsdp_train.py"
+FSDP2_EXAMPLE = REPO / "examples" / "fsdp2" / "train.py"
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -99,11 +100,14 @@ def test_a_shard_and_its_buddy_both_killed_fall_back_to_the_storage_checkpoint(t
     """Ranks 1 and 2 die together; 2 held the only other copy of shard 1. No step has
     every shard: the members say why, and the job restarts from the storage checkpoint."""
     ckpt = tmp_path / "ckpt"
+    # The user's FSDP2 example (examples/fsdp2), tiny: its sharded checkpoints are restored.
     result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "3",
                     "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=12",
-                    script=FSDP_TRAIN, timeout=300,
+                    script=FSDP2_EXAMPLE, timeout=300,
                     args=["--steps", "20", "--step-sleep", "0.05", "--snapshot-every", "5",
-                          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"])
+                          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+                          "--vocab", "16", "--dim", "16", "--heads", "2", "--layers", "1",
+                          "--seq", "8", "--global-batch", "4", "--print-every", "1000"])
     assert result.code == 0, result.output
     (fallback,) = result.events("recovery_fallback")
     assert "shard(s) [1] have no copy left" in fallback["reason"], fallback
