@@ -390,13 +390,19 @@ class Checkpointer:
         self.schedule.reset(step, interval)
 
     # ------------------------------------------------------------------ loading
-    def load_latest(self, state: dict[str, Any]) -> int | None:
-        """Load the newest intact checkpoint into `state` in place; its step, or None if none."""
+    def load_latest(self, state: dict[str, Any] | Callable[[], dict[str, Any]]) -> int | None:
+        """Load the newest intact checkpoint into `state` in place; its step, or None if none.
+
+        `state` may be a function that builds the state dict: it is called only once a
+        checkpoint is chosen. Building an optimizer's state dict initialises a fresh
+        optimizer's state (DCP takes a zero-learning-rate step, which counts), so a job with
+        nothing to load must not build it, or it would train differently from the same job
+        without a checkpoint_dir."""
         t0 = time.monotonic()
         path = choose(self.directory, self.rank, self.control_group, self.record)
         if path is None:
             return None
-        load_into(state, path, self.group)
+        load_into(state() if callable(state) else state, path, self.group)
         step = int(path.name.removeprefix("step_"))
         self.schedule.reset(step)
         self._loaded_step = step

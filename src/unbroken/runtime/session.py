@@ -310,10 +310,14 @@ class Run:
         if self._checkpointer is None:
             return
         self._stamp(self.step, PHASE_CHECKPOINT)
-        state = self.state_dict()
-        loaded = self._checkpointer.load_latest(state)
-        if loaded is not None:
-            self._restore(state)
+        built: list[dict[str, Any]] = []  # the state, built only if there is one to load
+
+        def build() -> dict[str, Any]:
+            built.append(self.state_dict())
+            return built[0]
+
+        if self._checkpointer.load_latest(build) is not None:
+            self._restore(built[0])
         self._stamp(self.step, PHASE_TRAINING)
 
     # ------------------------------------------------------------------ the loop
