@@ -34,7 +34,7 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo test test-fast coverage lint
 install: $(BIN)/unbroken $(ETCD) $(IP) $(CHROMIUM)
 
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
@@ -49,6 +49,13 @@ test: install
 
 test-fast: $(BIN)/unbroken
 	$(BIN)/pytest -q tests/unit
+
+# Line coverage of both tiers, every process included (slower than `make test`).
+coverage: install
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/pytest -q --cov --cov-report= tests/unit tests/integration
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/coverage combine -q
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/coverage report
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import EXAMPLE, REPO, alive, processes_mentioning, wait_for
 
 
@@ -21,7 +20,6 @@ def _cmdline(pid: int) -> str:
         return "(gone)"
 
 
-@pytest.mark.slow
 def test_a_benchmark_stopped_by_sigterm_leaves_no_process(tmp_path):
     """recovery.py at its smallest; once an arm's launcher and both its workers run, SIGTERM
     the benchmark: within 60 s it has exited 143 and no process that mentions its temp root
