@@ -25,14 +25,6 @@ from unbroken.checkpoint.manifest import verify_manifest
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 
 
-
-
-
-
-
-
-
-
 def test_a_deferred_save_is_retried_and_never_waited_for(tmp_path):
     """A save due while the last is still being written is deferred (not waited for) and
     retried after 1, 2, 4, 8 steps."""
@@ -237,4 +229,3 @@ def test_a_save_still_writing_when_a_generation_forms_is_abandoned_not_waited_fo
     time.sleep(0.5)
     assert [name for name, _ in events].count("checkpoint_failed") == 1
     assert 2 in [s for s, _ in committed_checkpoints(tmp_path / "ckpt")]
-

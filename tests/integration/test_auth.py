@@ -12,4 +12,3 @@ def test_endpoint_hosts_and_names_that_do_not_resolve():
     assert unresolved(["127.0.0.1", "localhost"]) == []
     assert unresolved(["no-such-host.invalid"]) == ["no-such-host.invalid"]
     assert address_toward("127.0.0.1:2379") == "127.0.0.1"
-

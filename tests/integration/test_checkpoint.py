@@ -22,4 +22,3 @@ def test_restart_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(tmp_pa
     assert invalid and invalid[0]["step"] == 15
     assert {e["step"] for e in second.events("resume")} == {kept[1]}
     assert sorted({e["step"] for e in second.events("step")}) == list(range(kept[1], 20))
-

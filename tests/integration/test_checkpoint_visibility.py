@@ -28,10 +28,6 @@ CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 LINE = "is not shared: rank 0 cannot see"
 
 
-
-
-
-
 def test_other_ranks_files_unseen_is_not_shared_own_files_unseen_is_a_failed_save(tmp_path):
     write_file(tmp_path, "__0_0.distcp", 10)
     reports = file_reports({"__0_0.distcp": 10}, {"__1_0.distcp": 4}, {"__2_0.distcp": 4, "b": 1})
@@ -97,4 +93,3 @@ def test_node_local_checkpoint_dirs_are_refused_once_said_and_training_finishes(
         assert committed_checkpoints(ckpt) == [], node
         assert choose(ckpt, 0, None, lambda *a, **k: None) is None  # nothing a loader takes
         assert not list(ckpt.glob(".tmp-*")), f"{node}: a refused save was left behind"
-

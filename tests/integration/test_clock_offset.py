@@ -35,4 +35,3 @@ def test_two_nodes_each_log_their_clock_offset(isolated_hosts):
     merged = load_events(run_dirs)
     assert sum(e["event"] == "clock_offset" for e in merged) == 2
     assert any(e["event"] == "step" for e in merged)
-

@@ -150,4 +150,3 @@ def test_signed_messages_reject_forgeries_and_replays(channel):
     channel.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0))
     signed.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=1))
     assert [d and d.rank for d in signed.entries(keys.deaths, 0)] == [None, 1]
-

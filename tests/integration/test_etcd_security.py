@@ -253,4 +253,3 @@ def test_get_many_reads_hundreds_of_keys_in_order(auth):
         backend.set(keys[i], str(i))
     assert backend.get_many(keys) == [str(i) if i % 3 == 0 else None for i in range(300)]
     assert backend.get_many([]) == []
-

@@ -241,4 +241,3 @@ def test_a_full_disk_under_the_run_dir_does_not_stop_training(tmp_path, small_tm
     steps_logged = {e["step"] for e in result.events("step")}
     assert before <= steps_logged and steps - 1 not in steps_logged  # the end was dropped
     assert not result.events("agent_exit")
-

@@ -56,4 +56,3 @@ def test_a_straggler_and_a_crash_are_charged_to_their_categories(tmp_path):
     assert charged == pytest.approx(window, rel=0.01)
     assert crash["cost_s"]["infrastructure_recovery"] > 0
     assert {"program_startup", "checkpoint_restore"} <= set(crash["cost_s"])
-

@@ -29,8 +29,6 @@ needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (`make install` installs Debian's chromium)")
 
 
-
-
 EVIL = "<script>alert('x')</script>&\"quoted\""
 
 
@@ -208,8 +206,6 @@ def browse(page: Path, tmp_path: Path, *flags: str, timeout: float = 90) -> str:
     return out.decode()
 
 
-
-
 def assert_self_contained(text: str) -> None:
     refs = re.findall(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", text, re.I)
     assert not refs, refs
@@ -271,4 +267,3 @@ def test_a_plain_script_report_says_what_is_unknown_and_loads(tmp_path):
     dom = browse(broken, tmp_path, "--dump-dom")
     assert title_of(dom).startswith(f"unbroken report: broken (1 of {n} plots did not load: "
                                     "Timeline per rank"), title_of(dom)
-

@@ -336,4 +336,3 @@ def test_same_outcome_as_torchrun(case: Case, tmp_path: Path) -> None:
     _check(reference, case)
     _check(ours, case)
     _compare(reference, ours, case)
-

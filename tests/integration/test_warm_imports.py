@@ -86,4 +86,3 @@ def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
     names = json.loads((run_dir / "node_0" / MODULES_FILE).read_text())["modules"]
     assert "networkx" in names
     assert "plain_imports_local" not in names and "__main__" not in names
-

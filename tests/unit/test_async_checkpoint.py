@@ -177,4 +177,3 @@ def test_a_snapshot_that_cannot_be_taken_is_reported_and_training_goes_on(tmp_pa
     assert failed and "lock" in failed[0]["error"].lower()
     assert ckpt.start(state_of(model, optimizer), step=2) and ckpt.wait(30)  # the next one works
     assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2]
-

@@ -56,4 +56,3 @@ def test_drain_finds_the_control_plane_from_flags_or_this_hosts_control_file(tmp
         find_store(DrainTarget(backend="etcd", run_id="job"))
     with pytest.raises(UserError, match="give the job's --rdzv-endpoint"):
         find_store(DrainTarget(endpoint="node0:29400"))
-

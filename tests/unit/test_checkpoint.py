@@ -144,4 +144,3 @@ def test_hostile_value_in_a_data_file_is_refused_not_executed(tmp_path):
     state["unbroken"]["note"] = 0.5  # plain data loads fine
     ckpt.save(state, 11)
     assert ckpt.load_latest(plain) == 11 and plain["unbroken"]["note"] == 0.5
-

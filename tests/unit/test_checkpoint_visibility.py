@@ -36,4 +36,3 @@ def test_a_missing_file_and_one_of_another_size_are_unseen(tmp_path):
     write_file(tmp_path, "__2_0.distcp", 5)  # shown late, as a slow shared filesystem might
     assert still_unseen(tmp_path, unseen) == [Unseen(1, "__1_0.distcp", 12, 7)]
     assert list(p.name for p in tmp_path.iterdir()).count("__1_0.distcp") == 1  # nothing changed
-

@@ -64,4 +64,3 @@ def test_a_dir_one_node_wrote_moves_by_that_nodes_offset_whatever_node_its_event
     assert merged[("fault", 1)] == 101.0  # the leader's clock already
     assert merged[("agent_start", 1)] == 100.0 and merged[("clock_offset", 1)] == 101.0
     assert merged[("agent_start", 0)] == 100.0
-

@@ -91,4 +91,3 @@ def test_every_event_name_is_declared_once_and_documented():
     assert documented == {e.value for e in Event}
     literal = re.compile(r"""\b(emit|record)\(\s*["']""")
     assert [p.name for p in SRC.rglob("*.py") if literal.search(p.read_text())] == []
-

@@ -15,4 +15,3 @@ def test_an_unreadable_tls_file_is_one_line_at_construction(tmp_path):
     with pytest.raises(StoreUnavailable, match=r"^cannot load etcd's CA from --etcd-cacert "
                        r".*nope\.pem: No such file or directory$"):
         EtcdBackend(["127.0.0.1:1"], "r", cacert=str(tmp_path / "nope.pem"))
-

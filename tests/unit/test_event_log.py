@@ -95,4 +95,3 @@ def test_a_failing_write_drops_and_counts_and_says_so_once(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["unbroken: event log /dev/full: No space left on device; " + DROP_NOTICE,
                    "unbroken: 5 event(s) could not be written to /dev/full (disk full?)"]
-

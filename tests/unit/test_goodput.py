@@ -113,4 +113,3 @@ def test_clock_offsets_move_a_nodes_events_onto_the_leaders_clock(tmp_path):
     ev = load_events([a, b, a])  # a dir given twice counts once
     assert [(e["event"], e["node"], e["t"]) for e in ev] == [
         ("clock_offset", 1, 9.0), ("agent_start", 0, 10.0), ("agent_start", 1, 11.0)]
-

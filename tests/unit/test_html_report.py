@@ -23,8 +23,6 @@ def bare_report() -> dict:
             "checkpoints": [], "steps": [], "spares": [], "timeline": []}
 
 
-
-
 def test_an_empty_report_renders_notes_instead_of_plots(tmp_path):
     text = write_html(bare_report(), tmp_path / "report.html").read_text()
     assert plots_in(tmp_path / "report.html") == 0
@@ -37,4 +35,3 @@ def test_without_matplotlib_it_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"pip install 'unbroken\[report\]'"):
         write_html(bare_report(), tmp_path / "report.html")
     assert not (tmp_path / "report.html").exists()
-

@@ -21,4 +21,3 @@ from unit.conftest import NotInUnitTier
 def test_what_a_unit_test_must_not_do_raises(act):
     with pytest.raises(NotInUnitTier, match="move it to tests/integration"):
         act()
-

@@ -125,4 +125,3 @@ def test_every_pet_variable_sets_its_flag(option: str, action: argparse.Action, 
     no_pet.setenv(f"PET_{action.dest.upper()}", value[0] if value else "1")
     by_env = vars(_build_parser().parse_args(["run", "train.py"]))
     assert by_env == by_flag, f"PET_{action.dest.upper()} differs from {option}"
-

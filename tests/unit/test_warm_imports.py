@@ -34,4 +34,3 @@ def test_a_module_whose_import_is_an_action_is_never_a_valid_name():
     assert valid_name("json.decoder") and valid_name("networkx")
     for name in ("unittest.__main__", "__main__", "antigravity", "this", "a..b", "", 7):
         assert not valid_name(name), name
-
