@@ -1,8 +1,6 @@
-"""Async checkpoints: a consistent snapshot, a background persist, and every fault it meets.
-
-The in-process tests use real threads, real DCP writes and a real optimizer; the job tests
-launch real workers and inflict real faults: a SIGKILL mid-write, a writer that raises, a
-writer that stalls, a full filesystem (a small tmpfs), and resharding under FSDP2.
+"""Async checkpoints in process: a consistent snapshot taken at start, a background persist
+with real threads, real DCP writes and a real optimizer, the interval and retention rules.
+(Real workers and real faults mid-write: tests/integration/test_async_checkpoint.py.)
 """
 
 from __future__ import annotations

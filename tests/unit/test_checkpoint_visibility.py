@@ -1,11 +1,6 @@
-"""A checkpoint_dir that is not shared by every node is refused before the first commit.
-
-Rank 0 commits a checkpoint by renaming its own temporary directory; on each host's own disk
-at the same path (a pod's emptyDir) that directory holds only its node's ranks' files, and
-every save would "succeed" until the restart that needs one. The unit tests exercise the
-decision (`unseen_files`) on a real directory; the job test runs two real agents as two
-nodes, each in a working directory of its own, given the same relative checkpoint_dir
-`ckpt`: the same string names a different disk on each node, as on two hosts.
+"""A checkpoint_dir that is not shared by every node is refused before the first commit:
+the decision (`unseen_files`, `still_unseen`) on a real directory. (Two real agents on
+their own disks, and the look-again delays: tests/integration/test_checkpoint_visibility.py.)
 """
 
 from __future__ import annotations

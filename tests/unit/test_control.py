@@ -1,5 +1,7 @@
-"""The control package: typed messages over a real TCPStore on loopback, and the rules that
-keep the protocol in one place (no key built outside the schema, no arrow running back up)."""
+"""The control package's rules, in process: message types and codecs, and the rules that
+keep the protocol in one place (no key built outside the schema, no arrow running back up,
+every event declared once and documented). (Real stores: tests/integration/test_control.py.)
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The etcd backend against a real etcd with TLS (client certificates required) and with user
-authentication: the protocol works through both, every wrong setting is one line that says
-what to fix (and never shows a secret), and the two bulk calls (`get_many`, `delete_prefix`)
-do what the agents rely on."""
+"""The etcd backend's security settings, checked before any request: what is refused and
+the one line it says. (A real etcd with TLS and users: tests/integration/test_etcd_security.py.)
+"""
 
 from __future__ import annotations
 

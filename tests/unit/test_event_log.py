@@ -1,6 +1,7 @@
-"""The event log is safe and bounded: a full disk drops (and counts) events but never stops
-training; the log rotates past its size bound, safely under concurrent writers; readers read
-the rotated files as one log. Real processes and a real full file system, no mocks."""
+"""The event log, in process: a full disk drops (and counts) events but never raises, and
+readers read the rotated files as one log. (Concurrent writers in real processes, forks
+and a real full file system: tests/integration/test_event_log.py.)
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Goodput accounting (`telemetry.goodput`): the sweep's rules on hand-made events (no
-processes), then a real run with a 2 s straggler and a crash that restarts every worker,
-whose report is checked against its own event log."""
+"""Goodput accounting (`telemetry.goodput`): the sweep's rules on hand-made events, no
+processes. (A real run with a straggler and a crash: tests/integration/test_goodput.py.)
+"""
 
 from __future__ import annotations
 

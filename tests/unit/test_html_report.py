@@ -1,8 +1,5 @@
-"""`unbroken report --html`: the page is self-contained, escapes what events say, and every
-plot loads in a real browser (headless Chromium; `make install` installs it).
-
-UNBROKEN_REPORT_SCREENSHOT=PATH copies the sample report's screenshot to PATH (how
-docs/img/report.png was made).
+"""`unbroken report --html`, in process: the page is self-contained and escapes what events
+say. (Every plot loaded in a real headless Chromium: tests/integration/test_html_report.py.)
 """
 
 from __future__ import annotations
