@@ -27,7 +27,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "said"), CASES, ids=[" ".join(a[:3]) for a, _ in CASES])
+@pytest.mark.parametrize(("argv", "said"), CASES, ids=[" ".join("train.py" if x == E else x for x in a[:3]) for a, _ in CASES])
 def test_bad_input_gets_one_clear_line_and_exit_2(argv, said, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a default run dir would land here
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
