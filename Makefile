@@ -50,12 +50,11 @@ test: install
 test-fast: $(BIN)/unbroken
 	$(BIN)/pytest -q tests/unit
 
-# Line coverage of both tiers, every process included (slower than `make test`).
+# Line coverage of both tiers, every process included (slower than `make test`); pytest-cov
+# combines each process's data file into .coverage-data/cov at the end.
 coverage: install
 	rm -rf .coverage-data && mkdir -p .coverage-data
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/pytest -q --cov --cov-report= tests/unit tests/integration
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/coverage combine -q
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/coverage report
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/pytest -q --cov --cov-report=term tests/unit tests/integration
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples
