@@ -104,18 +104,24 @@ def _committed_data(result) -> dict[tuple[int, int], int]:
     return data
 
 
-def test_replacement_makes_the_run_bit_identical_to_a_failure_free_one(tmp_path):
-    """World size restored by a replacement (--on-fault wait): same final model and optimizer
-    state, bit for bit, as without the fault, and every step's data seen exactly once."""
+def test_replacements_make_the_run_bit_identical_even_when_the_state_sender_dies(tmp_path):
+    """World size restored by replacements (--on-fault wait): rank 1 dies at step 15, and
+    rank 0, about to send the state to its replacement, dies too; another holder sends it.
+    Same final model and optimizer state, bit for bit, as without the faults, and every
+    step's data seen exactly once."""
     clean = launch(tmp_path / "clean", "--nproc-per-node", "4",
                    args=[*ARGS, "--exact", "--final-state", str(tmp_path / "clean.pt")])
     assert clean.code == 0, clean.output
-    faulty = launch(tmp_path / "faulty", "--nproc-per-node", "4", "--max-restarts", "2",
+    faulty = launch(tmp_path / "faulty", "--nproc-per-node", "4", "--max-restarts", "3",
                     "--on-fault", "wait", "--fault", "crash:rank=1,step=15",
+                    "--fault", "crash:rank=0,step=0,at=send",
                     args=[*ARGS, "--exact", "--final-state", str(tmp_path / "faulty.pt")])
-    _assert_in_place(faulty, [("crash", 1)], replaced={1})
-    # The replacement took slot 1 with state sent by a peer, never shrinking the world.
+    _assert_in_place(faulty, [("crash", 1), ("crash", 0)], replaced={0, 1})
+    # The replacements took their slots with state sent by a live peer, never shrinking
+    # the world.
     assert {e["world_size"] for e in faulty.events("gen_plan")} == {4}
+    sent = [e for e in faulty.events("gen_switch") if e["received_bytes"] > 0]
+    assert sent and all(e["state_from"] is not None for e in sent)
     got = [e for e in faulty.events("gen_switch") if e["reason"] == "replacement"]
     assert got and got[0]["received_bytes"] > 0 and got[0]["state_from"] is not None
     _assert_bit_identical(_state(tmp_path / "clean.pt"), _state(tmp_path / "faulty.pt"))
@@ -178,16 +184,6 @@ def test_kill_during_a_recovery(tmp_path):
     assert injected and injected[0]["rank"] == 2
     # The survivors went through more than one plan before a generation held.
     assert len(result.events("gen_plan")) >= 2
-
-
-def test_kill_of_the_state_sender_another_holder_sends(tmp_path):
-    """The rank about to send state to the replacement dies; another holder sends it."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "3",
-                    "--on-fault", "wait", "--fault", "crash:rank=1,step=12",
-                    "--fault", "crash:rank=0,step=0,at=send", args=ARGS)
-    _assert_in_place(result, [("crash", 1), ("crash", 0)], replaced={0, 1})
-    sent = [e for e in result.events("gen_switch") if e["received_bytes"] > 0]
-    assert sent and all(e["state_from"] is not None for e in sent)
 
 
 def test_fallback_to_full_restart_when_no_holder_is_left(tmp_path):
