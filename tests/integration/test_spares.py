@@ -40,6 +40,12 @@ def _args(steps: int, final: str) -> list[str]:
     return ["--steps", str(steps), "--step-sleep", "0.05", "--exact", "--full-state", final]
 
 
+def _paced(fast: Path) -> list[str]:
+    """Steps of 50 ms (a spare warms up at idle priority beside the workers) until the test
+    creates `fast`, having seen what it waited for; then the job runs out at full speed."""
+    return ["--step-sleep", "0.05", "--sleep-until", str(fast)]
+
+
 def _pid(run_dir, rank: int) -> int:
     return events_of(run_dir, "workers_started")[0]["pids"][str(rank)]
 
@@ -71,12 +77,15 @@ def clean_4(tmp_path_factory) -> Path:
 
 def test_a_spare_takes_the_failed_rank_and_the_run_stays_bit_identical(tmp_path, clean_4):
     steps = STEPS
-    run_dir = tmp_path / "run"
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
     proc = start(run_dir, "--nproc-per-node", "4", "--spares", "1", "--max-restarts", "3",
-                 script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "faulty.pt")))
+                 script=CKPT_TRAIN,
+                 args=[*_args(steps, str(tmp_path / "faulty.pt")), "--sleep-until", str(fast)])
     ready = wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to warm up")
     victim = _pid(run_dir, 1)
     os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(events_of(run_dir, "spare_started")) >= 2, 60, "the pool refilled")
+    fast.touch()
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
 
@@ -104,14 +113,16 @@ def test_a_spare_takes_the_failed_rank_and_the_run_stays_bit_identical(tmp_path,
 def test_a_spare_that_dies_is_replaced_and_none_is_promoted_before_it_is_ready(tmp_path):
     """The spare is SIGKILLed while it warms up (a new one is started), and a worker dies
     before the new spare is ready: the survivors shrink in place, as without spares."""
-    run_dir = tmp_path / "run"
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
     proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "3",
-                 script=CKPT_TRAIN, args=["--steps", "400", "--step-sleep", "0.05"])
+                 script=CKPT_TRAIN, args=["--steps", "400", *_paced(fast)])
     first = wait_for(lambda: events_of(run_dir, "spare_started"), 120, "a spare to start")
     os.kill(first[0]["pid"], signal.SIGKILL)
     wait_for(lambda: len(events_of(run_dir, "spare_started")) >= 2, 60, "a new spare")
     assert not events_of(run_dir, "spare_ready")
     os.kill(_pid(run_dir, 1), signal.SIGKILL)
+    wait_for(lambda: events_of(run_dir, "gen_up"), 60, "the shrunk generation")
+    fast.touch()  # seen: the rest of the job may run at full speed
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
     lost = result.events("spare_lost")
@@ -123,15 +134,17 @@ def test_a_spare_that_dies_is_replaced_and_none_is_promoted_before_it_is_ready(t
 
 
 def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
     proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "3",
-                 script=CKPT_TRAIN, args=["--steps", "500", "--step-sleep", "0.05"])
+                 script=CKPT_TRAIN, args=["--steps", "500", *_paced(fast)])
     wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to warm up")
     os.kill(_pid(run_dir, 1), signal.SIGKILL)
     promoted = wait_for(lambda: [e for e in events_of(run_dir, "spare_promoted")
                                  if e["source"] == "agent"], 60, "the promotion")
     wait_for(lambda: events_of(run_dir, "gen_up"), 60, "the spare's generation")
     os.kill(promoted[0]["pid"], signal.SIGKILL)  # the spare, now rank 1, dies in turn
+    wait_for(lambda: len(events_of(run_dir, "gen_up")) >= 2, 60, "the second recovery")
+    fast.touch()
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
     faults = result.events("fault")
@@ -179,15 +192,19 @@ def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_pa
           torch.load(tmp_path / "clean.pt", weights_only=True))
 
 
-def _standby_job(hosts, *flags: str, args: list[str]) -> list:
-    """Nodes 0 and 1 of 2 workers each and a standby node 2 (`flags` each), node k on host k."""
+def _standby_job(hosts, *flags: str, args: list[str]) -> tuple[list, Path]:
+    """Nodes 0 and 1 of 2 workers each and a standby node 2 (`flags` each), node k on host k,
+    paced until the test creates the returned file (on a volume every host sees)."""
+    fast = hosts.shared_dir("pace") / "fast"
+
     def node(rank: int, *extra: str):
         return start_on(hosts, rank, "--nnodes", "2", "--node-rank", str(rank),
                         "--master-addr", hosts.name(0), "--master-port", MASTER_PORT,
                         "--nproc-per-node", "2", "--rdzv-id", "job", *flags, *extra,
-                        script=CKPT_TRAIN, args=args)
+                        script=CKPT_TRAIN, args=[*args, "--sleep-until", str(fast)],
+                        shared=[fast.parent])
 
-    return [node(0), node(1), node(2, "--standby")]
+    return [node(0), node(1), node(2, "--standby")], fast
 
 
 def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4):
@@ -198,8 +215,8 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4)
     steps = STEPS
     node0, node1, node2 = (run_dir_on(hosts, k) for k in range(3))
     faulty = hosts.node_dir(0) / "faulty.pt"  # rank 0 writes it, on node 0's disk
-    leader, follower, standby = _standby_job(hosts, "--max-restarts", "3", "--node-timeout", "1",
-                                             args=_args(steps, str(faulty)))
+    (leader, follower, standby), fast = _standby_job(
+        hosts, "--max-restarts", "3", "--node-timeout", "1", args=_args(steps, str(faulty)))
     try:
         ready = wait_for(lambda: len(events_of(node2, "spare_ready")) >= 2 and
                          events_of(node2, "spare_ready"), 120, "the standby's spares to warm up",
@@ -211,6 +228,8 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4)
         lost_workers = [e for e in events_of(node1, "workers_started") if e["node"] == 1][0]["pids"]
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()
+        wait_for(lambda: events_of(node0, "gen_up"), 60, "the standby's generation", explain=node0)
+        fast.touch()
         result = finish_on(hosts, 0, leader)
         assert result.code == 0, result.output
         assert finish_on(hosts, 2, standby, timeout=30).code == 0
@@ -240,7 +259,7 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4)
 def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(isolated_hosts):
     hosts = isolated_hosts
     node0, node1, node2 = everyone = [run_dir_on(hosts, k) for k in range(3)]
-    leader, follower, standby = _standby_job(
+    (leader, follower, standby), fast = _standby_job(
         hosts, "--max-restarts", "1", args=["--steps", "250", "--step-sleep", "0.05"])
 
     def drain(*flags: str):
@@ -258,6 +277,7 @@ def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(
         drained_agent = finish_on(hosts, 1, follower, timeout=30)  # leaves while the job goes on
         assert drained_agent.code == 0, drained_agent.output
         assert not events_in(everyone, "training_done")
+        fast.touch()
         result = finish_on(hosts, 0, leader)
         assert result.code == 0, result.output
         assert finish_on(hosts, 2, standby, timeout=30).code == 0

@@ -22,6 +22,9 @@ p.add_argument("--checkpoint-dir", default=None)
 p.add_argument("--checkpoint-every", type=int, default=5)
 p.add_argument("--checkpoint-timeout", type=float, default=600.0)
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--sleep-until", default=None, metavar="PATH",
+               help="sleep --step-sleep per step only until PATH exists: a test that has seen "
+                    "what it waited for lets the job run out its steps at full speed")
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--full-state", default=None)
 p.add_argument("--exact", action="store_true", help="sum gradients in rank order (bit-identical)")
@@ -61,7 +64,7 @@ def step_fn(step, net):
     g = torch.Generator().manual_seed(step * 100 + run.rank)
     x = torch.randn(4, 6, generator=g)
     net(x).pow(2).mean().backward()
-    if args.step_sleep:
+    if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
         time.sleep(args.step_sleep)
 
 
