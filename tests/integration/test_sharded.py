@@ -25,9 +25,13 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def _clean(tmp_path, *args: str) -> list[torch.Tensor]:
+    """The final state of the same job without a fault. Its steps are not paced: a step's
+    sleep changes its time, never its state."""
     out = tmp_path / "clean.pt"
+    unpaced = [a for i, a in enumerate(args)
+               if a != "--step-sleep" and (i == 0 or args[i - 1] != "--step-sleep")]
     result = launch(tmp_path / "clean", "--nproc-per-node", "4", script=FSDP_TRAIN,
-                    args=[*args, "--out", str(out)], timeout=300)
+                    args=[*unpaced, "--out", str(out)], timeout=300)
     assert result.code == 0, result.output
     return torch.load(out, weights_only=True)
 
@@ -39,14 +43,19 @@ def test_fsdp_rank_killed_a_spare_takes_its_shard_from_the_buddy_in_place(tmp_pa
     every = 5
     args = ["--steps", "260", "--step-sleep", "0.05", "--snapshot-every", str(every)]
     clean = _clean(tmp_path, *args)
-    run_dir = tmp_path / "run"
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
+    # Paced (50 ms steps, so the spare can warm up) until the recovery is seen; then at full
+    # speed: the same steps and state.
     proc = start(run_dir, "--nproc-per-node", "4", "--spares", "1", "--max-restarts", "3",
-                 script=FSDP_TRAIN, args=[*args, "--out", str(tmp_path / "faulty.pt")])
+                 script=FSDP_TRAIN, args=[*args, "--out", str(tmp_path / "faulty.pt"),
+                                          "--sleep-until", str(fast)])
     ready = wait_for(lambda: events_of(run_dir, "spare_ready"), 150, "the spare to warm up")
     wait_for(lambda: any(e["step"] >= 2 * every for e in events_of(run_dir, "step")), 120,
              "steady training with a snapshot taken")
     victim = events_of(run_dir, "workers_started")[0]["pids"]["1"]
     os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: events_of(run_dir, "shard_sync"), 120, "the shards to be synced")
+    fast.touch()
     result = finish(proc, run_dir, timeout=300)
     assert result.code == 0, result.output
 

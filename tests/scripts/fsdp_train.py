@@ -5,6 +5,7 @@ HSDP, 2 replica groups of world/2 shards), AdamW, `run.train`.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -19,6 +20,8 @@ p.add_argument("--steps", type=int, default=30)
 p.add_argument("--hsdp", action="store_true")
 p.add_argument("--width", type=int, default=16, help="hidden rows (uneven if not divisible)")
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--sleep-until", default=None, metavar="PATH",
+               help="sleep --step-sleep per step only until PATH exists (see ckpt_train.py)")
 p.add_argument("--snapshot-every", type=int, default=None)
 p.add_argument("--checkpoint-dir", default=None)
 p.add_argument("--checkpoint-every", type=int, default=10)
@@ -50,7 +53,7 @@ run.track(model, optimizer)
 def step_fn(step, net):
     g = torch.Generator().manual_seed(step * 100 + run.rank)
     net(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-    if args.step_sleep:
+    if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
         time.sleep(args.step_sleep)
 
 
