@@ -29,13 +29,13 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_a_scrape_of_a_running_job_agrees_with_its_event_log(tmp_path):
-    """Scraped while rank 1 sleeps in a 15 s straggler step (the log is quiet then): the
+    """Scraped while rank 1 sleeps in an 11 s straggler step (the log is quiet then): the
     counters equal what the log holds, and the goodput gauges equal the accounting of the
     log up to the moment they were computed (the wall gauge says when)."""
     run_dir, port = tmp_path / "run", free_port()
     proc = start(run_dir, "--nproc-per-node", "2", "--metrics-port", str(port),
                  "--status-every", "1", "--hang-timeout", "120", "--max-restarts", "1",
-                 "--fault", "slow:rank=1,step=25,seconds=15",
+                 "--fault", "slow:rank=1,step=25,seconds=11",
                  args=["--steps", "30", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
                        "--checkpoint-every", "10"])
     try:
