@@ -189,8 +189,17 @@ def test_fsdp2_checkpoint_reshards_from_4_ranks_to_2_and_3(tmp_path):
 def test_checkpoints_go_on_across_in_place_generations(tmp_path):
     """A worker dies; the survivors shrink, its replacement joins: each generation agrees on
     saves over its own control group, and the replacement writes its part of the last ones."""
-    result, ckpt = _job(tmp_path, "--max-restarts", "2", "--fault", "crash:rank=1,step=8",
-                        steps=300, extra=["--step-sleep", "0.02"], nproc=3)
+    run_dir, ckpt, fast = tmp_path / "run", tmp_path / "ckpt", tmp_path / "fast"
+    # Paced until the replacement has joined (on a loaded machine 300 unpaced steps ended
+    # first), then at full speed.
+    proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2",
+                 "--fault", "crash:rank=1,step=8", script=CKPT_TRAIN,
+                 args=["--steps", "300", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+                       "--step-sleep", "0.02", "--sleep-until", str(fast)])
+    wait_for(lambda: [e for e in events_of(run_dir, "gen_up") if e["world_size"] == 3], 120,
+             "the replacement to join")
+    fast.touch()
+    result = finish(proc, run_dir)
     assert result.code == 0, result.output
     ups = result.events("gen_up")
     assert len(ups) >= 2 and ups[-1]["world_size"] == 3, ups  # shrunk, then grown back
