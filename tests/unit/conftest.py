@@ -16,6 +16,13 @@ import time
 import pytest
 import torch.distributed as dist
 
+# matplotlib builds its font cache on its first import in a fresh environment by running
+# `fc-list`: done here, at collection, before any test's guard is up.
+try:
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:
+    pass
+
 
 class NotInUnitTier(BaseException):
     """Raised by what a unit test must not do. A BaseException, so that the code under test
