@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from harness import (
@@ -78,8 +79,11 @@ def _agents(backend: str, endpoint: str, root: Path, steps: int) -> tuple[list, 
     port = free_port()
     plane = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint] if backend == "etcd"
              else ["--master-port", str(port), "--control-retry-window", "3"])
+    # A fresh id per try: a try's killed agents leave their keys in etcd, and a job under
+    # the same id would meet them (refused as a dead job's, rightly).
+    job_id = f"bench-{uuid.uuid4().hex[:8]}"
     procs = [launch([sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir),
-                     "--nnodes", "3", "--node-rank", str(node), "--rdzv-id", "bench",
+                     "--nnodes", "3", "--node-rank", str(node), "--rdzv-id", job_id,
                      "--max-restarts", "3", *plane, str(EXAMPLE), "--steps", str(steps), *TINY,
                      "--checkpoint-dir", str(root / "ckpt"), "--checkpoint-every", "10"],
                     run_dir, log=f"agent-{node}.log") for node in range(3)]
@@ -223,8 +227,9 @@ def steady_step(backend: str, endpoint: str, root: Path, steps: int,
     port = free_port()
     plane = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint] if backend == "etcd"
              else ["--master-port", str(port)])
+    job_id = f"steady-{uuid.uuid4().hex[:8]}"  # fresh: as in _agents
     procs = [launch([sys.executable, "-m", "unbroken", "run", "--run-dir", str(run_dir),
-                     "--nnodes", "2", "--node-rank", str(k), "--rdzv-id", "steady", *plane,
+                     "--nnodes", "2", "--node-rank", str(k), "--rdzv-id", job_id, *plane,
                      str(EXAMPLE), "--steps", str(steps), *model],
                     run_dir, log=f"agent-{k}.log") for k in range(2)]
     try:

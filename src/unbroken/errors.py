@@ -26,6 +26,10 @@ class ExitCode(IntEnum):
     QUARANTINED = 4
     """This node was quarantined after repeated faults; the job goes on without it. Never
     counts as the job done; do not restart it on the same machine."""
+    DRAINED = 5
+    """This node left on a drain (`unbroken drain --node`): every rank moved to spares and
+    the job goes on without it. Not the job done (only 0 is): a scheduler may bring it back,
+    and it rejoins as a standby node."""
     INTERRUPTED_SIGINT = 130
     """Stopped by SIGINT (128 + 2); its workers were stopped first."""
     INTERRUPTED_SIGTERM = 143
@@ -40,7 +44,7 @@ class Retry(StrEnum):
     NEVER = "never"  # permanent: fail the job
     NODE = "node"  # transient: restart this node (its agent rejoins)
     REPLACE = "replace"  # this machine is bad: bring the node back elsewhere, or not at all
-    SIGNAL = "signal"  # it was told to stop: as the scheduler meant
+    SIGNAL = "signal"  # it was told to stop or leave: as the scheduler (or operator) meant
 
 
 RETRY = {
@@ -49,6 +53,7 @@ RETRY = {
     ExitCode.USAGE: Retry.NEVER,
     ExitCode.CONTROL_PLANE: Retry.NODE,
     ExitCode.QUARANTINED: Retry.REPLACE,
+    ExitCode.DRAINED: Retry.SIGNAL,
     ExitCode.INTERRUPTED_SIGINT: Retry.SIGNAL,
     ExitCode.INTERRUPTED_SIGTERM: Retry.SIGNAL,
 }

@@ -188,6 +188,11 @@ def _add_own_flags(p: argparse.ArgumentParser) -> None:
                         "ft_launcher's meaning)")
     p.add_argument("--leader-timeout", type=seconds, default=2.0,
                    help="etcd: seconds of leader silence before another agent takes over")
+    p.add_argument("--continue-dead-job", action="store_true",
+                   help="etcd: if the control plane holds the keys of a dead job under this "
+                        "--rdzv-id (no leader alive), clear them and start this job under it: "
+                        "the training resumes from its checkpoints (default: refuse, saying so; "
+                        "`unbroken k8s` passes it, its ids being unique to a JobSet)")
     p.add_argument("--control-retry-window", type=seconds, default=30.0,
                    help="seconds an agent retries a lost control plane before giving up")
     p.add_argument("--quarantine-after", type=int, default=3, metavar="N",
@@ -543,6 +548,7 @@ def config_from_args(args: argparse.Namespace, warn) -> object:  # noqa: ANN001,
         etcd_credentials=EtcdCredentials(cacert=args.etcd_cacert, cert=args.etcd_cert,
                                          key=args.etcd_key, user=args.etcd_user),
         local_addr=args.local_addr, leader_timeout=args.leader_timeout,
+        continue_dead_job=args.continue_dead_job,
         retry_window=args.control_retry_window,
         quarantine=QuarantineRule(after=args.quarantine_after, window=args.quarantine_window),
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,

@@ -269,6 +269,10 @@ class JobAuth:
     fingerprint: str | None = None
     """An HMAC of a fixed label under the job's secret: equal fingerprints prove the same
     secret without revealing it. None when the job runs unsigned."""
+    incarnation: str | None = None
+    """The declaring agent's instance: makes each job's declaration unique, so that a
+    compare-and-set on it (`launch.dead_job.clear`) can only ever take a dead job's keys,
+    never those of the next job under the same id. Not compared by `auth.mismatch`."""
 
 
 @dataclass

@@ -31,13 +31,18 @@ class RetryingBackend:
     """`backend.Backend`, retried for `window` seconds on `StoreUnavailable`.
 
     `open_` makes a client (called again after each failure); `sleep` waits between tries
-    and may raise to abandon the wait (an agent's SIGTERM)."""
+    and may raise to abandon the wait (an agent's SIGTERM); `same_store` is called with each
+    new client, before the call it retries, and raises if the store it reached is not the
+    one the job agreed on (a TCPStore that restarted with a new host: the job it held is
+    gone, and nothing may be written into the next one's)."""
 
     def __init__(self, open_: Callable[[], Backend], window: float = DEFAULT_WINDOW,
                  on_lost: Callable[[str], None] | None = None,
                  on_back: Callable[[float], None] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, first: Backend | None = None) -> None:
+                 sleep: Callable[[float], None] = time.sleep, first: Backend | None = None,
+                 same_store: Callable[[Backend], None] | None = None) -> None:
         self._open = open_
+        self._same_store = same_store or (lambda client: None)
         self.window = window
         self._on_lost = on_lost or (lambda error: None)
         self._on_back = on_back or (lambda outage: None)
@@ -72,6 +77,7 @@ class RetryingBackend:
             pause = min(1.0, pause * 2)
             self._client = None
             try:
+                self._same_store(self.client)
                 value = getattr(self.client, name)(*args)
             except StoreMisconfigured:
                 raise

@@ -57,6 +57,19 @@ LEADER: Slot[m.LeaderClaim] = Slot("leader", m.LeaderClaim,
                                    "agents, by compare-and-set: who leads the job")
 NODE_RANKS: Counter = Counter("node_ranks", "each agent started without --node-rank, once: its "
                               "claim is its node rank (the TCPStore's host is node 0)")
+STANDBY_IDS: Counter = Counter(
+    "standby_ids", "each standby node started without --node-rank, and each returning node (a "
+    "recreated pod whose node the job went on without), once: its claim k makes its node id "
+    "`standby_id(nnodes, k)`")
+
+
+def standby_id(nnodes: int, claim: int) -> int:
+    """The node id of the `claim`-th standby node that claimed one (1: the first): from the
+    first power of ten of at least 100 above --nnodes (100, 101, ... for a job of fewer than
+    100 nodes), so that it never meets a node rank of the job. Pure."""
+    return 10 ** max(2, len(str(nnodes))) + claim - 1
+
+
 JOB_AUTH: Slot[m.JobAuth] = Slot(
     "auth", m.JobAuth, "the first agent to connect (the TCPStore's host, node 0), by "
     "compare-and-set, unsigned: whether and with which secret the job signs")

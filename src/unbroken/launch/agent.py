@@ -30,13 +30,21 @@ from unbroken.control.address import (
 from unbroken.control.auth import UNSIGNED_NOTICE, job_auth, mismatch
 from unbroken.control.backend import Backend, StoreUnavailable
 from unbroken.control.channel import Channel
-from unbroken.control.messages import AuthRejection, Fault
+from unbroken.control.messages import AuthRejection, Fault, JobAuth
 from unbroken.control.retry import RetryingBackend
-from unbroken.control.schema import AUTH_REJECTIONS, JOB_AUTH, NODE_RANKS, agent_lease
+from unbroken.control.schema import (
+    AUTH_REJECTIONS,
+    JOB_AUTH,
+    NODE_RANKS,
+    STANDBY_IDS,
+    agent_lease,
+    standby_id,
+)
 from unbroken.control.signing import Signer, load_secret
 from unbroken.control.tcp import TcpBackend, serve_store
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import ConfigError, ControlPlaneError, ExitCode
+from unbroken.launch import dead_job, returning
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
@@ -68,6 +76,7 @@ class Agent:
         self._lease_stop = threading.Event()
         self.role: Leader | Follower | None = None
         self._secret: bytes | None = None
+        self._declared: JobAuth | None = None  # the job's declaration, as agreed at first contact
 
     def run(self) -> int:
         handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
@@ -83,6 +92,7 @@ class Agent:
         code: int | None = None  # None in the finally: leaving by an exception
         try:
             channel, address = self._connect()
+            self._return_as_standby(channel)
             # After the connection: a node rank given in join order is known by now. Not with
             # --virtual-local-rank: a library that touches CUDA at import would see every device.
             if cfg.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
@@ -105,7 +115,7 @@ class Agent:
             except Elected as elected:
                 self.role = Leader(*args)
                 code = self.role.run(takeover=elected)
-            if self._handoff_until and code == ExitCode.SUCCESS:
+            if self._handoff_until and code == ExitCode.DRAINED:
                 self.say("SIGTERM: this node's ranks moved to spares; the job goes on without it")
                 code = 128 + signal.SIGTERM
         except _Interrupted as exc:
@@ -138,6 +148,23 @@ class Agent:
         self.events.emit(Event.AGENT_EXIT, code=int(code), events_dropped=self.events.dropped)
         self.events.close()
         return int(code)
+
+    def _return_as_standby(self, channel: Channel) -> None:
+        """A node whose job went on without it (`returning`: a recreated pod) joins as a
+        standby node, under a standby id of its own, holding spares for the next loss."""
+        cfg = self.cfg
+        if cfg.standby or not cfg.in_place or cfg.single_node or cfg.joins_freely:
+            return
+        if not returning.went_on_without(channel, cfg.node_rank, 2 * cfg.node_timeout + 5,
+                                         self._sleep):
+            return
+        old = cfg.node_rank
+        cfg.node_rank = standby_id(cfg.nnodes, channel.claim(STANDBY_IDS))
+        cfg.standby = True
+        self.events.context["node"] = cfg.node_rank
+        self.events.emit(Event.NODE_RETURNED, returned_node=old, standby_node=cfg.node_rank)
+        self.say(f"node {old}'s ranks went on elsewhere while it was away: rejoining as standby "
+                 f"node {cfg.node_rank}")
 
     def say(self, msg: str) -> None:
         print(f"[unbroken node {self.cfg.node_rank}] {msg}", file=self.out, flush=True)
@@ -237,8 +264,9 @@ class Agent:
         TCPStore's host always; with etcd whoever writes first), every other one reads the
         declaration and leaves, alone and at once, if its own differs."""
         cfg, plain = self.cfg, Channel(backend)  # unsigned: the declaration is what is checked
-        mine = job_auth(self._secret)
+        mine = dataclasses.replace(job_auth(self._secret), incarnation=self.instance)
         if declare and cfg.elects:
+            self._meet_earlier_job(backend)
             job = plain.first(JOB_AUTH, mine)
         elif declare:
             plain.write(JOB_AUTH, mine)
@@ -252,6 +280,7 @@ class Agent:
                         f"how the job signs within {cfg.rdzv_timeout:g}s: is it an unbroken "
                         "job's node 0?")
                 self._sleep(0.05)
+        self._declared = job
         why = mismatch(job, mine)
         if why is not None:
             self.events.emit(Event.AGENT_REJECTED, reason=why, host=os.uname().nodename)
@@ -264,6 +293,31 @@ class Agent:
         if not mine.signed:
             self.events.emit(Event.CONTROL_UNSIGNED)
             self.say(UNSIGNED_NOTICE)
+
+    def _meet_earlier_job(self, backend: Backend) -> None:
+        """With etcd, before declaring: keys already under this id are a live job's (join it)
+        or a dead one's (`dead_job`): refused with one line, or, with --continue-dead-job,
+        cleared by exactly one agent so that the job starts afresh under the same id."""
+        cfg = self.cfg
+        found = backend.get(JOB_AUTH.key)
+        if found is None:
+            return
+        if not dead_job.is_reset(found):
+            silent = dead_job.judge(backend, dead_job.window(cfg.leader_timeout), self._sleep)
+            if silent is None:  # alive; or another agent began to clear it meanwhile
+                if dead_job.is_reset(backend.get(JOB_AUTH.key)):
+                    dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
+                return
+            self.events.emit(Event.DEAD_JOB_FOUND, silent=round(silent, 1),
+                             cont=cfg.continue_dead_job)
+            if not cfg.continue_dead_job:
+                raise dead_job.DeadJob(cfg.run_id, silent)
+            if dead_job.clear(backend, found, self.instance):
+                self.events.emit(Event.DEAD_JOB_CLEARED)
+                self.say(f"cleared the keys of a dead job under --rdzv-id {cfg.run_id} (silent "
+                         f"{silent:.0f}s): continuing it afresh")
+                return
+        dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
 
     def _host_store(self) -> tuple[Any, int] | None:
         """With the TCPStore: serve it if this agent is node 0, or, when node ranks are
@@ -285,7 +339,13 @@ class Agent:
 
     def _take_node_rank(self, backend: Backend) -> None:
         """The next node rank in join order: 1, 2, ... behind the TCPStore's host; with
-        etcd 0, 1, ... (the first to claim stands first for leadership)."""
+        etcd 0, 1, ... (the first to claim stands first for leadership). A standby node
+        claims a standby id instead (`schema.standby_id`), which no job node ever has."""
+        if self.cfg.standby:
+            self.cfg.node_rank = standby_id(self.cfg.nnodes, Channel(backend).claim(STANDBY_IDS))
+            self.events.context["node"] = self.cfg.node_rank
+            self.say(f"joined as standby node {self.cfg.node_rank}")
+            return
         claim = Channel(backend).claim(NODE_RANKS)
         self.cfg.node_rank = claim if not self.cfg.elects else claim - 1
         self.events.context["node"] = self.cfg.node_rank
@@ -307,7 +367,25 @@ class Agent:
         """A client that rides out a blip of the control plane (--control-retry-window)."""
         return RetryingBackend(lambda: open_backend(address, self.cfg.run_id, 2.0),
                                window=self.cfg.retry_window, on_lost=self._control_lost,
-                               on_back=self._control_back, sleep=self._sleep, first=first)
+                               on_back=self._control_back, sleep=self._sleep, first=first,
+                               same_store=self._same_store)
+
+    def _same_store(self, client: Backend) -> None:
+        """After an outage: the store reached again must hold the declaration this agent
+        agreed to (its incarnation). A TCPStore whose host was replaced (node 0's pod
+        recreated) holds another job's, or none yet: this agent's job ended with the old
+        store, and it leaves (exit 3) so that its node restarts into the new one."""
+        if self._declared is None:
+            return
+        raw = client.get(JOB_AUTH.key)
+        if raw is not None and dead_job.is_reset(raw):
+            return  # another agent clears a dead job: not this one's (it is alive)
+        found = None if raw is None else Channel(client).read(JOB_AUTH)
+        if found is None or found.incarnation != self._declared.incarnation:
+            raise ControlPlaneError(
+                "the control store came back without this job: its host restarted (node 0's "
+                "agent was replaced) and the job now forming there is another; leaving so "
+                "that this node restarts and joins it")
 
     def _control_lost(self, error: str) -> None:
         self.events.emit(Event.CONTROL_PLANE_LOST, error=error)
@@ -337,7 +415,6 @@ class Agent:
         not a death); past it, the lease is given up as an event, and the main loop, whose
         own calls fail the same way, ends the agent."""
         cfg = self.cfg
-        lease = agent_lease(cfg.node_rank, self.instance)
         backend = RetryingBackend(lambda: open_backend(address, cfg.run_id, 2.0),
                                   window=cfg.retry_window)
         last = 0.0
@@ -345,8 +422,8 @@ class Agent:
             # The period follows the role: an agent that starts to lead refreshes faster at once.
             if time.monotonic() - last < cfg.lease_period(self._leads()):
                 continue
-            try:
-                backend.refresh_lease(lease.key)
+            try:  # under the node's id now: a returning node becomes a standby node
+                backend.refresh_lease(agent_lease(cfg.node_rank, self.instance).key)
             except ControlPlaneError as exc:
                 if not self._lease_stop.is_set():  # not the job's own end
                     self.events.emit(Event.LEASE_LOST, error=str(exc))

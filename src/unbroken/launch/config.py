@@ -92,6 +92,9 @@ class LaunchConfig:
     address on the route to etcd."""
     leader_timeout: float = 2.0
     """etcd: a leader whose lease is silent this long is replaced."""
+    continue_dead_job: bool = False
+    """etcd: keys of a dead job found under this id (`launch.dead_job`) are cleared and the
+    job formed afresh under it, instead of refused."""
     retry_window: float = DEFAULT_WINDOW
     """How long an agent rides out a lost control plane before it gives up."""
     quarantine: QuarantineRule = field(default_factory=QuarantineRule)

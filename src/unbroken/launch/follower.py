@@ -73,14 +73,17 @@ class Follower(Role):
         return ExitCode.GAVE_UP
 
     def _released(self) -> int:
-        """This node left the job on the leader's word: drained (exit 0), or quarantined
-        (its own code, which a scheduler never counts as the job done)."""
+        """This node left the job on the leader's word: drained, or quarantined; each its
+        own code, which a scheduler never counts as the job done (only 0 means that: every
+        rank trained to the end)."""
         if self.channel.read(node_out(self.cfg.node_rank)) == NodeOut.QUARANTINED:
             self.events.emit(Event.NODE_QUARANTINED, quarantined=self.cfg.node_rank)
             self.say("this node was quarantined after repeated faults: leaving the job "
                      f"(exit {int(ExitCode.QUARANTINED)})")
             return ExitCode.QUARANTINED
-        return ExitCode.SUCCESS
+        self.say(f"every rank of this node moved to spares: it left the job (exit "
+                 f"{int(ExitCode.DRAINED)})")
+        return ExitCode.DRAINED
 
     def _duties(self, attempt: int) -> Outcome | None:
         """Watch the leader (with etcd: take over if it went silent). A node whose every rank
