@@ -1,4 +1,4 @@
-"""The `unbroken` command: run, demo, report."""
+"""The `unbroken` command: run, demo, report, drain, k8s."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import NoReturn
 
 from unbroken.errors import ExitCode, UserError
 from unbroken.exiting import exit_without_teardown
+from unbroken.k8s.flags import add_k8s_flags
 from unbroken.run_flags import (
     add_run_flags,
     config_from_args,
@@ -88,6 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
                             "run dir's secret of a one-node job)")
     drain.add_argument("--timeout", type=seconds, default=120.0,
                        help="seconds to wait for the move (default 120)")
+    k8s = sub.add_parser("k8s", help="write the Kubernetes manifests of a job: a JobSet (or a "
+                                     "TrainJob, a PyTorchJob), with etcd and metrics if asked")
+    add_k8s_flags(k8s)
     return parser
 
 
@@ -152,9 +156,29 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return ExitCode.SUCCESS
 
 
+def _cmd_k8s(args: argparse.Namespace) -> int:
+    from unbroken.k8s.flags import spec_from_args
+    from unbroken.k8s.pod import secret_command
+    from unbroken.k8s.render import render, to_yaml, write_dir
+
+    spec = spec_from_args(args)
+    for line in spec.warnings():
+        print(f"unbroken k8s: warning: {line}", file=sys.stderr)
+    objs = render(spec)
+    if args.output:
+        for path in write_dir(objs, args.output):
+            print(f"wrote {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(to_yaml(objs))
+    print("unbroken k8s: make the job's secret once, before applying (its value is never "
+          f"shown or rendered):\n{secret_command(spec)}", file=sys.stderr)
+    return ExitCode.SUCCESS
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report, "drain": _cmd_drain}
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report, "drain": _cmd_drain,
+                "k8s": _cmd_k8s}
     try:
         return int(handlers[args.command](args))
     except UserError as exc:

@@ -1,6 +1,6 @@
-"""deploy/grafana: the dashboard and the alert rules query only declared metric names, with the
-suffixes their kinds expose, and only declared goodput categories. Structural checks, no
-Grafana or Prometheus needed."""
+"""The Grafana dashboard (package data: src/unbroken/telemetry/grafana/) and deploy/grafana's
+alert rules query only declared metric names, with the suffixes their kinds expose, and only
+declared goodput categories. Structural checks, no Grafana or Prometheus needed."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from unbroken.telemetry.metric_names import Metric
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = ROOT / "src" / "unbroken" / "telemetry" / "grafana" / "unbroken.json"
 METRIC_NAMES_SRC = ROOT / "src" / "unbroken" / "telemetry" / "metric_names.py"
 
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -50,7 +51,7 @@ def exposed_names() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
-    return json.loads((GRAFANA / "unbroken.json").read_text())
+    return json.loads(DASHBOARD.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The Prometheus metric names the leader's agent serves on `/metrics`, declared once.
 
-deploy/grafana/unbroken.json is built on these names; tests check that every name the
+telemetry/grafana/unbroken.json is built on these names; tests check that every name the
 dashboard queries is declared here. A histogram or counter exposes the usual suffixes
 (`_bucket`, `_sum`, `_count`, `_total`).
 """

@@ -1,0 +1,66 @@
+"""Metrics on Kubernetes: a Service over the job's pods' metrics port, a ServiceMonitor
+(monitoring.coreos.com/v1: the Prometheus Operator's, as kube-prometheus-stack installs
+it) that scrapes it, and a ConfigMap holding unbroken's Grafana dashboard, labelled
+`grafana_dashboard: "1"` for the Grafana sidecar to load.
+
+Only the leading agent serves /metrics: Prometheus shows the other pods' endpoints as down,
+and the dashboard takes the job's series across them (see the dashboard's README). The
+dashboard's one copy is package data (`unbroken/telemetry/grafana/unbroken.json`), so
+that an installed wheel renders it too.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from unbroken.k8s import names, pod
+from unbroken.k8s.spec import K8sSpec
+
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
+DASHBOARD_PACKAGE = "unbroken.telemetry"
+DASHBOARD_FILE = "grafana/unbroken.json"
+DASHBOARD_LABEL = {"grafana_dashboard": "1"}  # kube-prometheus-stack's sidecar default
+SCRAPE_INTERVAL = "15s"
+
+
+def dashboard_json() -> str:
+    """The Grafana dashboard, as shipped in the package."""
+    return resources.files(DASHBOARD_PACKAGE).joinpath(DASHBOARD_FILE).read_text(encoding="utf-8")
+
+
+def metrics_service(spec: K8sSpec) -> dict:
+    """A headless Service `<name>-metrics` over the job's pods, port `metrics`."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": names.meta(spec, names.metrics_service(spec), "metrics"),
+            "spec": {"clusterIP": "None", "selector": names.pod_selector(spec),
+                     "ports": [{"name": pod.METRICS_PORT_NAME, "port": spec.metrics_port,
+                                "targetPort": pod.METRICS_PORT_NAME, "protocol": "TCP"}]}}
+
+
+def service_monitor(spec: K8sSpec) -> dict:
+    """The ServiceMonitor that selects that Service by its labels and scrapes its `metrics`
+    port. A Prometheus picks it up if its serviceMonitorSelector matches these labels
+    (kube-prometheus-stack's default wants its release label: set
+    serviceMonitorSelectorNilUsesHelmValues=false, or add the label)."""
+    service = metrics_service(spec)
+    return {"apiVersion": SERVICE_MONITOR_API, "kind": "ServiceMonitor",
+            "metadata": names.meta(spec, names.metrics_service(spec), "metrics"),
+            "spec": {"selector": {"matchLabels": dict(service["metadata"]["labels"])},
+                     "namespaceSelector": {"matchNames": [spec.namespace]},
+                     "endpoints": [{"port": pod.METRICS_PORT_NAME, "path": "/metrics",
+                                    "interval": SCRAPE_INTERVAL}]}}
+
+
+def dashboard_configmap(spec: K8sSpec) -> dict:
+    """The ConfigMap `<name>-grafana-dashboard` holding unbroken.json."""
+    metadata = names.meta(spec, names.dashboard_configmap(spec), "dashboard")
+    metadata["labels"].update(DASHBOARD_LABEL)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+            "data": {"unbroken.json": dashboard_json()}}
+
+
+def objects(spec: K8sSpec) -> list[dict]:
+    """The metrics objects, in apply order; none without `spec.metrics`."""
+    if not spec.metrics:
+        return []
+    return [metrics_service(spec), service_monitor(spec), dashboard_configmap(spec)]
