@@ -72,10 +72,12 @@ except OSError as e:
 # Run by `ip netns exec`, in the command's own mount namespace (already a slave of the root
 # one, so nothing done here is seen outside): take a UTS namespace named NAME (a pod's
 # hostname, which torchrun's c10d rendezvous matches against its endpoint), cover ROOT with
-# an empty tmpfs, bind each KEEP dir back at its own path, make the cover read-only, chdir to
-# CWD, exec ARGV. argv: NAME ROOT CWD KEEP... -- ARGV... The KEEP dirs are opened before ROOT is covered and bound
-# from /proc/self/fd, so no staging dir is needed anywhere.
-_ISOLATE = """
+# an empty tmpfs, bind each SRC at its DST (DST made if missing: inside ROOT in the tmpfs,
+# outside it as an empty dir on this machine; `:ro` binds it read-only), make the cover
+# read-only, chdir to CWD, exec ARGV. argv: NAME ROOT CWD SRC=DST[:ro]... -- ARGV... The
+# sources are opened before ROOT is covered and bound from /proc/self/fd, so no staging dir is
+# needed anywhere. Shared with tests/pods.py, whose pods bind their volumes this way.
+ISOLATE = """
 import ctypes, os, sys
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 libc = ctypes.CDLL(None, use_errno=True)
@@ -85,18 +87,27 @@ def mount(source, target, fstype, flags, data):
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 split = sys.argv.index("--")
 name, root, cwd = sys.argv[1].encode(), sys.argv[2], sys.argv[3]
-keep, argv = sys.argv[4:split], sys.argv[split + 1:]
+binds, argv = sys.argv[4:split], sys.argv[split + 1:]
 if libc.unshare(0x04000000) or libc.sethostname(name, len(name)):  # CLONE_NEWUTS
     raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) or sethostname")
-fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]
+opened = []
+for spec in binds:
+    src, dst = spec.split("=", 1)
+    ro = dst.endswith(":ro")
+    dst = dst[:-3] if ro else dst
+    if not (dst + "/").startswith(root.rstrip("/") + "/"):
+        os.makedirs(dst, exist_ok=True)
+    opened.append((os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro))
 mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
-for path, fd in zip(keep, fds):
-    os.makedirs(path, exist_ok=True)
-    mount(f"/proc/self/fd/{fd}", path, "", MS_BIND | MS_REC, "")
+for fd, dst, ro in opened:
+    os.makedirs(dst, exist_ok=True)
+    mount(f"/proc/self/fd/{fd}", dst, "", MS_BIND | MS_REC, "")
+    if ro:
+        mount("", dst, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_REC, "")
     os.close(fd)
 mount("", root, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, "")
 os.chdir(cwd)
-os.execvp(argv[0], argv)
+os.execvpe(argv[0], argv, os.environ)
 """
 
 
@@ -320,8 +331,8 @@ class Hosts:
                 raise ValueError(f"{path} is not a shared_dir() of these hosts")
         keep = [str(self.node_dir(i)), *map(str, dict.fromkeys(shared))]
         cwd = os.path.abspath(os.getcwd() if cwd is None else cwd)
-        return ["ip", "netns", "exec", self.namespace(i), sys.executable, "-I", "-c", _ISOLATE,
-                self.name(i), str(self.root), cwd, *keep, "--", *argv]
+        return ["ip", "netns", "exec", self.namespace(i), sys.executable, "-I", "-c", ISOLATE,
+                self.name(i), str(self.root), cwd, *[f"{k}={k}" for k in keep], "--", *argv]
 
     def popen(self, i: int, argv: list[str], *, shared: Iterable[Path | str] = (),
               **popen_kwargs) -> subprocess.Popen:

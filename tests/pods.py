@@ -58,49 +58,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netns import _claim_bridge, _ip, unavailable  # noqa: F401 - unavailable: for callers
+from netns import ISOLATE, _claim_bridge, _ip, unavailable  # noqa: F401 - unavailable: for callers
 
 VENV_BIN = Path(sys.executable).parent
 CLUSTER_DOMAIN = "svc.cluster.local"
 JOBSET = "jobset.sigs.k8s.io/"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
-
-# Run by `ip netns exec` (which gives the command its own mount namespace and binds the
-# pod's hosts file over /etc/hosts): take a UTS namespace named HOSTNAME, open each volume's
-# source, cover ROOT with an empty tmpfs, bind each source at its mountPath (made if missing:
-# an empty dir, outside ROOT, on this machine), make the cover read-only, chdir, exec.
-# argv: HOSTNAME ROOT CWD SRC=DST[:ro]... -- ARGV...
-_POD = """
-import ctypes, os, sys
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
-libc = ctypes.CDLL(None, use_errno=True)
-def mount(source, target, fstype, flags, data):
-    if libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
-split = sys.argv.index("--")
-name, root, cwd = sys.argv[1].encode(), sys.argv[2], sys.argv[3]
-binds, argv = sys.argv[4:split], sys.argv[split + 1:]
-if libc.unshare(0x04000000) or libc.sethostname(name, len(name)):
-    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) or sethostname")
-opened = []
-for spec in binds:
-    src, dst = spec.split("=", 1)
-    ro = dst.endswith(":ro")
-    dst = dst[:-3] if ro else dst
-    os.makedirs(dst, exist_ok=True)
-    opened.append((os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro))
-mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
-mount("", root, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, "")
-for fd, dst, ro in opened:
-    mount(f"/proc/self/fd/{fd}", dst, "", MS_BIND | MS_REC, "")
-    if ro:
-        mount("", dst, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_REC, "")
-    os.close(fd)
-os.chdir(cwd)
-os.execvpe(argv[0], argv, os.environ)
-"""
-
 
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' `$(VAR)` expansion: a defined VAR is replaced, an undefined one is left as
@@ -278,7 +241,7 @@ class Cluster:
         pod.output = pod.dir / "container.log"
         with open(pod.output, "wb") as out:
             pod.proc = subprocess.Popen(
-                ["ip", "netns", "exec", pod.netns, sys.executable, "-I", "-c", _POD,
+                ["ip", "netns", "exec", pod.netns, sys.executable, "-I", "-c", ISOLATE,
                  pod.hostname, str(self.root), cwd, *binds, "--", *argv],
                 stdout=out, stderr=subprocess.STDOUT, env=pod.env, start_new_session=True)
         pod.started = time.monotonic()
