@@ -162,6 +162,35 @@ def test_a_standby_node_keeps_the_ranks_it_took_over_across_a_full_restart(isola
     assert summarize(node0)["steps"] == 400
 
 
+def test_sigterm_to_the_leader_on_etcd_steps_it_down_and_the_job_goes_on_in_place(
+        isolated_hosts):
+    """A pod deletion of the leading node, on etcd, with a standby node ready: the leader
+    steps down instead of ending the job; another agent leads, and the standby's spare takes
+    its rank in place, with no restart."""
+    hosts = isolated_hosts
+    node0, node1, node2 = _run_dirs(hosts)
+    flags = ("--nnodes", "2", "--max-restarts", "3")
+    a0 = _agent(hosts, 0, *flags, steps=300)
+    a1 = _agent(hosts, 1, *flags, steps=300)
+    standby = _agent(hosts, 2, *flags, "--standby", node=2, steps=300)
+    wait_for(lambda: [e for e in events_of(node2, "spare_ready") if e["source"] == "worker"],
+             120, "the standby's spare", explain=node2)
+    _at_step(node0, 10)
+    time.sleep(1.0)  # the standby's agent offers its ready spare at its next look
+    a0.send_signal(signal.SIGTERM)
+    r0 = finish(a0, node0, timeout=60)
+    r1, r2 = finish(a1, node1), finish(standby, node2)
+    assert r0.code == 143 and "stepping down" in r0.output, r0.output
+    assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
+    assert [e["ranks"] for e in r0.events("leader_stepped_down")] == [1]
+    assert not events_in([node0, node1, node2], "restart")  # in place: no full restart
+    (elected,) = events_in([node1, node2], "leader_elected")
+    assert elected["previous"] == 0
+    promoted = [e["slot"] for e in events_of(node2, "spare_promoted") if e["source"] == "worker"]
+    assert promoted == [0]
+    assert summarize(node1)["steps"] == 300
+
+
 def test_a_lemon_node_is_quarantined_and_its_ranks_go_to_the_standby(isolated_hosts):
     hosts = isolated_hosts
     node0, node1, node2 = _run_dirs(hosts)

@@ -83,7 +83,7 @@ def cluster(tmp_path):
     volume = tmp_path / "volumes" / "ckpt"
     volume.mkdir(parents=True)
     secrets = {f"{n}-secret": {"secret": SECRET}
-               for n in ("del", "force", "etcdjob", "id", "zero", "bad")}
+               for n in ("del", "force", "back", "etcdjob", "id", "zero", "bad")}
     secrets["other-secret"] = {"secret": "0f" * 32}
     with Cluster(tmp_path / "cluster", volumes={"ckpt": volume}, secrets=secrets) as c:
         c.shared = volume
@@ -164,6 +164,32 @@ def test_a_force_deleted_training_pod_is_taken_over_after_the_node_timeout(clust
         assert run.wait(240) == "Completed", run.log
         assert not events(node0, "restart")
         assert max(e["step"] for e in events(node0, "step")) == 299
+    finally:
+        run.close()
+
+
+def test_a_deleted_pod_with_no_standby_is_taken_back_in_when_recreated(cluster, tmp_path):
+    """No spare can take the deleted pod's rank: the job restarts short of a node, and when
+    the pod is recreated its agent joins as the node it was, and a restart takes it back in
+    (without spending the restart budget)."""
+    objs = manifests(tmp_path, "back", "--nnodes", "2", script_args=train_args(300, "go-back"))
+    run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=3.0, on_event=print).start()
+    try:
+        node0, node1 = run.pod("node", 0), run.pod("node", 1)
+        wait_for(lambda: [e for e in events(node0, "checkpoint_saved") if e["step"] >= 10], 180,
+                 "a checkpoint at step 10", explain=node0.dir / "volumes" / "run")
+        run.delete_pod(node1)
+        back = wait_for(lambda: next(iter(run.incarnations("node", 1)[1:]), None), 60,
+                        "node 1's pod to be recreated")
+        wait_for(lambda: [e for e in events(node0, "rendezvous") if e["world_size"] == 2
+                          and e["attempt"] > 0], 120, "the world of 2 again",
+                 explain=node0.dir / "volumes" / "run")
+        assert not events(back, "node_returned"), "it came back as itself, not as a standby"
+        go(cluster, "go-back")
+        assert run.wait(240) == "Completed", run.log
+        assert max(e["step"] for e in events(node0, "step")) == 299
+        restarts = events(node0, "restart")  # the taking back in spends no restart
+        assert restarts and restarts[-1]["restarts_left"] >= 10 - 1, restarts
     finally:
         run.close()
 

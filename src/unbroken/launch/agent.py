@@ -155,8 +155,8 @@ class Agent:
         cfg = self.cfg
         if cfg.standby or not cfg.in_place or cfg.single_node or cfg.joins_freely:
             return
-        if not returning.went_on_without(channel, cfg.node_rank, 2 * cfg.node_timeout + 5,
-                                         self._sleep):
+        if not returning.went_on_without(channel, cfg.node_rank, cfg.nnodes,
+                                         2 * cfg.node_timeout + 5, self._sleep):
             return
         old = cfg.node_rank
         cfg.node_rank = standby_id(cfg.nnodes, channel.claim(STANDBY_IDS))

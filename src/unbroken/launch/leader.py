@@ -51,7 +51,7 @@ from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
 from unbroken.launch.election import Elected
 from unbroken.launch.plan_executor import PlanExecutor
-from unbroken.launch.planner import EndAction, PlannerConfig, Policy, initial_state
+from unbroken.launch.planner import EndAction, EndAttempt, PlannerConfig, Policy, initial_state
 from unbroken.launch.role import Role
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE
@@ -78,6 +78,8 @@ class Leader(Role):
         self._join_seen: dict[int, float] = {}  # node -> wall time its join was first read
         self._rejections_seen = 0  # AUTH_REJECTIONS entries recorded as events
         self._rejections_read = 0.0  # monotonic time of the last look at them
+        self._stepping_down = False  # SIGTERM on etcd: leaving without ending the job
+        self._back_looked = 0.0  # monotonic time of the last look for returned nodes
 
     def run(self, takeover: Elected | None = None) -> int:
         live = self._start_telemetry(takeover is not None)
@@ -371,10 +373,37 @@ class Leader(Role):
                 self._send_off(attempt)
         elif lost is not None:
             return Outcome(Ending.FAULT, watch.publish_fault(lost, attempt))
+        back = self._node_back(attempt)
+        if back is not None:  # in the order again: the next attempt waits for it
+            self.nodes, _ = node_set.admit(self.nodes, back)
+            fault = watch.publish_fault(Fault(
+                kind=FaultKind.NODE_LOST, node=back,
+                detail=f"node {back} is back (a new agent) while the job runs short of "
+                       f"--nnodes {self.cfg.nnodes}: restarting to take it in"), attempt)
+            return Outcome(Ending.FAULT, fault, EndAttempt(EndAction.FALLBACK, fault, "node back"))
         # Only once this node is done: until then no attempt can be, and reading every
         # node's key at every look would cost the idle leader N reads per look.
         if watch.done_posted and self._all_done(keys):
             return Outcome(Ending.DONE)
+        return None
+
+    def _node_back(self, attempt: int) -> int | None:
+        """A static job running short (fewer than --nnodes nodes: a lost or drained node's
+        ranks were dropped, no spare could take them) whose out node's new agent joined this
+        attempt (a recreated pod, `returning`): that node, which a restart takes back in
+        (`node_set.admit`) without spending the restart budget. At most one look a second."""
+        now = time.monotonic()
+        plan = self.plan
+        if (self.cfg.joins_freely or plan is None or len(plan.nodes) >= self.cfg.nnodes
+                or now - self._back_looked < 1.0):
+            return None
+        self._back_looked = now
+        keys = AttemptKeys(attempt)
+        for k in range(self.cfg.nnodes):
+            if k in plan.nodes or self.nodes.out.get(k) not in (NodeOut.LOST, NodeOut.DRAINED):
+                continue
+            if self.channel.read(keys.node_join(k)) is not None:
+                return k
         return None
 
     def _record_rejections(self) -> None:
@@ -565,6 +594,33 @@ class Leader(Role):
             if followers:
                 time.sleep(0.02)
 
+    def hand_off(self) -> bool:
+        """SIGTERM as a notice (a pod deletion, an eviction, a spot reclaim), to a leader on
+        etcd: it steps down rather than end the job, when the other nodes hold enough ready
+        spares for its ranks. It stops its workers and leaves with no result written (so
+        `interrupted` writes none); within --leader-timeout another agent takes over,
+        declares this node lost and moves its ranks onto those spares in place, as when a
+        leader's host dies. False with the embedded store (this agent holds it: its
+        SIGTERM ends the job), or with too few spares (the job then stops, as before)."""
+        plan, keys = self.plan, self.watch.keys
+        if self.election is None or plan is None or keys is None or not self.watch.in_place:
+            return False
+        me = self.cfg.node_rank
+        mine = plan.nodes.get(me)
+        others = (set(plan.nodes) | set(self._standbys)) - self._lost - self._released - {me}
+        if mine is None or not others:
+            return False
+        ready = self.channel.read_many([keys.ready_spares(k) for k in sorted(others)])
+        if sum(len(r or []) for r in ready) < mine.nproc:
+            return False
+        self._stepping_down = True
+        self.events.emit(Event.LEADER_STEPPED_DOWN, attempt=plan.attempt, ranks=mine.nproc)
+        self.say("SIGTERM: stepping down; another agent takes over and moves this node's "
+                 "ranks to spares")
+        return True
+
     def interrupted(self, signum: int, held_ranks: bool = True) -> None:
+        if self._stepping_down:
+            return  # no result: the job goes on under the next leader
         self.channel.write(RESULT, Result(Status.INTERRUPTED, signal=signum))
         self._wait_acks()

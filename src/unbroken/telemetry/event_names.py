@@ -46,6 +46,7 @@ class Event(StrEnum):
     JOINER_UNUSED = "joiner_unused"
     LEADER_DEPOSED = "leader_deposed"
     LEADER_ELECTED = "leader_elected"
+    LEADER_STEPPED_DOWN = "leader_stepped_down"
     LEASE_LOST = "lease_lost"
     NODE_DRAINED = "node_drained"
     NODE_LOST = "node_lost"
