@@ -235,3 +235,6 @@ class Follower(Role):
             self.watch.publish_fault(Fault(
                 kind=FaultKind.AGENT_STOPPED, node=self.cfg.node_rank,
                 detail=f"agent received {signal.Signals(signum).name}"), current)
+            # Its workers are reaped (the agent stopped them first): the leader need not
+            # wait out this node's lease before the next attempt, which waits for its return.
+            self.channel.write(AttemptKeys(current).node_stopped(self.cfg.node_rank), True)
