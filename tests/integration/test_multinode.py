@@ -25,7 +25,7 @@ from unbroken.telemetry.summary import summarize
 PORT = 29500  # free in host 0's fresh namespace
 
 
-def _node(hosts, node_rank, *extra, steps=40, host=None):
+def _node(hosts, node_rank, *extra, steps=40, host=None, script_args=()):
     """Node `node_rank` on host `host` (default: the node rank), reaching node 0's TCPStore
     at host 0's address; the checkpoint dir is the shared volume."""
     host = node_rank if host is None else host
@@ -35,7 +35,8 @@ def _node(hosts, node_rank, *extra, steps=40, host=None):
         "--master-port", str(PORT), "--nnodes", "2", "--node-rank", str(node_rank),
         "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "2",
         "--node-timeout", "2", "--rdzv-timeout", "60", *extra, str(EXAMPLE),
-        "--steps", str(steps), *TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+        "--steps", str(steps), *TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+        *script_args)
     return hosts.agent(host, cmd, shared=[ckpt])
 
 
@@ -70,8 +71,9 @@ def test_lost_node_is_detected_the_job_shrinks_and_a_restarted_agent_ends_with_i
     0 with the job. (Admitting it at a step boundary is elastic growth, issue 12.)"""
     hosts = isolated_hosts
     node0, node1 = run_dir_on(hosts, 0), run_dir_on(hosts, 1)
-    leader = _node(hosts, 0, steps=400)
-    follower = _node(hosts, 1, steps=400)
+    paced = ("--step-sleep", "0.03")  # the job outlasts the replacement's start (~12 s)
+    leader = _node(hosts, 0, steps=400, script_args=paced)
+    follower = _node(hosts, 1, steps=400, script_args=paced)
     wait_for(lambda: any(e.get("step", 0) >= 5 for e in events_of(node0, "step")), 120,
              "training to reach step 5", explain=node0)
     node1_workers = [e for e in events_of(node1, "workers_started") if e["node"] == 1][0]["pids"]
@@ -83,7 +85,7 @@ def test_lost_node_is_detected_the_job_shrinks_and_a_restarted_agent_ends_with_i
     for pid in node1_workers.values():
         wait_for(lambda pid=pid: not alive(pid), 10, "node 1's workers to die with their agent")
     # Node 1 again, on a fresh machine (host 2: nothing of the first node 1's on its disk).
-    replacement = _node(hosts, 1, steps=400, host=2)
+    replacement = _node(hosts, 1, steps=400, host=2, script_args=paced)
     r0, r1 = finish(leader, node0, timeout=300), finish(replacement, run_dir_on(hosts, 2), timeout=60)
     assert r0.code == 0, r0.output
     assert r1.code == 0, r1.output

@@ -33,9 +33,10 @@ from collections.abc import Callable
 
 from unbroken.control.channel import Channel
 from unbroken.control.messages import AttemptPlan, NodeOut
-from unbroken.control.schema import CURRENT, LEADER_RECORD, AttemptKeys, node_out
+from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, node_out
 
 _GONE = (NodeOut.LOST, NodeOut.DRAINED, NodeOut.QUARANTINED)
+_TAKEOVER_WAIT = 5.0  # seconds, from the node seen out, for a spare to host its ranks
 
 
 def _out(channel: Channel, node: int, attempt: int) -> NodeOut | None:
@@ -75,13 +76,16 @@ def went_on_without(channel: Channel, node: int, nnodes: int, wait: float,
         return False
     deadline = time.monotonic() + wait
     while True:
-        if channel.read(CURRENT) != attempt or channel.read(AttemptKeys(attempt).fault):
-            return False  # the attempt ends: the next one admits this node as itself
+        if (channel.read(CURRENT) != attempt or channel.read(AttemptKeys(attempt).fault)
+                or channel.read(RESULT) is not None):
+            return False  # the attempt (or the job) ends: joined as itself, it is told
         out = _out(channel, node, attempt) in _GONE
         if node not in plan.nodes:  # an attempt begun without it
             return out and len(plan.nodes) >= nnodes
         if out and _taken_over(channel, attempt, plan, node):
             return True
+        if out:  # out, and its ranks not (yet) elsewhere: a promotion takes well under this
+            deadline = min(deadline, time.monotonic() + _TAKEOVER_WAIT)
         if time.monotonic() > deadline:
-            return False
+            return False  # the job shrank in place without it: it waits as itself
         sleep(0.1)
