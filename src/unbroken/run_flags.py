@@ -216,7 +216,8 @@ def _add_own_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standby", action="store_true",
                    help="join a running multi-node job as a standby node: every process is a "
                         "spare, and they take over a lost node's or a drained node's ranks; "
-                        "give a --node-rank of --nnodes or more")
+                        "give a --node-rank of --nnodes or more, or none (it claims a standby id: 100, "
+                        "101, ...)")
     p.add_argument("--recovery-timeout", type=seconds, default=30.0,
                    help="seconds an in-place recovery may take before a full restart")
     p.add_argument("--run-dir", default=None,
