@@ -3,7 +3,8 @@ one line, with the two ways on, never "another secret" (launch/dead_job.py). Wit
 --continue-dead-job exactly one agent clears the keys and the job continues from its
 checkpoints: shown as pods, by a JobSet restart (tests/integration/test_pods.py).
 
-The nodes share nothing but etcd and the checkpoint volume: each has its own run dir.
+The nodes share nothing but etcd and the checkpoint volume: each has its own working and run
+directory (on loopback: the test is about the control plane, not the network).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _job(tmp_path, endpoint: str, tag: str, secret: str, *flags: str, steps: int
                   "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
                   "--secret-file", str(key), *flags, script=SCRIPTS / "ckpt_train.py",
                   args=["--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                        "--checkpoint-every", "5", *pacing], port=free_port())
+                        "--checkpoint-every", "5", *pacing], port=free_port(),
+                  cwd=tmp_path / f"{tag}-node{k}")  # each node its own working and run dir
             for k in range(2)]
 
 

@@ -78,6 +78,12 @@ def steps_at_least(pod, step: int) -> bool:
     return any(e["step"] >= step for e in events(pod, "step"))
 
 
+def wait_checkpoint(pod, step: int) -> None:
+    """Wait until the pod's job has saved a checkpoint at `step` or later."""
+    wait_for(lambda: [e for e in events(pod, "checkpoint_saved") if e["step"] >= step], 180,
+             f"a checkpoint at step {step}", explain=pod.dir / "volumes" / "run")
+
+
 @pytest.fixture
 def cluster(tmp_path):
     volume = tmp_path / "volumes" / "ckpt"
@@ -146,8 +152,7 @@ def test_a_deleted_pod_with_no_standby_is_taken_back_in_when_recreated(cluster, 
     run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=3.0, on_event=print).start()
     try:
         node0, node1 = run.pod("node", 0), run.pod("node", 1)
-        wait_for(lambda: [e for e in events(node0, "checkpoint_saved") if e["step"] >= 10], 180,
-                 "a checkpoint at step 10", explain=node0.dir / "volumes" / "run")
+        wait_checkpoint(node0, 10)
         run.delete_pod(node1)
         back = wait_for(lambda: next(iter(run.incarnations("node", 1)[1:]), None), 60,
                         "node 1's pod to be recreated")
@@ -218,8 +223,7 @@ def test_a_jobset_restart_continues_the_job_and_a_reapplied_jobset_starts_afresh
         wait_for(lambda: _etcd_ready(etcd), 60, "the 3 etcd pods to serve")
         run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=1.0, on_event=print).start()
         node0, node1 = run.pod("node", 0), run.pod("node", 1)
-        wait_for(lambda: [e for e in events(node0, "checkpoint_saved") if e["step"] >= 10], 180,
-                 "a checkpoint at step 10", explain=node0.dir / "volumes" / "run")
+        wait_checkpoint(node0, 10)
         run_id = events(node0, "agent_start")[0]["run_id"]
         # Both agents die at once (exit 137: no rule Ignores it): the Job's backoffLimit of 0
         # is spent, and the JobSet's failurePolicy restarts the whole JobSet, same instance.
@@ -258,8 +262,7 @@ def test_node_zeros_pod_force_deleted_on_the_embedded_store_resumes_from_the_che
     run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=1.0, on_event=print).start()
     try:
         node0, node1 = run.pod("node", 0), run.pod("node", 1)
-        wait_for(lambda: [e for e in events(node0, "checkpoint_saved") if e["step"] >= 20], 180,
-                 "a checkpoint at step 20", explain=node0.dir / "volumes" / "run")
+        wait_checkpoint(node0, 20)
         run.delete_pod(node0, force=True)
         wait_for(lambda: node1.ended, 120, "node 1 to leave the job that ended with node 0")
         assert node1.code == 3, node1.log()  # the control plane lost: worth a restart
