@@ -1,7 +1,9 @@
 """The run's event log: one JSON object per line, appended by agents and workers alike.
 
 Every writer opens the file with O_APPEND and writes each line with a single `write`, so
-lines from many processes interleave whole. The schema is in docs/events.md.
+lines from many processes interleave whole. Each event is a dataclass of
+`unbroken.telemetry.schema`, encoded by `schema.encode` and read back by `schema.decode`;
+each record carries the schema's version in `v`. docs/events.md is generated from them.
 
 Two promises on top of that:
 
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.schema import SCHEMA_VERSION, VERSION_KEY, EventBody, encode
 
 EVENTS_FILE = "events.jsonl"
 MAX_BYTES_ENV = "UNBROKEN_EVENTS_MAX_BYTES"
@@ -140,8 +143,15 @@ class EventLog:
             except OSError as exc:  # retried at each check; meanwhile events are dropped
                 self._drop_notice(exc)
 
-    def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
-        record = {"t": round(time.time(), 6), "event": event, **self.context, **fields}
+    def emit(self, event: EventBody | Event, **fields: Any) -> dict[str, Any]:
+        """Append one event: an instance of its `schema` class. `emit(Event.NAME, **fields)`
+        is the older form, kept for callers not yet converted: its fields are not checked."""
+        if isinstance(event, EventBody):
+            if fields:
+                raise TypeError("emit: an event instance takes no keyword fields")
+            event, fields = event.EVENT, encode(event)
+        record = {"t": round(time.time(), 6), "event": event, VERSION_KEY: SCHEMA_VERSION,
+                  **self.context, **fields}
         if self.path is None:
             return record
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
@@ -158,7 +168,7 @@ class EventLog:
                 return
             if self.dropped:
                 record = {"t": round(time.time(), 6), "event": Event.EVENTS_DROPPED,
-                          **self.context, "dropped": self.dropped}
+                          VERSION_KEY: SCHEMA_VERSION, **self.context, "dropped": self.dropped}
                 lost = self.dropped
                 self._write(json.dumps(record, separators=(",", ":"), default=str) + "\n",
                             check=False)

@@ -1,0 +1,208 @@
+"""The workers' events (scripts using `unbroken.init`), and the warm standbys'. (Their
+checkpoints: `schema.checkpoint`.)"""
+
+from __future__ import annotations
+
+from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.schema.base import EventBody, doc, event, optional
+
+SECTION = "Worker events (scripts using `unbroken.init`)"
+
+
+@event(Event.WORKER_START)
+class WorkerStart(EventBody):
+    """A worker finished `unbroken.init`."""
+
+    pid: int = doc("its process id")
+    world_size: int = doc("the world size")
+    startup: float | None = doc("process start to the end of `init`, imports included; for a "
+                                "warm standby this includes its wait")
+    process_group: float = doc("`init_process_group` time")
+    wid: str | None = doc("its worker id")
+    joining: bool = doc("a replacement")
+
+
+@event(Event.RESUME)
+class Resume(EventBody):
+    """Training (re)starts."""
+
+    step: int = doc("the first step to run")
+    total: int | None = doc("the steps to run in all")
+    gen: int | None = optional("the generation")
+
+
+@event(Event.STEP)
+class Step(EventBody):
+    """A step was committed. Its `extra` keys are the metrics given to `run.log` (the example
+    logs `loss` and `data`, a CRC of the batch)."""
+
+    step: int = doc("the step")
+    duration: float = doc("the loop body; with `run.train`, the step function plus the "
+                          "optimizer update")
+    gen: int | None = optional("the generation that committed it")
+
+    @property
+    def loss(self) -> float | None:
+        """The `loss` metric, if the script logged one."""
+        return self.extra.get("loss")
+
+
+@event(Event.STEP_FAILED)
+class StepFailed(EventBody):
+    """In place: the step function raised; a `user` error: the worker recovers in place;
+    `own_device` (a CUDA error, or NCCL's about its own device): the worker exits and a fresh
+    process takes its rank."""
+
+    step: int = doc("the step")
+    gen: int = doc("the generation")
+    error: str = doc("the error's first line")
+    traceback: str = doc("the traceback")
+    error_class: str = doc("`peer`, `own_device` or `user`")
+
+
+@event(Event.GEN_LEAVE)
+class GenLeave(EventBody):
+    """In place: the worker left its generation."""
+
+    gen: int = doc("the generation left")
+    step: int = doc("committed steps held")
+    reason: str = doc("`peer`: a collective failed; `exception`; `switch`: asked to move at a "
+                      "step boundary; `superseded`: a member died before the generation "
+                      "formed; `no_state`: the state cannot come from a peer")
+    holds_state: bool = doc("whether it holds the committed state")
+    duration: float = doc("seconds to leave")
+
+
+@event(Event.SWITCH_FAILED)
+class SwitchFailed(EventBody):
+    """In place: a member died or left while this generation formed; the worker waits for the
+    next plan."""
+
+    gen: int = doc("the generation")
+    error: str = doc("the error")
+
+
+@event(Event.GEN_SWITCH)
+class GenSwitch(EventBody):
+    """In place: the worker joined a generation."""
+
+    gen: int = doc("the generation joined")
+    reason: str = doc("why it left the last one")
+    step: int = doc("its step")
+    world_size: int = doc("the generation's size")
+    state_from: int | None = doc("rank that sent this worker the state, or null")
+    received_bytes: int = doc("bytes received")
+    tries: int = doc("tries to form it")
+    rolled_back: int = doc("committed steps this worker gave up: sharded state resumed from an "
+                           "older snapshot")
+    duration: float = doc("leave → ready to train")
+    wait_plan: float | None = optional("phase: waiting for the plan")
+    gather: float | None = optional("phase: gathering the members")
+    form: float | None = optional("phase: forming the process groups")
+    sync: float | None = optional("phase: state from peers")
+    build: float | None = optional("phase: the user's `build()`")
+
+
+@event(Event.IN_PLACE_UNAVAILABLE)
+class InPlaceUnavailable(EventBody):
+    """Faults restart every worker from the checkpoint (said at the start of `run.train`, not
+    at the first fault)."""
+
+    reason: str = doc("the script initialised the process group itself, or its state cannot "
+                      "be recovered in place (a second device mesh, a placement other than "
+                      "Shard/Replicate, optimizer state that is not plain data; named)")
+
+
+@event(Event.JOINER_UNUSED)
+class JoinerUnused(EventBody):
+    """A replacement or spare that the job finished without; it exits 0."""
+
+    wid: str | None = optional("its worker id")
+
+
+@event(Event.SPARE_READY)
+class SpareReady(EventBody):
+    """A spare warmed up on a private group."""
+
+    wid: str = doc("the spare")
+    shadow_steps: int = doc("steps it ran to warm up")
+    duration: float = doc("its warm-up")
+    sharded: bool | None = optional("it warmed up as one rank of the real world size, so it "
+                                    "holds shards only")
+    shard_bytes: int | None = optional("sharded: its shards' bytes")
+    largest_tensor_bytes: int | None = optional("sharded: its largest tensor's bytes")
+
+
+@event(Event.SHARD_SYNC)
+class ShardSync(EventBody):
+    """A sharded switch."""
+
+    gen: int = doc("the generation")
+    step: int = doc("resumed from")
+    committed: int | None = doc("this rank's step before, or null")
+    restored: bool = doc("from its own in-memory snapshot")
+    source: int | None = doc("the rank it received its shard from, or null")
+    received_bytes: int = doc("bytes received")
+    transfers: list[list[int | bool]] = doc("[src, dst, live] for every shard moved")
+
+
+@event(Event.SNAPSHOT_CONFIG)
+class SnapshotConfig(EventBody):
+    """Sharded, in place: the in-memory snapshots' settings."""
+
+    every: int = doc("steps between in-memory snapshots")
+    auto: bool = doc("chosen by unbroken")
+    replicas: int = doc("copies kept on peers")
+    shard_bytes: int = doc("this rank's shards")
+    host_bytes: int = doc("host memory per rank for snapshots")
+    round_s: float | None = optional("a round's copy and exchange")
+    step_s: float | None = optional("the step time")
+
+
+@event(Event.SNAPSHOTS_REFUSED)
+class SnapshotsRefused(EventBody):
+    """Sharded: in-memory snapshots would not fit in host memory."""
+
+    reason: str = doc("with the figures")
+    need_bytes: int = doc("host memory they need")
+    available_bytes: int | None = doc("host memory available")
+
+
+@event(Event.ABORT_ON_NOTICE)
+class AbortOnNotice(EventBody):
+    """In place: the leader broke the generation while this worker was inside a step; its
+    watchdog thread aborted the generation's groups so that a collective blocked on a silent
+    peer fails now."""
+
+    gen: int = doc("the generation aborted")
+    target_gen: int = doc("the generation to come")
+    step: int = doc("the step")
+
+
+@event(Event.PHASE)
+class Phase(EventBody):
+    """A phase the script declared long (`with run.phase(name):`) ended; no step timeout ran
+    meanwhile."""
+
+    name: str = doc("the phase")
+    step: int = doc("the step")
+    duration: float = doc("seconds")
+
+
+@event(Event.FAULT_INJECTED)
+class FaultInjected(EventBody):
+    """Just before an injected fault fires."""
+
+    fault: str = doc("the fault as given")
+    kind: str = doc("its kind")
+    step: int | None = doc("the step")
+    at: str = doc("`step`, `join`, `send`, `persist`")
+
+
+@event(Event.TRAINING_DONE)
+class TrainingDone(EventBody):
+    """The worker finished training."""
+
+    step: int = doc("the last step + 1")
+    gen: int | None = optional("the generation")
+    pid: int | None = optional("its process id")
