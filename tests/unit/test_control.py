@@ -1,6 +1,7 @@
 """The control package's rules, in process: message types and codecs, and the rules that
-keep the protocol in one place (no key built outside the schema, no arrow running back up,
-every event declared once and documented). (Real stores: tests/integration/test_control.py.)
+keep the protocol in one place (no key built outside the schema, no arrow running back up).
+The events' rules: tests/unit/test_event_schema.py. (Real stores:
+tests/integration/test_control.py.)
 """
 
 from __future__ import annotations
@@ -78,18 +79,3 @@ def test_no_import_arrow_runs_back_up(package, forbidden):
     bad = [(p.name, m) for p in _python_files(package) for m in _imports(p)
            if m.startswith(forbidden)]
     assert bad == []
-
-
-def test_every_event_name_is_declared_once_and_documented():
-    """docs/events.md documents exactly the events the code declares (`Event`), and no
-    module emits a name that is not declared."""
-    from unbroken.telemetry.event_names import Event
-
-    text = (SRC.parents[1] / "docs" / "events.md").read_text()
-    documented = set()
-    for section in re.split(r"^## ", text, flags=re.M)[1:]:
-        if section.split("\n", 1)[0].split(" (")[0].endswith("events"):
-            documented |= set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
-    assert documented == {e.value for e in Event}
-    literal = re.compile(r"""\b(emit|record)\(\s*["']""")
-    assert [p.name for p in SRC.rglob("*.py") if literal.search(p.read_text())] == []

@@ -1,7 +1,9 @@
 """Every event name of the run's log (`events.jsonl`), declared once.
 
-docs/events.md documents each one and its fields; tests/unit/test_control.py checks that the two
-agree. Readers may compare with plain strings: an `Event` is a `str`.
+Each name has exactly one event class, its shape, in `telemetry.schema` (registered with
+`@event(Event.NAME)`); docs/events.md is generated from those classes, and
+tests/unit/test_event_schema.py checks both. Readers may compare with plain strings: an
+`Event` is a `str`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""Every event is declared once, as a dataclass (`telemetry.schema`); docs/events.md is
+generated from them; records encode and decode, old and unknown ones included."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from unbroken.telemetry import schema
+from unbroken.telemetry.event_docs import render
+from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.events import EventLog, read_events
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "unbroken"
+OLD_LOG = Path(__file__).parent / "fixtures" / "old_run" / "events.jsonl"
+
+
+def test_docs_events_md_is_generated_from_the_event_classes():
+    """Stale? Regenerate: python -m unbroken.telemetry.event_docs > docs/events.md"""
+    assert (ROOT / "docs" / "events.md").read_text() == render(), (
+        "docs/events.md is stale: run `python -m unbroken.telemetry.event_docs > "
+        "docs/events.md`")
+
+
+def test_every_event_name_has_exactly_one_class_with_documented_fields():
+    assert sorted(schema.EVENT_TYPES) == sorted(e.value for e in Event)
+    for name, cls in schema.EVENT_TYPES.items():
+        assert cls.EVENT == name and cls.__doc__, name
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{name}.{f.name} has no doc"
+    with pytest.raises(TypeError, match="declared twice"):
+        schema.base.event(Event.STEP)(type("Again", (schema.EventBody,), {}))
+
+
+def test_no_module_emits_a_name_that_is_not_declared():
+    literal = re.compile(r"""\b(emit|record)\(\s*["']""")
+    assert [p.name for p in SRC.rglob("*.py") if literal.search(p.read_text())] == []
+
+
+def test_an_event_instance_is_written_with_the_schema_version(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", source="worker", node=0, rank=1, attempt=0,
+                   slot=1)
+    log.emit(schema.Step(step=3, duration=0.25, gen=2, extra={"loss": 1.5}))
+    log.emit(schema.CheckpointFailed(step=4, error="boom"))  # optional fields left out
+    log.emit(schema.Drained(rank=2, from_="0.0", to="spare0-1", gen=3, switch_s=0.5))
+    log.close()
+    step, failed, drained = read_events(tmp_path / "events.jsonl")
+    assert {k: v for k, v in step.items() if k != "t"} == {
+        "event": "step", "v": schema.SCHEMA_VERSION, "source": "worker", "node": 0, "rank": 1,
+        "attempt": 0, "slot": 1, "step": 3, "duration": 0.25, "gen": 2, "loss": 1.5}
+    assert "final" not in failed and "stall" not in failed
+    assert drained["from"] == "0.0" and drained["rank"] == 2  # the event's rank wins
+    back = schema.decode(step)
+    assert isinstance(back, schema.Step) and back.loss == 1.5 and back.gen == 2
+    assert schema.decode(drained).from_ == "0.0"
+    with pytest.raises(TypeError):
+        log.emit(schema.Phase(name="eval", step=1, duration=0.1), step=2)
+
+
+def test_an_old_log_decodes_and_encodes_back_to_its_records():
+    """A log written before the schema (no `v`): every record decodes into its class, with
+    no key left over, and encodes back to the same record."""
+    records = read_events(OLD_LOG)
+    assert {schema.version(r) for r in records} == {0}
+    for record in records:
+        body = schema.decode(record)
+        assert not isinstance(body, schema.UnknownEvent), record["event"]
+        again = {"t": body.t, "event": body.event, **schema.encode(body)}
+        assert again == record
+        if not isinstance(body, schema.Step):
+            assert body.extra == {}, record["event"]
+
+
+def test_missing_and_unknown_keys_and_names_are_tolerated():
+    old = schema.decode({"t": 1.0, "event": "training_done", "step": 5})  # no gen, no pid
+    assert old == schema.TrainingDone(t=1.0, step=5)
+    short = schema.decode({"t": 1.0, "event": "rendezvous", "attempt": 0})
+    assert short.world_size is None  # a field an older writer did not write
+    newer = schema.decode({"t": 2.0, "event": "rendezvous", "attempt": 0, "world_size": 4,
+                           "duration": 0.1, "worker_port": 1, "v": 7, "color": "red"})
+    assert newer.world_size == 4 and newer.extra == {"color": "red"}
+    unknown = schema.decode({"t": 3.0, "event": "from_the_future", "node": 1, "x": [1]})
+    assert isinstance(unknown, schema.UnknownEvent)
+    assert (unknown.event, unknown.node, unknown.extra) == ("from_the_future", 1, {"x": [1]})
+    json.dumps(schema.encode(newer))  # plain JSON data
