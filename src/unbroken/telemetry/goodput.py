@@ -1,6 +1,7 @@
 """Goodput accounting: every second of every rank's wall time, charged to one category.
 
-`account(events)` is a pure function of a run's events (`read_events`, every node's merged).
+`account(events)` is a pure function of a run's events (`read_events`, every node's merged),
+each read as its typed event (`telemetry.schema`).
 It builds, for each rank slot, labelled intervals from what the events say happened (a step
 ran from `t - duration` to `t`, a checkpoint load took `duration`, a fault's recovery ran
 from the fault to that rank's next step, ...), each with a priority, and sweeps them: every
@@ -25,8 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import BADPUT, Category
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.schema import EventBody
 
 STRAGGLER_FACTOR = 3.0
 STRAGGLER_FLOOR_S = 0.25
@@ -89,12 +91,23 @@ class _Step:
     redone: bool = False
 
 
-def _is(e: dict[str, Any], name: Event) -> bool:
-    return e["event"] == name
+@dataclass(frozen=True)
+class SeenFault:
+    """One fault of the run (`distinct_faults`): its last `fault` event, when it happened
+    (`began`: its injection, a hang's last heartbeat, else its detection) and when it was
+    first detected (`t`)."""
+
+    event: ev.Fault
+    began: float
+    t: float
 
 
-def _worker(e: dict[str, Any]) -> bool:
-    return e.get("source") == "worker" and isinstance(e.get("slot"), int) and e["slot"] >= 0
+def _worker(e: EventBody) -> bool:
+    return e.source == "worker" and isinstance(e.slot, int) and e.slot >= 0
+
+
+def _attempt(e: EventBody) -> int:
+    return e.attempt if e.attempt is not None else 0
 
 
 def sweep(labels: Iterable[Label], start: float, end: float, slot: int) -> list[Segment]:
@@ -122,11 +135,11 @@ def sweep(labels: Iterable[Label], start: float, end: float, slot: int) -> list[
     return out
 
 
-def _steps(events: list[dict[str, Any]]) -> list[_Step]:
-    steps = [_Step(slot=e["slot"], rank=e.get("rank", e["slot"]), attempt=e.get("attempt", 0),
-                   gen=e.get("gen", 0), step=e["step"], start=e["t"] - e["duration"], end=e["t"],
-                   loss=e.get("loss"))
-             for e in events if _is(e, Event.STEP) and _worker(e)]
+def _steps(events: list[EventBody]) -> list[_Step]:
+    steps = [_Step(slot=e.slot, rank=e.rank if e.rank is not None else e.slot,
+                   attempt=_attempt(e), gen=e.gen if e.gen is not None else 0, step=e.step,
+                   start=e.t - e.duration, end=e.t, loss=e.loss)
+             for e in events if isinstance(e, ev.Step) and _worker(e)]
     last: dict[tuple[int, int], _Step] = {}
     for s in sorted(steps, key=lambda s: s.end):
         if (s.slot, s.step) in last:
@@ -135,30 +148,34 @@ def _steps(events: list[dict[str, Any]]) -> list[_Step]:
     return steps
 
 
-def _fault_start(f: dict[str, Any], events: list[dict[str, Any]]) -> float:
+def _slot_or_rank(e: EventBody) -> int | None:
+    return e.slot if e.slot is not None else e.rank
+
+
+def _fault_start(f: ev.Fault, events: list[EventBody]) -> float:
     """When a fault happened: its injection if injected, a hang's last heartbeat, else its
     detection."""
-    slot = f.get("slot", f.get("rank"))
-    injected = [e["t"] for e in events if _is(e, Event.FAULT_INJECTED) and e["t"] <= f["t"]
-                and e.get("attempt") == f.get("attempt", 0)
-                and e.get("slot", e.get("rank")) == slot]
-    return injected[-1] if injected else (f.get("hang_started") or f["t"])
+    slot = _slot_or_rank(f)
+    injected = [e.t for e in events if isinstance(e, ev.FaultInjected) and e.t <= f.t
+                and e.attempt == _attempt(f) and _slot_or_rank(e) == slot]
+    return injected[-1] if injected else (f.hang_started or f.t)
 
 
-def fault_key(f: dict[str, Any]) -> tuple:
+def fault_key(f: ev.Fault) -> tuple:
     """What identifies one fault across its `fault` events: attempt, kind, and the process."""
-    return f.get("attempt", 0), f.get("kind"), f.get("pid") or (f.get("rank"), f.get("step"))
+    return _attempt(f), f.kind, f.pid or (f.rank, f.step)
 
 
-def distinct_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def distinct_faults(events: Iterable[dict[str, Any] | EventBody]) -> list[SeenFault]:
     """The run's faults, each once: a death first taken in place and then charged to a
     full restart is logged twice (same process); the later record's fields win."""
-    seen: dict[tuple, dict[str, Any]] = {}
-    for f in (e for e in events if _is(e, Event.FAULT)):
+    events = ev.decode_all(events)
+    seen: dict[tuple, SeenFault] = {}
+    for f in (e for e in events if isinstance(e, ev.Fault)):
         key = fault_key(f)
         first = seen.get(key)
-        seen[key] = dict(f, _began=first["_began"] if first else _fault_start(f, events),
-                         t=first["t"] if first else f["t"])
+        seen[key] = SeenFault(f, first.began if first else _fault_start(f, events),
+                              first.t if first else f.t)
     return list(seen.values())
 
 
@@ -166,29 +183,30 @@ def _windows(events, faults, world: int, t_end: float) -> tuple[
         list[tuple[float, int | None, bool]], list[tuple[float, float, frozenset[int]]]]:
     """Recovery window openers (time, slot or None for every slot, whether a fault opened
     it) and the spans the job ran shrunk, each with the slots missing from it."""
-    opens: list[tuple[float, int | None, bool]] = [(f["_began"], None, True) for f in faults]
-    opens += [(e["t"], e["slot"], False) for e in events
-              if _is(e, Event.GEN_LEAVE) and _worker(e)]
-    opens += [(e["t"], None, False) for e in events if _is(e, Event.RESTART)]
+    opens: list[tuple[float, int | None, bool]] = [(f.began, None, True) for f in faults]
+    opens += [(e.t, e.slot, False) for e in events
+              if isinstance(e, ev.GenLeave) and _worker(e)]
+    opens += [(e.t, None, False) for e in events if isinstance(e, ev.Restart)]
     members: dict[Any, set[int]] = defaultdict(set)  # generation -> the slots that joined it
     for e in events:
-        if _is(e, Event.GEN_SWITCH) and _worker(e):
-            members[(e.get("attempt", 0), e.get("gen"))].add(e["slot"])
+        if isinstance(e, ev.GenSwitch) and _worker(e):
+            members[(_attempt(e), e.gen)].add(e.slot)
     shrunk: list[tuple[float, float, frozenset[int]]] = []
     open_span: tuple[float, frozenset[int]] | None = None
     # Once a rank has finished training, the job is ending: nothing more is lost to the size.
-    done = min((e["t"] for e in events if _is(e, Event.TRAINING_DONE)), default=t_end)
+    done = min((e.t for e in events if isinstance(e, ev.TrainingDone)), default=t_end)
     for e in events:
-        if e["t"] > done:
+        if e.t > done:
             break
-        if not (_is(e, Event.GEN_UP) or _is(e, Event.RESTART)):
+        if not isinstance(e, ev.GenUp | ev.Restart):
             continue
         if open_span is not None:
-            shrunk.append((open_span[0], e["t"], open_span[1]))
+            shrunk.append((open_span[0], e.t, open_span[1]))
             open_span = None
-        if _is(e, Event.GEN_UP) and e.get("world_size", world) < world:
-            here = members.get((e.get("attempt", 0), e.get("gen")), set())
-            open_span = (e["t"], frozenset(set(range(world)) - here))
+        if isinstance(e, ev.GenUp) and (e.world_size if e.world_size is not None
+                                        else world) < world:
+            here = members.get((_attempt(e), e.gen), set())
+            open_span = (e.t, frozenset(set(range(world)) - here))
     if open_span is not None:
         shrunk.append((open_span[0], done, open_span[1]))
     return opens, shrunk
@@ -199,13 +217,13 @@ def straggler_threshold(median: float) -> float:
     return max(STRAGGLER_FACTOR * median, median + STRAGGLER_FLOOR_S)
 
 
-def _labels_for_slot(slot: int, mine: list[dict[str, Any]], own: list[_Step],
-                     launches: list[dict[str, Any]], median: float | None, opens, shrunk,
+def _labels_for_slot(slot: int, mine: list[EventBody], own: list[_Step],
+                     launches: list[EventBody], median: float | None, opens, shrunk,
                      t0: float, checkpoints: bool) -> list[Label]:
     """`mine`: the slot's worker events; `own`: its step computations, by end;
     `launches`: the agents' `workers_started` and `replacement_started` events."""
-    launched = [(e["t"], e.get("node")) for e in launches if _is(e, Event.WORKERS_STARTED)
-                or e.get("slot") == slot]
+    launched = [(e.t, e.node) for e in launches if isinstance(e, ev.WorkersStarted)
+                or e.slot == slot]
     starts = sorted(s.start for s in own)
     ends = [s.end for s in own]
     by_step: dict[int, list[_Step]] = defaultdict(list)
@@ -232,14 +250,14 @@ def _labels_for_slot(slot: int, mine: list[dict[str, Any]], own: list[_Step],
 
     first_process = True
     for e in mine:
-        t = e["t"]
-        if _is(e, Event.WORKER_START):
-            if e.get("startup") is not None:
-                pg = e.get("process_group") or 0.0
+        t = e.t
+        if isinstance(e, ev.WorkerStart):
+            if e.startup is not None:
+                pg = e.process_group or 0.0
                 # A warm standby's process was started long before the agent handed it this
                 # job: its startup counts from that hand-over, not from its process start.
-                began = max([t - e["startup"], *(a for a, node in launched
-                                                 if a <= t and node == e.get("node"))])
+                began = max([t - e.startup, *(a for a, node in launched
+                                              if a <= t and node == e.node)])
                 labels.append(Label(began, t - pg, "startup"))
                 labels.append(Label(t - pg, t, "rendezvous"))
                 if first_process:
@@ -247,15 +265,15 @@ def _labels_for_slot(slot: int, mine: list[dict[str, Any]], own: list[_Step],
             first_process = False
             end = next_start(t)
             labels.append(Label(t, end if end is not None else t, "setup"))
-        elif _is(e, Event.CHECKPOINT_LOADED) and e.get("duration") is not None:
-            labels.append(Label(t - e["duration"], t, "restore"))
-        elif _is(e, Event.PHASE) and e.get("name") in DATA_PHASES:
-            labels.append(Label(t - e["duration"], t, "data"))
-        elif (_is(e, Event.CHECKPOINT_SAVED) or _is(e, Event.CHECKPOINT_FAILED)) and e.get("stall"):
-            before = [s for s in by_step.get(e["step"] - 1, ()) if s.end <= t]
+        elif isinstance(e, ev.CheckpointLoaded) and e.duration is not None:
+            labels.append(Label(t - e.duration, t, "restore"))
+        elif isinstance(e, ev.Phase) and e.name in DATA_PHASES:
+            labels.append(Label(t - e.duration, t, "data"))
+        elif isinstance(e, ev.CheckpointSaved | ev.CheckpointFailed) and e.stall:
+            before = [s for s in by_step.get(e.step - 1, ()) if s.end <= t]
             if before:
-                labels.append(Label(before[-1].end, before[-1].end + e["stall"], "stall"))
-        elif _is(e, Event.TRAINING_DONE) and (last := last_end(t)) is not None:
+                labels.append(Label(before[-1].end, before[-1].end + e.stall, "stall"))
+        elif isinstance(e, ev.TrainingDone) and (last := last_end(t)) is not None:
             labels.append(Label(last, t, "flush" if checkpoints else "between_steps"))
     mine_opens = sorted(o for o in opens if o[1] in (None, slot))
     for i, (t, _, fault) in enumerate(mine_opens):
@@ -272,16 +290,16 @@ def _labels_for_slot(slot: int, mine: list[dict[str, Any]], own: list[_Step],
     return labels
 
 
-def _fault_rows(faults, segments: list[Segment], steps: list[_Step],
-                events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _fault_rows(faults: list[SeenFault], segments: list[Segment],
+                steps: list[_Step]) -> list[dict[str, Any]]:
     """Each fault with its cost: the rank-seconds of every slot, from the fault to that
     slot's next step, that were not productive, plus the computations it made redone."""
     rows = []
-    ordered = sorted(faults, key=lambda f: f["_began"])
+    ordered = sorted(faults, key=lambda f: f.began)
     # A redone computation is the cost of the fault that led to its being computed again:
     # the last fault before the computation that the run kept.
     kept = {(s.slot, s.step): s for s in steps if not s.redone}
-    began_at = [f["_began"] for f in ordered]
+    began_at = [f.began for f in ordered]
     redone_by: dict[int, list[_Step]] = defaultdict(list)
     for s in steps:
         again = kept.get((s.slot, s.step))
@@ -294,8 +312,8 @@ def _fault_rows(faults, segments: list[Segment], steps: list[_Step],
         if seg.category == Category.PRODUCTIVE_STEP:
             productive[seg.slot].append(seg.start)
     for i, f in enumerate(ordered):
-        began = f["_began"]
-        until = ordered[i + 1]["_began"] if i + 1 < len(ordered) else float("inf")
+        began = f.began
+        until = ordered[i + 1].began if i + 1 < len(ordered) else float("inf")
         cost: dict[str, float] = defaultdict(float)
         for seg in segments:
             if seg.category in (Category.PRODUCTIVE_STEP, Category.WASTED_PROGRESS) \
@@ -310,54 +328,56 @@ def _fault_rows(faults, segments: list[Segment], steps: list[_Step],
                 cost[seg.category.value] += hi - lo
         for s in redone_by.get(id(f), ()):
             cost[Category.WASTED_PROGRESS.value] += s.end - s.start
+        e = f.event
         rows.append({
-            "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"),
-            "attempt": f.get("attempt", 0), "step": f.get("step"), "t": f["t"],
-            "detail": f.get("detail"), "in_place": bool(f.get("in_place")),
-            "detection": round(f["t"] - began, 3),
+            "kind": e.kind, "rank": e.rank, "node": e.node,
+            "attempt": _attempt(e), "step": e.step, "t": f.t,
+            "detail": e.detail, "in_place": bool(e.in_place),
+            "detection": round(f.t - began, 3),
             "cost_s": {k: round(v, 6) for k, v in sorted(cost.items()) if v > 0},
         })
     return rows
 
 
-def account(events: list[dict[str, Any]], slots: list[int] | None = None,
+def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | None = None,
             until: float | None = None) -> dict[str, Any]:
     """The run's goodput report (schema: docs/goodput.md), from its merged, time-ordered
-    events. Pure: no I/O.
+    events (records, or events already decoded: `schema.decode`). Pure: no I/O.
 
     `slots`: account only these ranks (a live leader that reads only its own node's log);
     default every rank of the job's world. `until`: the end of the accounted time (a run
     still going: now); default the last agent's exit, else the last event."""
+    events = ev.decode_all(events)
     if not events:
         raise ValueError("no events to account for")
-    starts = [e["t"] for e in events if _is(e, Event.AGENT_START)]
-    exits = [e["t"] for e in events if _is(e, Event.AGENT_EXIT)]
-    t0 = min(starts) if starts else events[0]["t"]
-    t_end = until if until is not None else (max(exits) if exits else events[-1]["t"])
+    starts = [e.t for e in events if isinstance(e, ev.AgentStart)]
+    exits = [e.t for e in events if isinstance(e, ev.AgentExit)]
+    t0 = min(starts) if starts else events[0].t
+    t_end = until if until is not None else (max(exits) if exits else events[-1].t)
     t_end = max(t_end, t0)
-    world = max((e.get("world_size", 0) for e in events
-                 if _is(e, Event.WORKER_START) and _worker(e)), default=0)
+    world = max((e.world_size or 0 for e in events
+                 if isinstance(e, ev.WorkerStart) and _worker(e)), default=0)
     steps = _steps(events)
     steps_known = bool(steps)
     if not world:  # a plain script: no worker reports; the agents know the ranks they start
-        world = sum(len(e.get("pids", {})) for e in events
-                    if _is(e, Event.WORKERS_STARTED) and e.get("attempt", 0) == 0)
+        world = sum(len(e.pids or {}) for e in events
+                    if isinstance(e, ev.WorkersStarted) and _attempt(e) == 0)
     faults = distinct_faults(events)
     median = statistics.median(s.end - s.start for s in steps) if steps else None
     opens, shrunk = _windows(events, faults, world, t_end)
-    checkpoints = any(_is(e, Event.CHECKPOINT_SAVED) for e in events)
+    checkpoints = any(isinstance(e, ev.CheckpointSaved) for e in events)
     accounted = list(range(world)) if slots is None else sorted(slots)
     segments: list[Segment] = []
     if steps_known:
-        by_slot: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        by_slot: dict[int, list[EventBody]] = defaultdict(list)
         for e in events:
             if _worker(e):
-                by_slot[e["slot"]].append(e)
+                by_slot[e.slot].append(e)
         own: dict[int, list[_Step]] = defaultdict(list)
         for s in sorted(steps, key=lambda s: s.end):
             own[s.slot].append(s)
-        launches = [e for e in events if _is(e, Event.WORKERS_STARTED)
-                    or _is(e, Event.REPLACEMENT_STARTED)]
+        launches = [e for e in events
+                    if isinstance(e, ev.WorkersStarted | ev.ReplacementStarted)]
         for slot in accounted:
             labels = _labels_for_slot(slot, by_slot[slot], own[slot], launches, median, opens,
                                       shrunk, t0, checkpoints)
@@ -367,18 +387,18 @@ def account(events: list[dict[str, Any]], slots: list[int] | None = None,
     return _report(events, t0, t_end, accounted, steps, steps_known, faults, segments, median)
 
 
-def _plain_segments(events, slots: list[int], faults, t0: float,
-                    t_end: float) -> list[Segment]:
+def _plain_segments(events: list[EventBody], slots: list[int], faults: list[SeenFault],
+                    t0: float, t_end: float) -> list[Segment]:
     """A script that reports nothing to unbroken: what is known is when its processes were
     started, and that the time from each fault to the next start was recovery."""
-    restarts = sorted(e["t"] for e in events if _is(e, Event.WORKERS_STARTED))
+    restarts = sorted(e.t for e in events if isinstance(e, ev.WorkersStarted))
     segments = []
     for slot in slots:
         labels = [Label(t0, restarts[0], "spawn")] if restarts else []
         for f in faults:
-            nxt = next((t for t in restarts if t > f["t"]), None)
+            nxt = next((t for t in restarts if t > f.t), None)
             if nxt is not None:
-                labels.append(Label(f["_began"], nxt, "recovery"))
+                labels.append(Label(f.began, nxt, "recovery"))
         segments += sweep(labels, t0, t_end, slot)
     return segments
 
@@ -400,8 +420,8 @@ def _report(events, t0, t_end, slots, steps, steps_known, faults, segments, medi
     total = _totals(segments)
     seconds = {k: round(v / n, 6) for k, v in total.items()}
     goodput = (total[Category.PRODUCTIVE_STEP] / (wall * n)) if steps_known and wall > 0 else None
-    attempt_starts = sorted({(e.get("attempt", 0), e["t"]) for e in events
-                             if _is(e, Event.WORKERS_STARTED)})
+    attempt_starts = sorted({(_attempt(e), e.t) for e in events
+                             if isinstance(e, ev.WorkersStarted)})
     firsts: dict[int, float] = {}
     for a, t in attempt_starts:
         firsts.setdefault(a, t)
@@ -413,7 +433,7 @@ def _report(events, t0, t_end, slots, steps, steps_known, faults, segments, medi
         part = _totals(segments, start, end)
         attempts.append({"attempt": a, "start": start, "end": end,
                          "seconds": {k: round(v / n, 6) for k, v in part.items()}})
-    dropped = sum(e.get("dropped", 0) for e in events if _is(e, Event.EVENTS_DROPPED))
+    dropped = sum(e.dropped or 0 for e in events if isinstance(e, ev.EventsDropped))
     return {
         "t0": t0, "wall_s": round(wall, 6), "world_size": world,
         "goodput": round(goodput, 6) if goodput is not None else None,
@@ -426,23 +446,24 @@ def _report(events, t0, t_end, slots, steps, steps_known, faults, segments, medi
                                              _totals(s for s in segments if s.slot == slot).items()}}
                   for slot in slots],
         "attempts": attempts,
-        "faults": _fault_rows(faults, segments, steps, events),
-        "recoveries": [{"gen": e.get("gen"), "t": e["t"], "duration": e.get("duration"),
-                        "world_size": e.get("world_size"), "faults": e.get("faults", [])}
-                       for e in events if _is(e, Event.GEN_UP)],
-        "checkpoints": [{"step": e.get("step"), "t": e["t"], "slot": e.get("slot"),
-                         "stall": e.get("stall"), "durable": e.get("durable"),
-                         "bytes": e.get("bytes"), "ok": _is(e, Event.CHECKPOINT_SAVED)}
-                        for e in events if (_is(e, Event.CHECKPOINT_SAVED)
-                                            or _is(e, Event.CHECKPOINT_FAILED)) and _worker(e)],
+        "faults": _fault_rows(faults, segments, steps),
+        "recoveries": [{"gen": e.gen, "t": e.t, "duration": e.duration,
+                        "world_size": e.world_size, "faults": e.faults or []}
+                       for e in events if isinstance(e, ev.GenUp)],
+        "checkpoints": [{"step": e.step, "t": e.t, "slot": e.slot, "stall": e.stall,
+                         "durable": getattr(e, "durable", None),
+                         "bytes": getattr(e, "bytes", None),
+                         "ok": isinstance(e, ev.CheckpointSaved)}
+                        for e in events
+                        if isinstance(e, ev.CheckpointSaved | ev.CheckpointFailed) and _worker(e)],
         "steps": [{"slot": s.slot, "rank": s.rank, "attempt": s.attempt, "gen": s.gen,
                    "step": s.step, "start": s.start, "end": s.end,
                    "duration": round(s.end - s.start, 6), "loss": s.loss, "redone": s.redone}
                   for s in sorted(steps, key=lambda s: (s.end, s.slot))],
-        "spares": [{"t": e["t"], "node": e.get("node"),
-                    "event": "ready" if _is(e, Event.SPARE_READY) else "promoted"}
-                   for e in events if (_is(e, Event.SPARE_READY) and e.get("source") == "worker")
-                   or (_is(e, Event.SPARE_PROMOTED) and e.get("source") == "agent")],
+        "spares": [{"t": e.t, "node": e.node,
+                    "event": "ready" if isinstance(e, ev.SpareReady) else "promoted"}
+                   for e in events if (isinstance(e, ev.SpareReady) and e.source == "worker")
+                   or (isinstance(e, ev.SparePromoted) and e.source == "agent")],
         "timeline": [{"slot": s.slot, "start": s.start, "end": s.end,
                       "category": s.category.value} for s in segments],
     }

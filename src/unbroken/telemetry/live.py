@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import BADPUT
-from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.goodput import account, fault_key
 from unbroken.telemetry.metric_names import Metric
 
@@ -81,7 +81,7 @@ class EventTail:
 class LiveStats:
     """What the log has said so far, folded. `fold` is pure bookkeeping; no I/O."""
 
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[ev.EventBody] = field(default_factory=list)  # decoded (`schema.decode`)
     step: int = 0
     step_slot: int | None = None  # the rank whose steps are counted (see `fold`)
     steps: int = 0
@@ -93,52 +93,56 @@ class LiveStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (t, step) for steps/s
     _faults_seen: set = field(default_factory=set)
 
-    def fold(self, e: dict[str, Any]) -> list[tuple[Metric, Any]]:
-        """Take one event; returns the observations it makes: (metric, value or label)."""
+    def fold(self, record: dict[str, Any] | ev.EventBody) -> list[tuple[Metric, Any]]:
+        """Take one event (a record, or its decoded event); returns the observations it
+        makes: (metric, value or label)."""
+        e = record if isinstance(record, ev.EventBody) else ev.decode(record)
         self.events.append(e)
-        name, obs = e.get("event"), []
-        if name == Event.WORKER_START and isinstance(e.get("slot"), int) and e["slot"] >= 0:
+        obs: list[tuple[Metric, Any]] = []
+        if isinstance(e, ev.WorkerStart) and isinstance(e.slot, int) and e.slot >= 0:
             # Steps are counted for one rank: the lowest whose worker started (rank 0 where
             # the leader can read every node's events), chosen before its first step.
-            if self.step_slot is None or e["slot"] < self.step_slot:
-                self.step_slot = e["slot"]
-        elif name == Event.STEP and e.get("source") == "worker":
-            if e.get("slot") == self.step_slot:
+            if self.step_slot is None or e.slot < self.step_slot:
+                self.step_slot = e.slot
+        elif isinstance(e, ev.Step) and e.source == "worker":
+            if e.slot == self.step_slot:
                 self.steps += 1
-                self.step = max(self.step, e["step"] + 1)
-                self.recent.append((e["t"], e["step"]))
-                obs += [(Metric.STEPS, 1), (Metric.STEP_TIME, e["duration"])]
-        elif name == Event.FAULT:
+                self.step = max(self.step, e.step + 1)
+                self.recent.append((e.t, e.step))
+                obs += [(Metric.STEPS, 1), (Metric.STEP_TIME, e.duration)]
+        elif isinstance(e, ev.Fault):
             # A death taken in place, then charged to a restart, is logged twice: count once.
             key = fault_key(e)
             if key in self._faults_seen:
                 return obs
             self._faults_seen.add(key)
-            kind = str(e.get("kind"))
+            kind = str(e.kind)
             self.faults[kind] = self.faults.get(kind, 0) + 1
             obs.append((Metric.FAULTS, kind))
-        elif name == Event.RESTART:
+        elif isinstance(e, ev.Restart):
             self.restarts += 1
             obs.append((Metric.RESTARTS, 1))
-        elif name == Event.GEN_UP:
-            self.world_size = e.get("world_size", self.world_size)
-            if e.get("duration") is not None and e.get("faults"):
-                obs.append((Metric.RECOVERY_TIME, e["duration"]))
-        elif name == Event.RENDEZVOUS:
-            self.world_size = e.get("world_size", self.world_size)
-        elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_FAILED) \
-                and e.get("slot") == (self.step_slot or 0):
-            if e.get("stall") is not None:
-                obs.append((Metric.CHECKPOINT_STALL, e["stall"]))
-            if e.get("durable") is not None:
-                obs.append((Metric.CHECKPOINT_DURABLE, e["durable"]))
-        elif name == Event.SPARE_READY and e.get("source") == "worker":
+        elif isinstance(e, ev.GenUp):
+            if e.world_size is not None:
+                self.world_size = e.world_size
+            if e.duration is not None and e.faults:
+                obs.append((Metric.RECOVERY_TIME, e.duration))
+        elif isinstance(e, ev.Rendezvous):
+            if e.world_size is not None:
+                self.world_size = e.world_size
+        elif isinstance(e, ev.CheckpointSaved | ev.CheckpointFailed) \
+                and e.slot == (self.step_slot or 0):
+            if e.stall is not None:
+                obs.append((Metric.CHECKPOINT_STALL, e.stall))
+            if isinstance(e, ev.CheckpointSaved) and e.durable is not None:
+                obs.append((Metric.CHECKPOINT_DURABLE, e.durable))
+        elif isinstance(e, ev.SpareReady) and e.source == "worker":
             self.spares_ready += 1
-        elif name in (Event.SPARE_PROMOTED, Event.SPARE_LOST) and e.get("source") == "agent":
+        elif isinstance(e, ev.SparePromoted | ev.SpareLost) and e.source == "agent":
             self.spares_ready = max(0, self.spares_ready - 1)
-        elif name == Event.EVENTS_DROPPED:
-            self.dropped += int(e.get("dropped", 0))
-            obs.append((Metric.EVENTS_DROPPED, int(e.get("dropped", 0))))
+        elif isinstance(e, ev.EventsDropped):
+            self.dropped += int(e.dropped or 0)
+            obs.append((Metric.EVENTS_DROPPED, int(e.dropped or 0)))
         return obs
 
     def steps_per_s(self, window: float = 30.0) -> float | None:
@@ -153,9 +157,9 @@ class LiveStats:
         """The accounting of everything so far (None before any event)."""
         if not self.events:
             return None
-        seen = sorted({e["slot"] for e in self.events if e.get("source") == "worker"
-                       and isinstance(e.get("slot"), int) and e["slot"] >= 0})
-        return account(sorted(self.events, key=lambda e: e.get("t", 0.0)),
+        seen = sorted({e.slot for e in self.events if e.source == "worker"
+                       and isinstance(e.slot, int) and e.slot >= 0})
+        return account(sorted(self.events, key=lambda e: e.t or 0.0),
                        slots=seen or None, until=time.time())
 
 

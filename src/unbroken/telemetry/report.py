@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UserError
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import Category
-from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.events import EVENTS_FILE, read_events
 from unbroken.telemetry.goodput import account
 
@@ -28,6 +28,7 @@ def load_events(run_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     have written events about other nodes, on its own clock); a dir shared by several nodes
     (one host, one clock) by each event's node."""
     per_dir: list[tuple[Any, list[dict[str, Any]]]] = []
+    offsets: dict[Any, float] = {}
     seen: set[str] = set()
     for d in run_dirs:
         path = Path(d) / EVENTS_FILE
@@ -40,13 +41,12 @@ def load_events(run_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
             if line not in seen:
                 seen.add(line)
                 found.append(e)
-        writers = {e.get("node") for e in found if e.get("event") == Event.AGENT_START}
+        typed = ev.decode_all(found)
+        writers = {e.node for e in typed if isinstance(e, ev.AgentStart)}
         per_dir.append((writers.pop() if len(writers) == 1 else None, found))
-    offsets: dict[Any, float] = {}
-    for _, found in per_dir:
-        for e in found:
-            if e.get("event") == Event.CLOCK_OFFSET:
-                offsets[e.get("node")] = float(e.get("offset", 0.0))  # the latest one wins
+        for e in typed:
+            if isinstance(e, ev.ClockOffset):  # the latest one wins
+                offsets[e.node] = float(e.offset or 0.0)
     events = []
     for writer, found in per_dir:
         for e in found:

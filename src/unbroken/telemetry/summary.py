@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UserError
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, read_events
 from unbroken.telemetry.goodput import distinct_faults
 
@@ -26,56 +27,65 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
         if not path.is_file():
             raise UserError(f"no event log at {path}; pass the run directory `unbroken run` "
                             "printed")
-        events = read_events(path)
+        records = read_events(path)
     else:
         from unbroken.telemetry.report import load_events
 
-        events = load_events(run_dir)
-    steps = [e for e in events if e["event"] == "step"]
-    starts = [e["t"] for e in events if e["event"] == "agent_start"]
-    exits = [e for e in events if e["event"] == "agent_exit"]
-    wall = (max(e["t"] for e in exits) - min(starts)) if starts and exits else None
+        records = load_events(run_dir)
+    events = ev.decode_all(records)
+    steps = [e for e in events if isinstance(e, ev.Step)]
+    starts = [e.t for e in events if isinstance(e, ev.AgentStart)]
+    exits = [e for e in events if isinstance(e, ev.AgentExit)]
+    wall = (max(e.t for e in exits) - min(starts)) if starts and exits else None
 
-    by_step: dict[int, list[dict[str, Any]]] = {}
+    by_step: dict[int, list[ev.Step]] = {}
     last_attempt: dict[int, int] = {}
     for e in steps:
-        last_attempt[e["step"]] = max(last_attempt.get(e["step"], -1), e["attempt"])
+        last_attempt[e.step] = max(last_attempt.get(e.step, -1), e.attempt)
     for e in steps:  # the run's history is the last attempt that computed each step
-        if e["attempt"] == last_attempt[e["step"]]:
-            by_step.setdefault(e["step"], []).append(e)
+        if e.attempt == last_attempt[e.step]:
+            by_step.setdefault(e.step, []).append(e)
 
     def mean_loss(step: int) -> float | None:
-        losses = [e["loss"] for e in by_step.get(step, []) if "loss" in e]
+        losses = [e.loss for e in by_step.get(step, []) if e.loss is not None]
         return round(statistics.fmean(losses), 4) if losses else None
 
-    durations = [statistics.fmean(e["duration"] for e in es) for es in by_step.values()]
+    def attempt_of(e: ev.EventBody) -> int:
+        return e.attempt if e.attempt is not None else 0
+
+    def gen_of(e: ev.Step) -> int:
+        return e.gen if e.gen is not None else 0
+
+    durations = [statistics.fmean(e.duration for e in es) for es in by_step.values()]
     faults = []
-    for f in distinct_faults(events):
-        attempt = f.get("attempt", 0)
-        began = f["_began"]  # when it happened (goodput.distinct_faults)
-        before = [e for e in steps if e["attempt"] == attempt and e["t"] <= began]
-        reached = max((e["step"] for e in before), default=-1) + 1
-        if f.get("in_place"):
+    for seen in distinct_faults(events):
+        f, t = seen.event, seen.t
+        attempt = attempt_of(f)
+        began = seen.began  # when it happened (goodput.distinct_faults)
+        before = [e for e in steps if e.attempt == attempt and e.t <= began]
+        reached = max((e.step for e in before), default=-1) + 1
+        resumed: ev.EventBody | None
+        if f.in_place:
             # Recovered in place: the first step of a later generation of the same attempt.
-            gen = max((e.get("gen", 0) for e in before), default=0)
-            resumed = next((e for e in steps if e["attempt"] == attempt and e.get("gen", 0) > gen
-                            and e["t"] > f["t"]), None)
-            resumed_from = resumed["step"] if resumed else None
+            gen = max((gen_of(e) for e in before), default=0)
+            resumed = next((e for e in steps if e.attempt == attempt and gen_of(e) > gen
+                            and e.t > t), None)
+            resumed_from = resumed.step if resumed else None
         else:
-            resumed = next((e for e in steps if e["attempt"] > attempt and e["t"] > f["t"]), None)
+            resumed = next((e for e in steps if e.attempt > attempt and e.t > t), None)
             if resumed is None:  # no step was left to run: the restart resumed into the end
-                resumed = next((e for e in events if e["event"] == "resume"
-                                and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
-            resumed_from = next((e["step"] for e in events if e["event"] == "resume"
-                                 and e.get("attempt") == attempt + 1), None)
-        restarted = next((e["t"] for e in events if e["event"] == "workers_started"
-                          and e.get("attempt", 0) > attempt and e["t"] > f["t"]), None)
+                resumed = next((e for e in events if isinstance(e, ev.Resume)
+                                and attempt_of(e) > attempt and e.t > t), None)
+            resumed_from = next((e.step for e in events if isinstance(e, ev.Resume)
+                                 and e.attempt == attempt + 1), None)
+        restarted = next((e.t for e in events if isinstance(e, ev.WorkersStarted)
+                          and attempt_of(e) > attempt and e.t > t), None)
         faults.append({
             "restart_s": round(restarted - began, 3) if restarted is not None else None,
-            "kind": f["kind"], "rank": f.get("rank"), "node": f.get("node"), "attempt": attempt,
-            "step": f.get("step"), "detail": f.get("detail"), "in_place": bool(f.get("in_place")),
-            "detection": round(f["t"] - began, 3),
-            "downtime": round(resumed["t"] - began, 3) if resumed else None,
+            "kind": f.kind, "rank": f.rank, "node": f.node, "attempt": attempt,
+            "step": f.step, "detail": f.detail, "in_place": bool(f.in_place),
+            "detection": round(t - began, 3),
+            "downtime": round(resumed.t - began, 3) if resumed else None,
             "redone": max(0, reached - resumed_from) if resumed_from is not None else None,
         })
     committed = max(by_step, default=-1) + 1
@@ -83,15 +93,15 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
         "steps_known": bool(steps),
         "run_dir": str(run_dir),
         "steps": committed,
-        "steps_computed": len({(e["attempt"], e["step"]) for e in steps}),
-        "attempts": 1 + max((e.get("attempt", 0) for e in events), default=0),
+        "steps_computed": len({(e.attempt, e.step) for e in steps}),
+        "attempts": 1 + max((attempt_of(e) for e in events), default=0),
         "wall": round(wall, 3) if wall is not None else None,
         "step_time": round(statistics.median(durations), 4) if durations else None,
         "useful": round(sum(durations), 3),
         "first_loss": mean_loss(min(by_step)) if by_step else None,
         "final_loss": mean_loss(max(by_step)) if by_step else None,
         "faults": faults,
-        "exit_code": exits[-1]["code"] if exits else None,
+        "exit_code": exits[-1].code if exits else None,
     }
 
 

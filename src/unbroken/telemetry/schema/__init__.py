@@ -14,6 +14,7 @@ from unbroken.telemetry.schema.base import (
     EventBody,
     UnknownEvent,
     decode,
+    decode_all,
     encode,
     version,
 )
@@ -26,4 +27,4 @@ SECTIONS = (agent, recovery, worker, checkpoint, standby)
 """The modules of event classes, in the order docs/events.md lists them."""
 
 __all__ = ["EVENT_TYPES", "SCHEMA_VERSION", "SECTIONS", "VERSION_KEY", "EventBody",
-           "UnknownEvent", "decode", "encode", "version"]
+           "UnknownEvent", "decode", "decode_all", "encode", "version"]

@@ -26,7 +26,7 @@ The contract of the decoding (`decode`), so that an older or newer log is still 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -167,3 +167,8 @@ def version(record: Mapping[str, Any]) -> int:
     """The schema version a record was written with (0: before the schema)."""
     v = record.get(VERSION_KEY, 0)
     return v if isinstance(v, int) else 0
+
+
+def decode_all(events: Iterable[Mapping[str, Any] | EventBody]) -> list[EventBody]:
+    """Each record decoded (`decode`); an event already decoded is kept as it is."""
+    return [e if isinstance(e, EventBody) else decode(e) for e in events]
