@@ -7,7 +7,7 @@ from unbroken.control.messages import LeaderRecord, NodeOut, NodeSet
 from unbroken.launch import node_set
 from unbroken.launch.budget import RestartBudget
 from unbroken.launch.node_set import QuarantineRule
-from unbroken.launch.planner import Recovery, Refill, initial_state, rebase
+from unbroken.launch.planner_state import Recovery, Refill, Spares, initial_state, rebase
 
 RULE = QuarantineRule(after=2, window=60.0)
 
@@ -30,15 +30,15 @@ def test_an_out_node_nobody_took_over_leaves_the_order():
 
 def test_a_node_with_repeated_faults_in_the_window_is_quarantined_once():
     ns = node_set.initial(2)
-    ns, q = node_set.blame(ns, 1, 100.0, RULE)
+    ns, q = node_set.strike(ns, 1, 100.0, RULE)
     assert not q
-    ns, q = node_set.blame(ns, 1, 200.0, RULE)  # the first fell out of the window
+    ns, q = node_set.strike(ns, 1, 200.0, RULE)  # the first fell out of the window
     assert not q
-    ns, q = node_set.blame(ns, 1, 250.0, RULE)
+    ns, q = node_set.strike(ns, 1, 250.0, RULE)
     assert q and ns.out[1] == NodeOut.QUARANTINED
-    ns, q = node_set.blame(ns, 1, 251.0, RULE)
+    ns, q = node_set.strike(ns, 1, 251.0, RULE)
     assert not q  # already quarantined: said once
-    assert not node_set.blame(node_set.initial(2), 1, 0.0, QuarantineRule(after=0))[1]
+    assert not node_set.strike(node_set.initial(2), 1, 0.0, QuarantineRule(after=0))[1]
 
 
 def test_a_quarantined_node_is_never_admitted_again_but_a_lost_one_is():
@@ -46,7 +46,7 @@ def test_a_quarantined_node_is_never_admitted_again_but_a_lost_one_is():
     ns, _ = node_set.after_attempt(ns, {}, {})
     ns, ok = node_set.admit(ns, 2)
     assert ok and ns.order == [0, 1, 2] and 2 not in ns.out
-    ns, _ = node_set.blame(ns, 1, 0.0, QuarantineRule(after=1))
+    ns, _ = node_set.strike(ns, 1, 0.0, QuarantineRule(after=1))
     ns = node_set.mark_out(ns, 1, NodeOut.LOST)  # never downgraded
     ns, _ = node_set.after_attempt(ns, {}, {})
     ns, ok = node_set.admit(ns, 1)
@@ -62,11 +62,12 @@ def test_the_leader_record_round_trips_through_the_codec():
 
 def test_rebase_moves_every_deadline_and_nothing_else():
     s = initial_state(0, 4, {0: [0, 1], 1: [2, 3]}, RestartBudget(3))
-    s.planned_at, s.awaited = 10.0, {2: 11.0}
-    s.refills = [Refill(slot=3, node=1, broke_gen=0, since=12.0)]
+    s.planned_at = 10.0
+    s.spares = Spares(awaited={2: 11.0}, refills=[Refill(slot=3, node=1, broke_gen=0, since=12.0)])
     s.recovery = Recovery(started=13.0)
     moved = rebase(s, 1000.0)
-    assert (moved.planned_at, moved.awaited, moved.refills[0].since, moved.recovery.started) \
+    assert (moved.planned_at, moved.spares.awaited, moved.spares.refills[0].since,
+            moved.recovery.started) \
         == (1010.0, {2: 1011.0}, 1012.0, 1013.0)
     assert s.planned_at == 10.0  # pure
     assert encode(rebase(moved, -1000.0)) == encode(s)
@@ -127,5 +128,5 @@ def test_nobody_is_left_when_every_node_of_the_order_is_out():
     assert not node_set.nobody_left(ns)
     ns = node_set.mark_out(ns, 1, NodeOut.LOST)
     assert not node_set.nobody_left(ns)  # node 0 still trains
-    ns, quarantined = node_set.blame(ns, 0, 0.0, QuarantineRule(after=1, window=60.0))
+    ns, quarantined = node_set.strike(ns, 0, 0.0, QuarantineRule(after=1, window=60.0))
     assert quarantined and node_set.nobody_left(ns)

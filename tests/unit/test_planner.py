@@ -13,30 +13,37 @@ from unbroken.control.messages import (
     FaultKind,
     Joiner,
     LeaveReason,
+    NodeOut,
     OrderKind,
+    StandbyJoin,
     SwitchTarget,
 )
 from unbroken.launch.budget import RestartBudget
-from unbroken.launch.planner import (
+from unbroken.launch.node_life import Strike
+from unbroken.launch.planner import decide
+from unbroken.launch.planner_commands import (
     AnswerDrain,
     EndAction,
     EndAttempt,
-    Inbox,
     MarkDrained,
     MarkFinished,
+    MarkOut,
     Order,
+    Record,
+    WritePlan,
+    WriteTarget,
+)
+from unbroken.launch.planner_state import (
+    Inbox,
     Phase,
     PlannerConfig,
     PlannerState,
     Policy,
-    Record,
-    WritePlan,
-    WriteTarget,
-    decide,
     initial_state,
 )
 
 SHRINK = PlannerConfig(policy=Policy.SHRINK)
+LOST = SHRINK.node_timeout + 1  # a lease silent this long: the node is lost
 WAIT = PlannerConfig(policy=Policy.WAIT)
 
 
@@ -91,7 +98,7 @@ def test_nothing_new_means_nothing_to_do():
 def test_crash_with_a_spare_ready_waits_for_the_spare_and_keeps_the_world_size():
     s, out = run(fresh(), deaths=[death(1, node=0, spare="spare0-1")])
     assert of(out, WriteTarget) == [WriteTarget(SwitchTarget(gen=1, step=-1))]  # at once
-    assert s.phase == Phase.BROKEN and s.budget.spent == 1 and s.promised == {1: "spare0-1"}
+    assert s.phase == Phase.BROKEN and s.budget.spent == 1 and s.spares.promised == {1: "spare0-1"}
     # Every survivor has left, the spare has not registered yet: wait for it.
     s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=101)
     assert of(out, WritePlan) == []
@@ -119,11 +126,11 @@ def test_crash_without_a_spare_shrinks_then_orders_a_replacement_from_its_node()
 
 def test_crash_on_a_node_without_spares_takes_a_ready_spare_from_another_node():
     s, out = run(fresh(nodes=(0, 1)), deaths=[death(1, node=0)],
-                 ready_spares=[(1, "spare1-1"), (2, "spare2-1")], standby_nodes=[2])
+                 ready_spares=[(1, "spare1-1"), (2, "spare2-1")], standbys=[StandbyJoin(2, "i2")])
     (order,) = of(out, Order)
     assert order.node == 2 and order.order.kind == OrderKind.PROMOTE  # standby nodes first
     assert order.order.spare == "spare2-1" and order.order.slot == 1
-    assert s.promised == {1: "spare2-1"} and "spare2-1" in s.assigned
+    assert s.spares.promised == {1: "spare2-1"} and "spare2-1" in s.spares.assigned
 
 
 def test_two_faults_in_one_step_are_one_recovery_charged_twice():
@@ -159,7 +166,7 @@ def test_an_exception_is_a_fault_charged_once_and_recovered_in_place():
 
 def test_a_node_lost_with_enough_spares_elsewhere_moves_its_ranks_in_place():
     hosted = {1: {"2.0": 2, "3.0": 3}}
-    s, out = run(fresh(), lost_nodes=[1], hosted=hosted, standby_nodes=[2],
+    s, out = run(fresh(), silences={1: LOST}, hosted=hosted, standbys=[StandbyJoin(2, "i2")],
                  ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
     orders = of(out, Order)
     assert [(o.node, o.order.slot, o.order.spare) for o in orders] == [
@@ -169,36 +176,36 @@ def test_a_node_lost_with_enough_spares_elsewhere_moves_its_ranks_in_place():
 
 
 def test_a_node_lost_without_spares_under_wait_ends_the_attempt_for_a_full_restart():
-    s, out = run(fresh(), WAIT, lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}})
+    s, out = run(fresh(), WAIT, silences={1: LOST}, hosted={1: {"2.0": 2, "3.0": 3}})
     (end,) = of(out, EndAttempt)
     assert end.action == EndAction.RESTART and end.fault.kind == FaultKind.NODE_LOST
     assert end.fault.node == 1
 
 
 def test_a_node_lost_without_spares_under_shrink_goes_on_without_its_ranks():
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: {"2.0": 2, "3.0": 3}},
-                 standby_nodes=[2], ready_spares=[(2, "spare2-1")])
+    s, out = run(fresh(), silences={1: LOST}, hosted={1: {"2.0": 2, "3.0": 3}},
+                 standbys=[StandbyJoin(2, "i2")], ready_spares=[(2, "spare2-1")])
     assert not of(out, EndAttempt)
     # One rank to the one spare; the other is dropped: no replacement is ordered from a
     # lost node, now or later.
     assert [(o.node, o.order.slot) for o in of(out, Order)] == [(2, 2)]
-    assert set(s.dead) == {"2.0", "3.0"} and s.budget.spent == 2 and s.refills == []
+    assert set(s.dead) == {"2.0", "3.0"} and s.budget.spent == 2 and s.spares.refills == []
     s, out = run(s, nleft=2, departures=all_left(s, except_dead={"2.0", "3.0"}), now=200.0)
     assert not [o for o in of(out, Order) if o.order.kind == OrderKind.REPLACE]
 
 
 def test_a_lost_node_that_ran_no_rank_changes_nothing():
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: {}})
-    assert not of(out, EndAttempt) and s.phase == Phase.RUNNING and s.lost_nodes == [1]
+    s, out = run(fresh(), silences={1: LOST}, hosted={1: {}})
+    assert not of(out, EndAttempt) and s.phase == Phase.RUNNING and s.nodes.lost == [1]
 
 
 def test_a_lost_node_that_never_said_what_it_ran_is_taken_to_run_what_it_started():
     s = initial_state(0, 4, {0: [0, 1], 1: [2, 3]}, RestartBudget(3))
-    s, out = run(s, lost_nodes=[1], hosted={1: None}, standby_nodes=[2],
+    s, out = run(s, silences={1: LOST}, hosted={1: None}, standbys=[StandbyJoin(2, "i2")],
                  ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
     assert [(o.order.slot, o.order.spare) for o in of(out, Order)] == [
         (2, "spare2-1"), (3, "spare2-2")]
-    s, out = run(fresh(), lost_nodes=[1], hosted={1: None})  # no layout: what did it run?
+    s, out = run(fresh(), silences={1: LOST}, hosted={1: None})  # no layout: what did it run?
     assert of(out, EndAttempt)[0].action == EndAction.RESTART
 
 
@@ -207,7 +214,7 @@ def test_a_promised_spare_left_out_of_a_plan_is_no_longer_waited_for():
     s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}),
                  now=100 + SHRINK.spare_wait + 1)
     assert of(out, WritePlan)[0].plan.members == ["0.0", "2.0", "3.0"]
-    assert s.promised == {} and 1 in s.awaited  # it may still join, like a replacement
+    assert s.spares.promised == {} and 1 in s.spares.awaited  # it may still join, like a replacement
 
 
 def test_a_drain_promotes_a_spare_and_switches_once_it_has_joined():
@@ -245,17 +252,16 @@ def test_a_fault_with_the_budget_spent_gives_up_at_once(config):
 
 def test_the_budget_is_shared_by_members_and_replacements():
     s, _ = run(fresh(budget=2), WAIT, deaths=[death(1, node=0)])
-    assert s.awaited and s.budget.left == 1  # under wait the replacement is ordered at once
+    assert s.spares.awaited and s.budget.left == 1  # under wait the replacement is ordered at once
     s, _ = run(s, WAIT, deaths=[death(1, node=0, wid="1.1")])  # the replacement crashed
-    assert s.budget.left == 0 and s.awaited  # paid for: ordered again
+    assert s.budget.left == 0 and s.spares.awaited  # paid for: ordered again
     s, out = run(s, WAIT, deaths=[death(1, node=0, wid="1.2")])
     assert of(out, EndAttempt)[0].action == EndAction.GIVE_UP
 
 
 def test_under_wait_a_slot_nothing_can_refill_restarts_without_waiting():
     # A standby node's rank dies: standby nodes start no fresh workers and no spare is ready.
-    s = fresh()
-    s.standby_nodes = [2]
+    s, _ = run(fresh(), WAIT, standbys=[StandbyJoin(2, "i2")])
     s, out = run(s, WAIT, deaths=[death(1, node=2)])
     s, out = run(s, WAIT, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=100.1)
     (end,) = of(out, EndAttempt)
@@ -330,9 +336,62 @@ def test_finished_only_when_every_member_of_the_final_generation_is_done():
 
 
 def test_a_quarantined_node_gets_no_replacement_and_gives_no_spare():
-    s, _ = run(fresh(), deaths=[death(2, node=1)])
-    assert [r.slot for r in s.refills] == [2]  # a replacement from node 1, in a moment
-    s, out = run(s, barred_nodes=[1], ready_spares=[(1, "spare1-1")])
-    assert s.refills == [] and s.barred_nodes == [1]
+    s, _ = run(fresh(), deaths=[death(2, node=1)])  # a death is a strike against its node
+    assert [r.slot for r in s.spares.refills] == [2]  # a replacement from node 1, in a moment
+    s, out = run(s, strikes=[Strike(1, 1.0), Strike(1, 2.0)], ready_spares=[(1, "spare1-1")])
+    assert s.spares.refills == [] and s.nodes.quarantined == [1]
+    assert MarkOut(1, NodeOut.QUARANTINED) in out and events(out) == ["node_quarantined"]
     s, out = run(s, deaths=[death(3, node=0)], ready_spares=[(1, "spare1-1")], now=200.0)
     assert not [o for o in of(out, Order) if o.node == 1]
+
+
+# ---------------------------------------------------------------- node lifecycle news
+def test_a_lease_silence_past_the_node_timeout_loses_the_node_once():
+    s, out = run(fresh(), silences={0: 0.5, 1: SHRINK.node_timeout - 0.1})
+    assert out == [] and s.nodes.lost == []  # silent, not yet past the timeout
+    s, out = run(s, silences={1: LOST}, hosted={1: {}})
+    assert s.nodes.lost == [1] and s.nodes.job.out == {1: NodeOut.LOST}
+    (lost,) = [c for c in of(out, Record) if c.event == "node_lost"]
+    assert lost.fields["lost_node"] == 1 and "silent for" in lost.fields["detail"]
+    s, out = run(s, silences={1: LOST + 5})
+    assert out == []  # said once
+
+
+def test_a_silent_node_that_was_released_is_no_loss():
+    s, out = run(fresh(), silences={1: LOST}, released=[1])
+    assert out == [] and s.nodes.released == [1] and s.nodes.lost == []
+
+
+def test_a_lost_node_ends_the_attempt_while_the_workers_do_not_recover_in_place():
+    s, out = run(fresh(), silences={1: LOST}, in_place=False, deaths=[death(0)])
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.RESTART and end.fault.kind == FaultKind.NODE_LOST
+    assert s.budget.spent == 0 and s.dead == {}  # the in-place queues are not taken in
+
+
+def test_an_elastic_job_below_its_minimum_restarts_to_wait_for_nodes():
+    s, out = run(fresh(), PlannerConfig(least=2), silences={1: LOST}, hosted={1: {}})
+    assert of(out, EndAttempt)[0].action == EndAction.RESTART
+    s, out = run(fresh(), PlannerConfig(least=2, standby_takes_ranks=True),
+                 silences={1: LOST}, hosted={1: {}}, standbys=[StandbyJoin(2, "i2")])
+    assert not of(out, EndAttempt)  # the standby node counts
+
+
+def test_a_successor_declares_its_silent_predecessor_lost_and_moves_its_ranks():
+    s, out = run(fresh(), predecessor=0, hosted={0: {"0.0": 0, "1.0": 1}}, standbys=[
+        StandbyJoin(2, "i2")], ready_spares=[(2, "spare2-1"), (2, "spare2-2")])
+    assert s.nodes.lost == [0] and "went silent" in of(out, Record)[0].fields["detail"]
+    assert [(o.node, o.order.slot) for o in of(out, Order)] == [(2, 0), (2, 1)]
+
+
+def test_a_standby_arrival_is_kept_and_a_forged_one_ignored():
+    s, out = run(fresh(), standbys=[StandbyJoin(2, "i2"), None])
+    assert out == [] and s.nodes.standby == {2: "i2"} and s.seen.standbys == 2
+    s, _ = run(s, silences={2: LOST}, hosted={2: {}})
+    assert s.nodes.lost == [2]  # a standby node's agent is watched like any other
+
+
+def test_strikes_quarantine_a_node_once_even_without_in_place_recovery():
+    s, out = run(fresh(), in_place=False, strikes=[Strike(1, t) for t in (1.0, 2.0, 3.0, 4.0)])
+    assert s.nodes.quarantined == [1]
+    assert [c for c in out if isinstance(c, MarkOut)] == [MarkOut(1, NodeOut.QUARANTINED)]

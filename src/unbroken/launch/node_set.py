@@ -5,12 +5,12 @@ is quarantined.
 - A node declared lost, drained or quarantined is out: no later attempt waits for it.
 - A standby node that took over an out node's ranks in place takes that node's place in the
   rank order, and keeps it across later full restarts.
-- A node with `QuarantineRule.after` faults within `window` seconds is quarantined: its ranks
+- A node with `QuarantineRule.after` strikes (faults) within `window` seconds is quarantined: its ranks
   go to a standby node or spares, and it is never used again in this job.
 - A lost node whose agent comes back (a new instance) is admitted again at the next attempt;
   a quarantined one is not.
 
-The leader applies these (`leader.py`) and persists the value in `LeaderRecord`, so that a
+The planner's node lifecycle (`node_life.py`) and the leader apply these and persists the value in `LeaderRecord`, so that a
 successor continues with the same set.
 """
 
@@ -25,7 +25,7 @@ from unbroken.control.messages import NodeOut, NodeSet
 @dataclass(frozen=True)
 class QuarantineRule:
     after: int = 3
-    """Faults blamed on one node within `window` that quarantine it (0: never)."""
+    """Strikes (faults counted against one node) within `window` that quarantine it (0: never)."""
     window: float = 3600.0
     """Seconds."""
 
@@ -34,8 +34,9 @@ def initial(nnodes: int) -> NodeSet:
     return NodeSet(order=list(range(nnodes)))
 
 
-def blame(ns: NodeSet, node: int, t: float, rule: QuarantineRule) -> tuple[NodeSet, bool]:
-    """Record a fault of `node` at wall time `t`; True if this fault quarantines it."""
+def strike(ns: NodeSet, node: int, t: float, rule: QuarantineRule) -> tuple[NodeSet, bool]:
+    """Count a strike (a fault) against `node` at wall time `t`; True if this strike
+    quarantines it."""
     ns = copy.deepcopy(ns)
     recent = [x for x in ns.faults.get(node, []) if t - x <= rule.window] + [t]
     ns.faults[node] = recent

@@ -1,7 +1,11 @@
 """The thin executor around `planner.decide`: read the inbox from the store, decide, and
-carry out the commands. All I/O of in-place recovery's planning is here; none of its logic.
+carry out the commands. All I/O of the planner is here; none of its logic, and none of its
+state: the leader holds the `PlannerState` and hands it to each `look`, which returns the
+next one. What the executor reads (queues, counters, spares on offer) goes into the inbox;
+it keeps only its own read cursors and pacing.
 
-Idle, it costs one store read per look (the attempt's news counter).
+Idle, it costs one store read per look (the attempt's news counter), and one for the
+standby queue.
 """
 
 from __future__ import annotations
@@ -13,25 +17,23 @@ from typing import Any
 
 from unbroken.control.channel import Channel
 from unbroken.control.codec import from_plain, to_plain
-from unbroken.control.messages import Fault, OrderKind
-from unbroken.control.schema import AttemptKeys
-from unbroken.launch.planner import (
+from unbroken.control.schema import AttemptKeys, node_out
+from unbroken.launch import node_life
+from unbroken.launch.planner import decide
+from unbroken.launch.planner_commands import (
     AnswerDrain,
     Command,
     EndAttempt,
-    Inbox,
     MarkDrained,
     MarkFinished,
+    MarkOut,
     Order,
-    PlannerConfig,
-    PlannerState,
     Record,
     Say,
     WritePlan,
     WriteTarget,
-    decide,
-    rebase,
 )
+from unbroken.launch.planner_state import Inbox, PlannerConfig, PlannerState, rebase
 
 _STALL_LOOK = 1.0  # seconds between looks at a stall while no news comes
 
@@ -47,78 +49,76 @@ class PersistedPlanner:
 
 
 class PlanExecutor:
-    def __init__(self, channel: Channel, state: PlannerState, config: PlannerConfig,
+    def __init__(self, channel: Channel, attempt: int, config: PlannerConfig,
                  record: Callable[..., object], say: Callable[[str], None]) -> None:
         self.channel = channel
-        self.state = state
         self.config = config
-        self.keys = AttemptKeys(state.attempt)
+        self.keys = AttemptKeys(attempt)
         self.record = record
         self.say = say
         self._news = -1
         self._decided = 0.0  # monotonic time of the last decision
-        self.deaths: list[Fault] = []  # taken in since the leader last looked (for blame)
         self._persisted: dict[str, Any] | None = None
-        self.promoted: dict[int, int] = {}  # slot -> the node whose spare was ordered into it
         # The current generation's departures queue, and how many of its entries were read
         # (a successor starts again at 0: departures are taken in by wid, so twice is once).
         self._departures_gen, self._departures_seen = -1, 0
 
-    def look(self, max_step: Callable[[], int], lost_nodes: list[int],
-             standby_nodes: list[int], barred_nodes: list[int] = ()) -> EndAttempt | None:
-        """Take in what happened, decide, act; an EndAttempt ends the attempt."""
-        s = self.state
-        news = self.channel.count(self.keys.news)
-        fresh_lost = [n for n in lost_nodes if n not in s.lost_nodes]
-        fresh_standby = [n for n in standby_nodes if n not in s.standby_nodes]
-        fresh_barred = [n for n in barred_nodes if n not in s.barred_nodes]
-        now = time.monotonic()
-        # A stall nobody is blamed for yet is looked at again now and then (its limit).
-        stalled = bool(s.stalls) and now - self._decided > _STALL_LOOK
-        if news == self._news and not s.busy and not stalled \
-                and not (fresh_lost or fresh_standby or fresh_barred):
-            return None  # nothing happened
-        self._news, self._decided = news, now
-        inbox = self._gather(max_step(), fresh_lost, fresh_standby)
-        inbox.barred_nodes = fresh_barred
-        self.deaths += [d for d in inbox.deaths if d is not None]
-        self.state, commands = decide(s, inbox, self.config)
-        end = self._apply(commands)
-        self._persist()  # after the commands: a successor may repeat some, never miss one
-        return end
+    def look(self, s: PlannerState, inbox: Inbox,
+             max_step: Callable[[], int] = lambda: 0) -> tuple[PlannerState, EndAttempt | None]:
+        """Take in what happened, decide, act. `inbox` holds the leader's news of its nodes
+        (lease silences, strikes, a predecessor); this adds what the store says. Returns the
+        next state, and the EndAttempt that ends the attempt, if one does."""
+        ch, keys = self.channel, self.keys
+        news = ch.count(keys.news) if inbox.in_place else self._news
+        inbox.standbys = ch.entries(keys.standbys, s.seen.standbys)
+        losing = node_life.losing(s.nodes, inbox.silences, inbox.released,
+                                  self.config.node_timeout, inbox.predecessor)
+        # A stall with no culprit yet is looked at again now and then (its limit).
+        stalled = bool(s.stalls.reports) and inbox.now - self._decided > _STALL_LOOK
+        fresh = bool(losing or inbox.strikes or inbox.standbys) \
+            or node_life.news(s.nodes, inbox.silences, self.config.node_timeout)
+        if news == self._news and not (inbox.in_place and (s.busy or stalled)) and not fresh:
+            return s, None  # nothing happened
+        self._news, self._decided = news, inbox.now
+        if inbox.in_place:
+            inbox.max_step = max_step()
+            self._gather(s, inbox, losing)
+        state, commands = decide(s, inbox, self.config)
+        end = self.carry_out(commands)
+        self._persist(state)  # after the commands: a successor may repeat some, never miss one
+        return state, end
 
-    def _persist(self) -> None:
+    def _persist(self, state: PlannerState) -> None:
         """Write the state, with this host's clocks, for a leader that takes over; only when
         it changed (a busy planner looks every few milliseconds)."""
-        plain = to_plain(self.state)
+        plain = to_plain(state)
         if plain == self._persisted:
             return
         self.channel.write(self.keys.planner_state, PersistedPlanner(
             state=plain, monotonic=time.monotonic(), wall=time.time()))
         self._persisted = plain
 
-    @classmethod
-    def resume(cls, channel: Channel, attempt: int, config: PlannerConfig,
-               record: Callable[..., object], say: Callable[[str], None]) -> PlanExecutor | None:
-        """The executor a new leader continues with: the persisted state, its clocks moved
-        onto this host's; None if the old leader persisted none."""
+    @staticmethod
+    def resume(channel: Channel, attempt: int) -> PlannerState | None:
+        """The state a new leader continues with: the persisted one, its clocks moved onto
+        this host's; None if the old leader persisted none."""
         saved = channel.read(AttemptKeys(attempt).planner_state)
         if saved is None:
             return None
         saved = from_plain(PersistedPlanner, saved)
         shift = time.monotonic() - (time.time() - saved.wall) - saved.monotonic
-        state = rebase(from_plain(PlannerState, saved.state), shift)
-        return cls(channel, state, config, record, say)
+        return rebase(from_plain(PlannerState, saved.state), shift)
 
-    def _gather(self, max_step: int, lost: list[int], standby: list[int]) -> Inbox:
-        s, ch, keys = self.state, self.channel, self.keys
+    def _gather(self, s: PlannerState, inbox: Inbox, losing: list[int]) -> None:
+        """Fill `inbox` with the in-place queues' new entries and the generation's counts;
+        with the spares on offer and who hosts what when a node is lost or drained."""
+        ch, keys = self.channel, self.keys
         g = keys.gen(s.gen)
-        inbox = Inbox(now=time.monotonic(), max_step=max_step, lost_nodes=lost, standby_nodes=standby,
-                      deaths=ch.entries(keys.deaths, s.deaths_seen),
-                      joiners=ch.entries(keys.joiners, s.joiners_seen),
-                      drains=ch.entries(keys.drains, s.drains_seen),
-                      stalls=ch.entries(keys.stalls, s.stalls_seen),
-                      nup=ch.count(g.nup), ndone=ch.count(g.ndone))
+        inbox.deaths = ch.entries(keys.deaths, s.seen.deaths)
+        inbox.joiners = ch.entries(keys.joiners, s.seen.joiners)
+        inbox.drains = ch.entries(keys.drains, s.seen.drains)
+        inbox.stalls = ch.entries(keys.stalls, s.seen.stalls)
+        inbox.nup, inbox.ndone = ch.count(g.nup), ch.count(g.ndone)
         if self._departures_gen != s.gen:  # a new generation: its own queue
             self._departures_gen, self._departures_seen = s.gen, 0
         left = ch.entries(g.departures, self._departures_seen)
@@ -126,17 +126,19 @@ class PlanExecutor:
         inbox.nleft = len(s.departed) + len(left)
         for d in filter(None, left):  # None: forged, rejected
             inbox.departures[d.wid] = d
-        nodes = [*s.standby_nodes, *standby, *s.nodes]
-        if lost or any(inbox.drains) or any(d is not None and d.spare is None for d in inbox.deaths):
+        standby = [j.node for j in inbox.standbys if j is not None and j.node not in s.nodes.standby]
+        nodes = [*s.nodes.standby, *standby, *s.nodes.planned]
+        if losing or any(inbox.drains) \
+                or any(d is not None and d.spare is None for d in inbox.deaths):
             offers = ch.read_many([keys.ready_spares(node) for node in nodes])
             for node, offered in zip(nodes, offers, strict=True):
                 inbox.ready_spares += [(node, w) for w in offered or []]
-        if lost or any(inbox.drains):
+        if losing or any(inbox.drains):
             inbox.hosted = dict(zip(nodes, ch.read_many([keys.hosted(n) for n in nodes]),
                                     strict=True))
-        return inbox
 
-    def _apply(self, commands: list[Command]) -> EndAttempt | None:
+    def carry_out(self, commands: list[Command]) -> EndAttempt | None:
+        """Carry out the planner's commands, up to the first EndAttempt (returned)."""
         ch, keys = self.channel, self.keys
         for c in commands:
             match c:
@@ -147,10 +149,10 @@ class PlanExecutor:
                     ch.write(keys.latest_gen, plan.gen)  # after the plan: readers find it
                 case Order(node, order):
                     ch.append(keys.orders(node), order)
-                    if order.kind == OrderKind.PROMOTE:
-                        self.promoted[order.slot] = node
                 case MarkDrained(wid):
                     ch.write(keys.drained(wid), True)
+                case MarkOut(node, why):
+                    ch.write(node_out(node), why)
                 case AnswerDrain(index, outcome):
                     ch.write(keys.drain_outcome(index), outcome)
                 case MarkFinished():

@@ -29,8 +29,8 @@ from unbroken.control.messages import (
 )
 from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
-from unbroken.launch.blame import frozen
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.culprit import frozen
 from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority

@@ -1,4 +1,4 @@
-"""Blame for a stalled generation, and the planner's use of it: pure functions, no processes.
+"""The culprit of a stalled generation, and the planner's use of it: pure functions, no processes.
 
 Each case is a picture of a hang as the nodes' agents report it (`StallReport`): who is
 stopped, who is behind, who is in a declared long phase, who is not reported yet.
@@ -7,19 +7,12 @@ stopped, who is behind, who is in a declared long phase, who is not reported yet
 from __future__ import annotations
 
 from unbroken.control.messages import FaultKind, OrderKind, StallReport, WorkerProgress
-from unbroken.launch.blame import VerdictKind, blame
 from unbroken.launch.budget import RestartBudget
+from unbroken.launch.culprit import VerdictKind, find_culprits
 from unbroken.launch.hang_detector import HangDetector, percentile
-from unbroken.launch.planner import (
-    EndAction,
-    EndAttempt,
-    Inbox,
-    Order,
-    PlannerConfig,
-    Record,
-    decide,
-    initial_state,
-)
+from unbroken.launch.planner import decide
+from unbroken.launch.planner_commands import EndAction, EndAttempt, Order, Record
+from unbroken.launch.planner_state import Inbox, PlannerConfig, initial_state
 from unbroken.runtime.heartbeat import PHASE_CHECKPOINT, PHASE_LONG, PHASE_TRAINING, Beat
 
 MEMBERS = ["0.0", "1.0", "2.0", "3.0"]
@@ -39,8 +32,8 @@ def reports(*workers: WorkerProgress, gen=0) -> dict[int, StallReport]:
     return by_node
 
 
-def test_a_stopped_process_is_blamed_without_waiting_for_the_other_node():
-    v = blame(MEMBERS, reports(worker(2), worker(3, progress=0, frozen=1.1)))
+def test_a_stopped_process_is_the_culprit_without_waiting_for_the_other_node():
+    v = find_culprits(MEMBERS, reports(worker(2), worker(3, progress=0, frozen=1.1)))
     assert v.kind == VerdictKind.KILL
     assert [(c.node, c.worker.wid) for c in v.culprits] == [(1, "3.0")]
     assert "stopped" in v.reason
@@ -48,67 +41,67 @@ def test_a_stopped_process_is_blamed_without_waiting_for_the_other_node():
 
 def test_a_rank_behind_the_others_is_the_only_culprit_once_every_node_reported():
     stuck = [worker(0), worker(1), worker(2), worker(3, progress=0)]  # alive, before its forward
-    assert blame(MEMBERS, reports(*stuck[2:])).kind == VerdictKind.WAIT  # node 0 not heard yet
-    v = blame(MEMBERS, reports(*stuck))
+    assert find_culprits(MEMBERS, reports(*stuck[2:])).kind == VerdictKind.WAIT  # node 0 not heard yet
+    v = find_culprits(MEMBERS, reports(*stuck))
     assert v.kind == VerdictKind.KILL and [c.worker.slot for c in v.culprits] == [3]
     assert "behind" in v.reason
 
 
 def test_a_rank_a_step_behind_is_the_culprit():
-    v = blame(MEMBERS, reports(worker(0, step=13, progress=0), worker(1, step=13, progress=0),
+    v = find_culprits(MEMBERS, reports(worker(0, step=13, progress=0), worker(1, step=13, progress=0),
                                worker(2, step=13, progress=0), worker(3, step=12, progress=2)))
     assert [c.worker.slot for c in v.culprits] == [3]
 
 
 def test_a_declared_long_phase_excuses_the_wait():
-    v = blame(MEMBERS, reports(worker(0, progress=0, phase=PHASE_LONG, silent=5), worker(1),
+    v = find_culprits(MEMBERS, reports(worker(0, progress=0, phase=PHASE_LONG, silent=5), worker(1),
                                worker(2), worker(3)))
     assert v.kind == VerdictKind.EXCUSED
 
 
 def test_a_rank_that_moves_again_ends_the_stall():
-    v = blame(MEMBERS, reports(worker(0, silent=0.1), worker(1), worker(2), worker(3)))
+    v = find_culprits(MEMBERS, reports(worker(0, silent=0.1), worker(1), worker(2), worker(3)))
     assert v.kind == VerdictKind.WAIT
 
 
-def test_a_checkpoint_is_bounded_by_its_own_timeout_not_blamed():
-    v = blame(MEMBERS, reports(worker(0, phase=PHASE_CHECKPOINT, progress=0), worker(1),
+def test_a_checkpoint_is_bounded_by_its_own_timeout_and_no_culprit():
+    v = find_culprits(MEMBERS, reports(worker(0, phase=PHASE_CHECKPOINT, progress=0), worker(1),
                                worker(2), worker(3)))
     assert v.kind == VerdictKind.EXCUSED
 
 
 def test_a_process_seen_stopped_in_proc_is_the_culprit_even_with_a_fresh_tick():
-    v = blame(MEMBERS, reports(worker(0), worker(1, stopped=True, frozen=0.0)))
+    v = find_culprits(MEMBERS, reports(worker(0), worker(1, stopped=True, frozen=0.0)))
     assert v.kind == VerdictKind.KILL and [c.worker.slot for c in v.culprits] == [1]
 
 
 def test_a_long_c_call_inside_a_declared_phase_is_not_a_stopped_process():
-    v = blame(MEMBERS, reports(worker(0, phase=PHASE_LONG, frozen=30, silent=30), worker(1),
+    v = find_culprits(MEMBERS, reports(worker(0, phase=PHASE_LONG, frozen=30, silent=30), worker(1),
                                worker(2), worker(3)))
     assert v.kind == VerdictKind.EXCUSED
 
 
 def test_most_ranks_behind_one_is_no_culprit_that_one_did_more():
-    v = blame(MEMBERS, reports(worker(0, progress=4), worker(1), worker(2), worker(3)))
+    v = find_culprits(MEMBERS, reports(worker(0, progress=4), worker(1), worker(2), worker(3)))
     assert v.kind == VerdictKind.STUCK  # rank 0 ran an extra forward; nobody is killed
-    v = blame(["0.0", "1.0"], {0: StallReport(0, 0, [worker(0, progress=0), worker(1)])})
+    v = find_culprits(["0.0", "1.0"], {0: StallReport(0, 0, [worker(0, progress=0), worker(1)])})
     assert [c.worker.slot for c in v.culprits] == [0]  # one of two: it is the one behind
 
 
 def test_everyone_alive_at_the_same_point_is_stuck_with_no_single_culprit():
-    v = blame(MEMBERS, reports(*(worker(s) for s in range(4))))
+    v = find_culprits(MEMBERS, reports(*(worker(s) for s in range(4))))
     assert v.kind == VerdictKind.STUCK and not v.culprits
 
 
 def test_a_watchdog_a_little_late_is_not_a_stopped_process():
-    v = blame(MEMBERS, reports(worker(0, frozen=0.8), worker(1), worker(2), worker(3)))
+    v = find_culprits(MEMBERS, reports(worker(0, frozen=0.8), worker(1), worker(2), worker(3)))
     assert v.kind == VerdictKind.STUCK  # 0.8 s < its 1 s timeout: not frozen
 
 
 def test_workers_that_are_not_members_are_ignored():
     extra = WorkerProgress(wid="3.1", slot=3, step=0, progress=0, phase=PHASE_TRAINING,
                            silent_for=9, frozen_for=9, timeout=1)
-    v = blame(["0.0", "1.0"], {0: StallReport(0, 0, [worker(0), worker(1)]),
+    v = find_culprits(["0.0", "1.0"], {0: StallReport(0, 0, [worker(0), worker(1)]),
                                1: StallReport(1, 0, [extra])})
     assert v.kind == VerdictKind.STUCK
 
@@ -132,14 +125,14 @@ def test_one_hang_seen_by_two_nodes_is_one_kill_order_then_one_charged_death():
     assert s.budget.spent == 0  # the kill is not the charge: the death it causes is
     s, out = _decide(s, stalls=[node0], now=100.2)  # the other node's report: no second kill
     assert not [c for c in out if isinstance(c, Order)]
-    assert s.blamed == ["3.0"]
+    assert s.stalls.culprits == ["3.0"]
 
 
 def test_a_stall_report_of_an_older_generation_is_ignored():
     s = initial_state(0, 4, [0, 1], RestartBudget(3))
     s.gen = 2
     s, out = _decide(s, stalls=[StallReport(1, 1, [worker(3, progress=0, frozen=5)])])
-    assert not out and not s.stalls
+    assert not out and not s.stalls.reports
 
 
 def test_a_stall_with_no_single_culprit_is_ridden_out_then_restarts_the_attempt_once():
@@ -169,7 +162,7 @@ def test_a_cleared_report_ends_the_stall():
     s = initial_state(0, 4, [0, 1], RestartBudget(3))
     s, _ = _decide(s, stalls=[StallReport(0, 0, [worker(0), worker(1)])])
     s, out = _decide(s, stalls=[StallReport(0, 0, [])], now=101)
-    assert not s.stalls and s.stall_since is None and not out
+    assert not s.stalls.reports and s.stalls.since is None and not out
 
 
 # ---------------------------------------------------------------- the timeout

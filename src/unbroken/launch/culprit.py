@@ -1,4 +1,4 @@
-"""Who is to blame for a stalled generation, as a pure function of every node's report.
+"""The culprit of a stalled generation (a hang), as a pure function of every node's report.
 
 In lockstep training a hang stops every rank: the culprit, and the others blocked in a
 collective, waiting for it. Heartbeat times alone cannot tell them apart (each node used to
@@ -15,7 +15,7 @@ workers stall) and decides, in this order:
    wait for it by design.
 3. Until every member is reported (a node that is cut off reports nothing; it is lost after
    `--node-timeout`, which is a death of its own), and past its own timeout, nobody is
-   blamed: a member that moves ends the stall.
+   a culprit: a member that moves ends the stall.
 4. The members behind the others (a lower (step, progress): they have not reached the
    collective the others wait in) are the culprits, if they are at most half the members:
    most ranks behind one means that one did more (an extra forward), not that the rest hang.
@@ -29,8 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from unbroken.control.messages import StallReport, WorkerProgress
+from unbroken.control.messages import (
+    Fault,
+    FaultKind,
+    NodeOrder,
+    OrderKind,
+    StallReport,
+    WorkerProgress,
+)
+from unbroken.launch.planner_commands import Command, EndAction, EndAttempt, Order, Record, Say
+from unbroken.launch.planner_state import Stalls
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_TRAINING, STEPPING
+from unbroken.telemetry.event_names import Event
 
 
 class VerdictKind(StrEnum):
@@ -60,7 +70,7 @@ def frozen(w: WorkerProgress) -> bool:
                          and w.frozen_for >= w.timeout)
 
 
-def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
+def find_culprits(members: list[str], reports: dict[int, StallReport]) -> Verdict:
     """The verdict on a stall of the generation whose members are `members`, from the
     latest report of each node that sent one (reports of that generation only)."""
     placed = {w.wid: Culprit(node, w) for node, r in reports.items() for w in r.workers
@@ -97,3 +107,51 @@ def blame(members: list[str], reports: dict[int, StallReport]) -> Verdict:
                        f"the others wait at step {high[0]} point {high[1]}", behind)
     return Verdict(VerdictKind.STUCK, f"every rank stalled at step {low[0]} point {low[1]}, "
                    "all alive: no single culprit")
+
+
+def take_in_stalls(stalls: Stalls, reports: list[StallReport | None], members: list[str],
+                   gen: int, running: bool, now: float, attempt: int,
+                   stall_limit: float) -> tuple[Stalls, list[Command], EndAttempt | None]:
+    """The planner's step on stalls (pure): take in the new reports of generation `gen`,
+    and once every member's node has reported (or a process is seen stopped), order the
+    culprits killed, once each. A stall with no culprit that outlives `stall_limit` ends
+    the attempt for a full restart (the returned `EndAttempt`)."""
+    latest = dict(stalls.reports)
+    for report in filter(None, reports):
+        if report.gen != gen:
+            continue  # about a generation that is over
+        if report.workers:
+            latest[report.node] = report
+        else:
+            latest.pop(report.node, None)  # its workers move again
+    if not running or not latest:
+        return Stalls(reports=latest, culprits=stalls.culprits), [], None
+    since = now if stalls.since is None else stalls.since
+    verdict = find_culprits(members, latest)
+    out: list[Command] = []
+    if verdict.kind != VerdictKind.KILL and stalls.verdict != verdict.kind:
+        out.append(Record(Event.STALL, {"gen": gen, "verdict": verdict.kind.value,
+                                        "reason": verdict.reason}))
+    killed = list(stalls.culprits)
+    after = Stalls(reports=latest, since=since, culprits=killed, verdict=verdict.kind.value)
+    if verdict.kind == VerdictKind.KILL:
+        for c in verdict.culprits:
+            if c.worker.wid in killed:
+                continue
+            killed.append(c.worker.wid)
+            out.append(Order(c.node, NodeOrder(OrderKind.KILL, slot=c.worker.slot,
+                                               wid=c.worker.wid, reason=verdict.reason)))
+            out.append(Record(Event.HANG_BLAMED, {
+                "gen": gen, "wid": c.worker.wid, "slot": c.worker.slot, "culprit_node": c.node,
+                "step": c.worker.step, "progress": c.worker.progress, "reason": verdict.reason,
+                "reports": len(latest)}))
+        return after, out, None
+    stalled = now - since
+    # No culprit (yet): a network blip heals, a cut-off node is declared lost; a stall
+    # that outlives both is a hang of the whole generation.
+    if verdict.kind in (VerdictKind.STUCK, VerdictKind.WAIT) and stalled > stall_limit:
+        why = f"stalled {stalled:.0f}s and nobody to blame: {verdict.reason}"
+        fault = Fault(kind=FaultKind.HANG, attempt=attempt, detail=why)
+        out.append(Say(f"hang with no single culprit ({why}): restarting every worker"))
+        return after, out, EndAttempt(EndAction.RESTART, fault, why)
+    return after, out, None

@@ -1,0 +1,79 @@
+"""The leader's chores that decide nothing about the job: its live telemetry, the record of
+agents refused at first contact, and the words of a stranded job's end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from unbroken.control.channel import Channel
+from unbroken.control.messages import NodeSet
+from unbroken.control.schema import AUTH_REJECTIONS
+from unbroken.errors import ExitCode, UserError
+from unbroken.launch.config import LaunchConfig
+from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.events import EVENTS_FILE, EventLog
+from unbroken.telemetry.live import LiveTelemetry
+
+
+def start_telemetry(cfg: LaunchConfig, say: Callable[[str], None],
+                    takeover: bool) -> LiveTelemetry | None:
+    """Prometheus /metrics (with --metrics-port) and the status line, for as long as this
+    agent leads. A port that cannot be bound is the user's to fix: one line, exit 2 at
+    start; an agent taking over a running job says so and leads without metrics."""
+    if cfg.metrics_port is None and not cfg.status_every:
+        return None
+    metrics = ((cfg.metrics_addr, cfg.metrics_port)
+               if cfg.metrics_port is not None else None)
+    try:
+        live = LiveTelemetry(Path(cfg.run_dir) / EVENTS_FILE, say, metrics=metrics,
+                             status_every=cfg.status_every)
+    except OSError as exc:
+        if takeover:
+            say(f"warning: cannot serve /metrics on {cfg.metrics_addr}:"
+                f"{cfg.metrics_port} ({exc.strerror or exc}); leading without metrics")
+            return None
+        raise UserError(f"--metrics-port {cfg.metrics_port}: cannot serve /metrics on "
+                        f"{cfg.metrics_addr}: {exc.strerror or exc}; choose a free port "
+                        "(or --metrics-addr)") from None
+    if live.export is not None:
+        host, bound = live.export.server.server_address[:2]
+        say(f"metrics: http://{host}:{bound}/metrics")
+    return live
+
+
+class Rejections:
+    """Newcomers refused at first contact for another secret (`control.auth`) are the
+    job's events too: at most one read a second, on an unsigned channel (a refused agent
+    cannot sign)."""
+
+    def __init__(self, channel: Channel, events: EventLog, say: Callable[[str], None]) -> None:
+        self.channel = channel
+        self.events = events
+        self.say = say
+        self._seen = 0  # AUTH_REJECTIONS entries recorded as events
+        self._read = 0.0  # monotonic time of the last look at them
+
+    def record(self) -> None:
+        now = time.monotonic()
+        if now - self._read < 1.0:
+            return
+        self._read = now
+        for rejection in Channel(self.channel.backend).entries(AUTH_REJECTIONS, self._seen):
+            self._seen += 1
+            if rejection is None:
+                continue
+            self.events.emit(Event.AGENT_REJECTED, rejected_node=rejection.node,
+                             host=rejection.host, reason=rejection.reason)
+            self.say(f"refused an agent on {rejection.host}: {rejection.reason}")
+
+
+def stranded_reason(cfg: LaunchConfig, nodes: NodeSet) -> str:
+    """Why a static job whose every node is out ends (exit `QUARANTINED`)."""
+    rule = cfg.quarantine
+    out = ", ".join(f"node {k} {why.value}" for k, why in sorted(nodes.out.items()))
+    return (f"no node is left to train on ({out}; quarantine: {rule.after} faults within "
+            f"{rule.window:g}s), and no standby node can take the ranks; exit "
+            f"{int(ExitCode.QUARANTINED)}: run the job on other machines, or raise "
+            "--quarantine-after (0 turns quarantine off)")

@@ -1,0 +1,64 @@
+"""The planner's drains (`unbroken drain`), as pure functions of its state: which members a
+request moves (or why it is refused), and the answer once the switch that moved them is up.
+
+A drain moves each member of a rank or node onto a ready spare: the spare is promoted into
+the member's slot, and the member gives its slot up at the switch that follows the spare's
+join (`planner._settle`). The drain is answered once every rank it moved runs in the new
+generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
+from unbroken.launch.planner_commands import AnswerDrain, Command, Record, Say
+from unbroken.launch.planner_state import Drains, Phase, PlannerState
+from unbroken.telemetry.event_names import Event
+
+
+def movers(s: PlannerState, request: DrainRequest,
+           hosted: dict[int, dict[str, int] | None]) -> tuple[list[str], int | None] | str:
+    """The members `request` moves, and the node they leave (None: a rank's drain); or why
+    the request is refused."""
+    if s.phase != Phase.RUNNING or s.switch_requested:
+        return "a recovery or switch is in progress; try again in a moment"
+    node = None
+    if request.kind == DrainKind.NODE:
+        node = request.target
+        if node == 0:
+            return "node 0 hosts the control store and cannot be drained"
+        on_node = hosted.get(node) or {}
+        moving = [m for m in s.members if m in on_node]
+    else:
+        moving = [m for m in s.members if s.slot_of[m] == request.target]
+    if not moving:
+        return f"no member of generation {s.gen} is on {request.describe()}"
+    if len(moving) >= len(s.members):
+        return "a drain needs a member that stays to hand the state over"
+    return moving, node
+
+
+def refusal(index: int, request: DrainRequest, why: str) -> list[Command]:
+    return [AnswerDrain(index, DrainOutcome(ok=False, error=why)),
+            Record(Event.DRAIN_REFUSED, {"request": request.as_event(), "reason": why}),
+            Say(f"drain refused: {why}")]
+
+
+def answered(drains: Drains, slot_of: dict[str, int], gen: int,
+             switch_s: float | None) -> tuple[Drains, list[Command]]:
+    """Generation `gen` is up: record each move its switch made, and answer each drain whose
+    every rank has moved."""
+    out: list[Command] = []
+    moves = {i: list(m) for i, m in drains.moves.items()}
+    for member, spare, index in drains.moved:
+        move = {"rank": slot_of[spare], "from": member, "to": spare}
+        moves.setdefault(index, []).append(move)
+        out.append(Record(Event.DRAINED, {**move, "gen": gen, "switch_s": switch_s}))
+        out.append(Say(f"drained rank {move['rank']}: {member} -> {spare}, generation {gen} "
+                       f"up {switch_s}s after the switch began"))
+    for index in sorted({index for _, _, index in drains.moved}):
+        if not any(i == index for _, i in drains.draining.values()):  # every rank moved
+            out.append(AnswerDrain(index, DrainOutcome(
+                ok=True, moves=moves.pop(index), gen=gen, switch_s=switch_s)))
+    return replace(drains, moved=[], moves=moves), out
