@@ -21,6 +21,7 @@ from conftest import SCRIPTS, events_of, finish, launch, start, wait_for
 from unbroken.checkpoint.checkpointer import Checkpointer, committed_checkpoints
 from unbroken.checkpoint.interval import Schedule
 from unbroken.checkpoint.manifest import verify_manifest
+from unbroken.telemetry.schema import encode
 
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 
@@ -36,7 +37,7 @@ def test_a_deferred_save_is_retried_and_never_waited_for(tmp_path):
         if point == "persist" and slow.pop("first", False):
             time.sleep(2.0)
 
-    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)),
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda e: events.append((e.event, encode(e))),
                         schedule=Schedule(every_steps=10), fault_point=stall_first)
     ckpt.protect(model, [optimizer])
     started, longest = [], 0.0
@@ -223,7 +224,7 @@ def test_a_save_still_writing_when_a_generation_forms_is_abandoned_not_waited_fo
         if step == 1:
             release.wait(60)  # the old generation's writer, blocked
 
-    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)),
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda e: events.append((e.event, encode(e))),
                         fault_point=stuck_writer)
     ckpt.protect(model, [optimizer])
     assert ckpt.start(state_of(model, optimizer), step=1)

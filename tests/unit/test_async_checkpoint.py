@@ -16,6 +16,7 @@ from unbroken.checkpoint.checkpointer import Checkpointer, committed_checkpoints
 from unbroken.checkpoint.interval import Schedule, daly_interval
 from unbroken.checkpoint.layout import to_delete
 from unbroken.checkpoint.manifest import verify_manifest
+from unbroken.telemetry.schema import encode
 
 
 def test_snapshot_is_the_state_at_start_even_as_training_goes_on(tmp_path):
@@ -25,7 +26,7 @@ def test_snapshot_is_the_state_at_start_even_as_training_goes_on(tmp_path):
     model, optimizer = tiny_model()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     events = []
-    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)))
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda e: events.append((e.event, encode(e))))
     ckpt.protect(model, [optimizer])
     for _ in range(3):
         train_step(model, optimizer)
@@ -165,7 +166,7 @@ class _Unpicklable:
 def test_a_snapshot_that_cannot_be_taken_is_reported_and_training_goes_on(tmp_path):
     model, optimizer = tiny_model()
     events = []
-    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda name, **kw: events.append((name, kw)))
+    ckpt = Checkpointer(tmp_path / "ckpt", record=lambda e: events.append((e.event, encode(e))))
     ckpt.protect(model, [optimizer])
     state = {**state_of(model, optimizer), "extra": _Unpicklable().state_dict()}
     assert ckpt.start(state, step=1)  # the failure is reported by the writer, on every rank

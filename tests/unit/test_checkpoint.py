@@ -11,6 +11,7 @@ import torch
 
 from unbroken.checkpoint.checkpointer import Checkpointer, committed_checkpoints
 from unbroken.errors import CheckpointMismatch
+from unbroken.telemetry.schema import encode
 
 
 def _state(seed: int, width: int = 4) -> dict:
@@ -21,7 +22,7 @@ def _state(seed: int, width: int = 4) -> dict:
 
 def _saved(tmp_path, steps=(10, 20, 30)):
     events = []
-    ckpt = Checkpointer(tmp_path / "ckpt", keep=5, record=lambda name, **kw: events.append((name, kw)))
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=5, record=lambda e: events.append((e.event, encode(e))))
     for step in steps:
         ckpt.save(_state(step), step)
     return ckpt, events
@@ -34,7 +35,7 @@ def _load(ckpt) -> tuple[int | None, dict]:
 
 def test_save_load_roundtrip_and_retention(tmp_path):
     events = []
-    ckpt = Checkpointer(tmp_path / "ckpt", keep=2, record=lambda name, **kw: events.append(name))
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2, record=lambda e: events.append(e.event))
     for step in (10, 20, 30):
         ckpt.save(_state(step), step)
     assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [30, 20]

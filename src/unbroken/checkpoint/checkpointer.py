@@ -52,7 +52,7 @@ from unbroken.checkpoint.persist import (
 )
 from unbroken.checkpoint.snapshot import Snapshot, Staged, local_tensor
 from unbroken.errors import first_line
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "committed_checkpoints"]
 
@@ -96,7 +96,7 @@ class Checkpointer:
         keep: int = 3,
         keep_every: int | None = None,
         attempt: int = 0,
-        record: Callable[..., Any] | None = None,
+        record: ev.Emit | None = None,
         clean_stale: bool = True,
         persist_timeout: float = 600.0,
         schedule: Schedule | None = None,
@@ -115,7 +115,7 @@ class Checkpointer:
         self.keep = keep
         self.keep_every = keep_every
         self.attempt = attempt
-        self.record = record or (lambda *a, **k: None)
+        self.record: ev.Emit = record or (lambda event: None)
         self.persist_timeout = persist_timeout
         self.schedule = schedule or Schedule()
         self.fault_point = fault_point  # injected faults in the writer (tests)
@@ -155,9 +155,9 @@ class Checkpointer:
             save.abandoned = True
             self._save = None
             self._snapshot = Snapshot()  # its writer may still read the old buffers
-            self.record(Event.CHECKPOINT_FAILED, step=save.step, stall=round(save.stall, 6),
+            self.record(ev.CheckpointFailed(step=save.step, stall=round(save.stall, 6),
                         duration=round(time.monotonic() - save.started, 6),
-                        error=f"abandoned: generation {generation} formed while it was written")
+                        error=f"abandoned: generation {generation} formed while it was written"))
 
     # ------------------------------------------------------------------ snapshot
     def protect(self, model: torch.nn.Module | None, optimizers: Iterable[torch.optim.Optimizer]) -> None:
@@ -226,13 +226,13 @@ class Checkpointer:
         if anyone_busy:
             self._deferrals += 1
             self.schedule.deferred(step, self._deferrals)
-            self.record(Event.CHECKPOINT_DEFERRED, step=step, retry_at=self.schedule.next_due,
-                        writing=self._save.step if busy else None)
+            self.record(ev.CheckpointDeferred(step=step, retry_at=self.schedule.next_due,
+                        writing=self._save.step if busy else None))
             return False
         changed = interval != self.schedule.interval or self._last is None
         self.schedule.reset(step, interval)
         if changed and self.rank == 0:
-            self.record(Event.CHECKPOINT_INTERVAL, steps=interval, reason=self.schedule.reason)
+            self.record(ev.CheckpointInterval(steps=interval, reason=self.schedule.reason))
         self._deferrals = 0
         stage_error = None
         try:
@@ -253,8 +253,8 @@ class Checkpointer:
     def _report_stuck(self, save: _Save, now: float) -> None:
         if not save.stuck_reported and now - save.started > self.persist_timeout:
             save.stuck_reported = True
-            self.record(Event.CHECKPOINT_STUCK, step=save.step, seconds=round(now - save.started, 3),
-                        timeout=self.persist_timeout)
+            self.record(ev.CheckpointStuck(step=save.step, seconds=round(now - save.started, 3),
+                        timeout=self.persist_timeout))
 
     def _background(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
                     tmp: Path, error: str | None) -> None:
@@ -315,15 +315,15 @@ class Checkpointer:
             if save.committed is not None:
                 c = save.committed
                 durable = (c.committed_at or end) - save.started  # retention's deletes after
-                self.record(Event.CHECKPOINT_SAVED, step=save.step, path=str(c.path), bytes=c.bytes,
+                self.record(ev.CheckpointSaved(step=save.step, path=str(c.path), bytes=c.bytes,
                             stall=round(save.stall, 6), snapshot=round(t1 - t0, 6),
                             persist=round(end - t1, 6), durable=round(durable, 6),
-                            deleted=c.deleted or None, retention_error=c.retention_error)
+                            deleted=c.deleted or None, retention_error=c.retention_error))
             else:
                 if save.not_shared is not None and not self._said_not_shared:
                     self._say_not_shared(save.step, save.not_shared)
-                self.record(Event.CHECKPOINT_FAILED, step=save.step, error=save.error,
-                            stall=round(save.stall, 6), duration=round(end - save.started, 6))
+                self.record(ev.CheckpointFailed(step=save.step, error=save.error,
+                            stall=round(save.stall, 6), duration=round(end - save.started, 6)))
         except Exception as exc:  # noqa: BLE001 -- the event log is gone (closed, disk full)
             print(f"unbroken: checkpoint of step {save.step}: could not record the outcome "
                   f"({first_line(exc)}); committed: {save.committed is not None}",
@@ -333,9 +333,9 @@ class Checkpointer:
         """Once per process, not per save: every later save is refused the same way."""
         self._said_not_shared = True
         print(exc.line(), file=sys.stderr, flush=True)
-        self.record(Event.CHECKPOINT_DIR_NOT_SHARED, step=step, path=exc.directory,
+        self.record(ev.CheckpointDirNotShared(step=step, path=exc.directory,
                     unseen=len(exc.unseen), files=exc.files,
-                    examples=[u.describe() for u in exc.unseen[:3]])
+                    examples=[u.describe() for u in exc.unseen[:3]]))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight (if any) to finish; False if it is still running."""
@@ -370,8 +370,8 @@ class Checkpointer:
         if not anyone_lacks:
             return True
         if anyone_busy:
-            self.record(Event.CHECKPOINT_FAILED, step=step, final=True,
-                        error="the previous save was still being written after checkpoint_timeout")
+            self.record(ev.CheckpointFailed(step=step, final=True,
+                        error="the previous save was still being written after checkpoint_timeout"))
             return False
         if not self.start(state, step):
             return False  # cannot happen after the vote above, but never start twice
@@ -406,6 +406,6 @@ class Checkpointer:
         step = int(path.name.removeprefix("step_"))
         self.schedule.reset(step)
         self._loaded_step = step
-        self.record(Event.CHECKPOINT_LOADED, step=step, path=str(path),
-                    duration=round(time.monotonic() - t0, 6))
+        self.record(ev.CheckpointLoaded(step=step, path=str(path),
+                    duration=round(time.monotonic() - t0, 6)))
         return step

@@ -8,7 +8,6 @@ differ, before anything is overwritten.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from unbroken.checkpoint.safe_reader import (
     load_metadata,
 )
 from unbroken.errors import CheckpointMismatch, first_line
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 def dcp_failures(exc: CheckpointException) -> dict[int, BaseException]:
@@ -78,7 +77,7 @@ def check_fits(state: dict[str, Any], checkpoint: Path) -> None:
 
 
 def choose(directory: Path, rank: int, group: dist.ProcessGroup | None,
-           record: Callable[..., Any]) -> Path | None:
+           record: ev.Emit) -> Path | None:
     """Rank 0 picks the newest intact checkpoint; every rank gets the same answer."""
     choice = torch.tensor([-1], dtype=torch.int64)
     if rank == 0:
@@ -87,7 +86,7 @@ def choose(directory: Path, rank: int, group: dist.ProcessGroup | None,
             if reason is None:
                 choice[0] = step
                 break
-            record(Event.CHECKPOINT_INVALID, step=step, path=str(path), reason=reason)
+            record(ev.CheckpointInvalid(step=step, path=str(path), reason=reason))
     if dist.is_initialized():
         dist.broadcast(choice, group=group, group_src=0)
     step = int(choice[0])

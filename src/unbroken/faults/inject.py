@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from unbroken.faults.spec import FaultSpec
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 class InjectedFault(RuntimeError):
@@ -25,7 +25,7 @@ class FaultInjector:
         faults: list[FaultSpec],
         rank: int,
         claim: Callable[[str], bool],
-        record: Callable[..., None],
+        record: ev.Emit,
     ) -> None:
         """`claim(key)` returns True only the first time a key is claimed in the job."""
         self._by_step: dict[int, list[FaultSpec]] = {}
@@ -51,7 +51,8 @@ class FaultInjector:
         for fault in faults:
             if not self._claim(fault.key):
                 continue
-            self._record(Event.FAULT_INJECTED, fault=str(fault), kind=fault.kind, step=step, at=fault.at)
+            self._record(ev.FaultInjected(fault=str(fault), kind=fault.kind, step=step,
+                                          at=fault.at))
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":

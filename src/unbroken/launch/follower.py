@@ -26,7 +26,7 @@ from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.election import WRONG_SECRET
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 class Quarantined(Exception):  # noqa: N818 - control flow, not an error
@@ -77,7 +77,7 @@ class Follower(Role):
         own code, which a scheduler never counts as the job done (only 0 means that: every
         rank trained to the end)."""
         if self.channel.read(node_out(self.cfg.node_rank)) == NodeOut.QUARANTINED:
-            self.events.emit(Event.NODE_QUARANTINED, quarantined=self.cfg.node_rank)
+            self.events.emit(ev.NodeQuarantined(quarantined=self.cfg.node_rank))
             self.say("this node was quarantined after repeated faults: leaving the job "
                      f"(exit {int(ExitCode.QUARANTINED)})")
             return ExitCode.QUARANTINED
@@ -99,7 +99,7 @@ class Follower(Role):
         if not all(self.channel.read(keys.drained(w.wid)) for w in sup.workers):
             return None
         self.channel.write(keys.node_released(self.cfg.node_rank), True)
-        self.events.emit(Event.NODE_DRAINED, attempt=attempt)
+        self.events.emit(ev.NodeDrained(attempt=attempt))
         self.say("every rank of this node moved to spares: leaving the job")
         sup.stop_all()
         return Outcome(Ending.RELEASED)
@@ -143,8 +143,8 @@ class Follower(Role):
         estimate = estimate_offset(self._sent, seen, plan.clock_written, got)
         if estimate is not None:
             offset, error = estimate
-            self.events.emit(Event.CLOCK_OFFSET, attempt=plan.attempt, offset=round(offset, 6),
-                             error=round(error, 6))
+            self.events.emit(ev.ClockOffset(attempt=plan.attempt, offset=round(offset, 6),
+                                            error=round(error, 6)))
 
     def _wait_next_attempt(self, seen: int) -> int:
         deadline = time.monotonic() + self.cfg.rdzv_timeout

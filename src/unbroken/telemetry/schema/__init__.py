@@ -9,6 +9,7 @@ from unbroken.telemetry.schema import agent, checkpoint, recovery, standby, work
 from unbroken.telemetry.schema.agent import *  # noqa: F403
 from unbroken.telemetry.schema.base import (
     EVENT_TYPES,
+    Emit,
     SCHEMA_VERSION,
     VERSION_KEY,
     EventBody,
@@ -26,5 +27,5 @@ from unbroken.telemetry.schema.worker import *  # noqa: F403
 SECTIONS = (agent, recovery, worker, checkpoint, standby)
 """The modules of event classes, in the order docs/events.md lists them."""
 
-__all__ = ["EVENT_TYPES", "SCHEMA_VERSION", "SECTIONS", "VERSION_KEY", "EventBody",
+__all__ = ["EVENT_TYPES", "Emit", "SCHEMA_VERSION", "SECTIONS", "VERSION_KEY", "EventBody",
            "UnknownEvent", "decode", "decode_all", "encode", "version"]

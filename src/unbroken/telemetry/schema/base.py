@@ -26,7 +26,7 @@ The contract of the decoding (`decode`), so that an older or newer log is still 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -172,3 +172,7 @@ def version(record: Mapping[str, Any]) -> int:
 def decode_all(events: Iterable[Mapping[str, Any] | EventBody]) -> list[EventBody]:
     """Each record decoded (`decode`); an event already decoded is kept as it is."""
     return [e if isinstance(e, EventBody) else decode(e) for e in events]
+
+
+Emit = Callable[[EventBody], Any]
+"""Where a component sends its events: `EventLog.emit`, or a test's `list.append`."""
