@@ -10,14 +10,8 @@ from typing import NoReturn
 from unbroken.errors import ExitCode, UserError
 from unbroken.exiting import exit_without_teardown
 from unbroken.k8s.flags import add_k8s_flags
-from unbroken.run_flags import (
-    add_run_flags,
-    config_from_args,
-    defaults_from_pet,
-    port,
-    positive_int,
-    seconds,
-)
+from unbroken.launch.flags.parser import add_run_flags, config_from_args
+from unbroken.launch.flags.values import port, positive_int, seconds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,8 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="launch a training script (a drop-in for torchrun)")
-    add_run_flags(run)
-    defaults_from_pet(run, os.environ)
+    add_run_flags(run, os.environ)  # PET_* give the defaults, as torchrun's parser reads them
     demo = sub.add_parser("demo", help="train the example GPT with 4 workers through injected faults")
     demo.add_argument("--steps", type=positive_int("--steps"), default=600)
     demo.add_argument("--workers", type=positive_int("--workers"), default=4)

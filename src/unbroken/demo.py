@@ -14,6 +14,7 @@ from pathlib import Path
 from unbroken.errors import UserError
 from unbroken.launch.agent import Agent
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.flags.groups import Recovery
 from unbroken.launch.worker_logs import LogSpec, Std
 from unbroken.telemetry.events import EVENTS_FILE
 from unbroken.telemetry.live import EventTail
@@ -61,8 +62,8 @@ def run_demo(steps: int = 600, workers: int = 4, run_dir: str | None = None, fau
         script=str(script),
         script_args=["--steps", str(steps), "--checkpoint-dir", str(out / "checkpoints"),
                      "--checkpoint-every", "10", "--print-every", str(10 ** 9)],
-        nproc_per_node=workers, master_port=0, max_restarts=len(plan) + 2, run_id=run_id,
-        run_dir=out, logs=LogSpec(redirects=Std.ALL), faults=";".join(plan),
+        nproc_per_node=workers, master_port=0, recovery=Recovery(max_restarts=len(plan) + 2),
+        run_id=run_id, run_dir=out, logs=LogSpec(redirects=Std.ALL), faults=";".join(plan),
     )
     print(f"unbroken demo: {workers} workers train a small GPT for {steps} steps (DDP over gloo);")
     print(f"faults to inject: {', '.join(plan) or 'none'}")

@@ -40,7 +40,7 @@ from unbroken.k8s import names, observability, pod, policy
 from unbroken.k8s.flags import spec_from_args
 from unbroken.k8s.render import render, to_yaml, write_dir
 from unbroken.k8s.spec import ControlPlane, K8sSpec, Workload
-from unbroken.run_flags import config_from_args
+from unbroken.launch.flags.parser import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "k8s"
@@ -438,14 +438,14 @@ def test_every_pod_command_parses_under_the_real_unbroken_run_parser(case, tmp_p
         assert cfg.standby == (role == names.STANDBY_JOB)
         if not spec.elastic and role != names.STANDBY_JOB:
             assert cfg.node_rank == index and not cfg.assign_rank
-        assert cfg.continue_dead_job
+        assert cfg.etcd.continue_dead_job
         assert cfg.secret_file == str(where[pod.SECRET_DIR] / "secret")
         assert cfg.run_dir == Path(pod.RUN_DIR)
         assert cfg.kill_grace == max(1, spec.grace_seconds - 5)
         assert cfg.node_timeout == spec.node_timeout
-        assert cfg.max_restarts == spec.max_restarts_in_place
-        assert cfg.spares == spec.spares
-        assert cfg.metrics_port == (spec.metrics_port if spec.metrics else None)
+        assert cfg.recovery.max_restarts == spec.max_restarts_in_place
+        assert cfg.recovery.spares == spec.spares
+        assert cfg.telemetry.metrics_port == (spec.metrics_port if spec.metrics else None)
         assert cfg.script == str(SCRIPT) and cfg.script_args == list(spec.script_args)
         if spec.control_plane == ControlPlane.ETCD:
             assert cfg.backend == BackendKind.ETCD and cfg.local_addr == "10.1.2.3"

@@ -8,8 +8,9 @@ import pytest
 from unbroken.cli import _build_parser
 from unbroken.errors import UserError
 from unbroken.launch.config import ExtraNodes
+from unbroken.launch.flags.parser import config_from_args
+from unbroken.launch.flags.values import NodeRange, parse_nnodes, parse_rdzv_conf
 from unbroken.launch.worker_logs import LogSpec, Std, parse_std
-from unbroken.run_flags import NodeRange, config_from_args, parse_nnodes, parse_rdzv_conf
 
 
 def _config(tmp_path, *flags, env=None, monkeypatch=None):
@@ -86,7 +87,7 @@ def test_every_pet_variable_sets_its_flag_and_the_command_line_wins(tmp_path, mo
            "PET_SHUTDOWN_TIMEOUT": "7", "PET_VIRTUAL_LOCAL_RANK": "1", "PET_ROLE": "trainer"}
     cfg, _ = _config(tmp_path, "--max-restarts", "1", env=env, monkeypatch=monkeypatch)
     assert (cfg.least, cfg.nnodes, cfg.nproc_per_node, cfg.run_id) == (1, 3, 2, "job7")
-    assert (cfg.max_restarts, cfg.monitor_interval, cfg.kill_grace) == (1, 0.5, 7.0)
+    assert (cfg.recovery.max_restarts, cfg.hangs.monitor_interval, cfg.kill_grace) == (1, 0.5, 7.0)
     assert cfg.logs.tee == Std.ALL and cfg.virtual_local_rank and cfg.role == "trainer"
 
 

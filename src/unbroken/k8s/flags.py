@@ -12,7 +12,7 @@ from unbroken.k8s.spec import (
     parse_nodes,
     parse_toleration,
 )
-from unbroken.run_flags import seconds
+from unbroken.launch.flags.values import seconds
 
 
 def add_k8s_flags(p: argparse.ArgumentParser) -> None:

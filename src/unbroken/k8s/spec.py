@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.errors import UserError
-from unbroken.run_flags import parse_nnodes
+from unbroken.launch.flags.values import parse_nnodes
 
 
 class Workload(StrEnum):

@@ -84,7 +84,7 @@ class Agent:
         cfg = self.cfg
         self.events.emit(
             Event.AGENT_START, run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
-            nproc_per_node=cfg.nproc_per_node, max_restarts=cfg.max_restarts,
+            nproc_per_node=cfg.nproc_per_node, max_restarts=cfg.recovery.max_restarts,
             script=cfg.script, args=cfg.script_args, faults=cfg.faults, instance=self.instance,
         )
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
@@ -95,14 +95,14 @@ class Agent:
             self._return_as_standby(channel)
             # After the connection: a node rank given in join order is known by now. Not with
             # --virtual-local-rank: a library that touches CUDA at import would see every device.
-            if cfg.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
+            if cfg.recovery.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
                 pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
             sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, address, self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
             election = None
             leads = cfg.is_leader
             if cfg.elects:
-                election = Election(channel, cfg.node_rank, self.instance, cfg.leader_timeout)
+                election = Election(channel, cfg.node_rank, self.instance, cfg.etcd.leader_timeout)
                 leads = not cfg.standby and election.stand(first=cfg.is_leader).instance \
                     == self.instance
                 if cfg.standby:
@@ -303,14 +303,14 @@ class Agent:
         if found is None:
             return
         if not dead_job.is_reset(found):
-            silent = dead_job.judge(backend, dead_job.window(cfg.leader_timeout), self._sleep)
+            silent = dead_job.judge(backend, dead_job.window(cfg.etcd.leader_timeout), self._sleep)
             if silent is None:  # alive; or another agent began to clear it meanwhile
                 if dead_job.is_reset(backend.get(JOB_AUTH.key)):
                     dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
                 return
             self.events.emit(Event.DEAD_JOB_FOUND, silent=round(silent, 1),
-                             cont=cfg.continue_dead_job)
-            if not cfg.continue_dead_job:
+                             cont=cfg.etcd.continue_dead_job)
+            if not cfg.etcd.continue_dead_job:
                 raise dead_job.DeadJob(cfg.run_id, silent)
             if dead_job.clear(backend, found, self.instance):
                 self.events.emit(Event.DEAD_JOB_CLEARED)
@@ -445,7 +445,8 @@ class Agent:
     def _report_failure(self, fault: Fault | None, reason: str | None) -> None:
         where = (f"{fault.where()} {fault.kind.value}: {fault.detail}" if fault is not None
                  else "none")
-        self.say(f"giving up after {self.cfg.max_restarts} restart(s): {reason or 'failed'}; "
+        self.say(f"giving up after {self.cfg.recovery.max_restarts} restart(s): "
+                 f"{reason or 'failed'}; "
                  f"last fault was {where}")
         print(root_cause_report(self.cfg.script, fault), file=self.out, flush=True)
 

@@ -117,7 +117,7 @@ class AttemptWatch:
         under the new role's duties."""
         cfg, sup, ch, keys, attempt = self.cfg, self.sup, self.channel, self.keys, self.attempt
         while True:
-            sup.wait(0.002 if self.busy else cfg.monitor_interval)
+            sup.wait(0.002 if self.busy else cfg.hangs.monitor_interval)
             self.check_signal()
             if self.in_place and not self.resilient:
                 self.resilient = sup.all_resilient()

@@ -1,25 +1,19 @@
-"""The launcher's typed configuration, filled from `unbroken run`'s flags."""
+"""The launcher's typed configuration, filled from `unbroken run`'s flags
+(`launch.flags`): the job's shape, resolved from several flags, and the groups of settings
+that pass through whole (`cfg.recovery`, `cfg.hangs`, `cfg.etcd`, `cfg.telemetry`), declared
+once in `launch.flags.groups` with their flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
-from unbroken.control.address import BackendKind, ControlAddress, EtcdCredentials
+from unbroken.control.address import BackendKind, ControlAddress
 from unbroken.control.retry import DEFAULT_WINDOW
-from unbroken.launch.node_set import QuarantineRule
+from unbroken.launch.flags.groups import Etcd, ExtraNodes, Hangs, Recovery, Telemetry
 from unbroken.launch.worker_logs import LogSpec
 
-
-class ExtraNodes(StrEnum):
-    """With `--nnodes MIN:MAX`: what the nodes beyond MIN do."""
-
-    JOIN = "join"
-    """torchrun's meaning: they train too, up to MAX; the world size follows the node count."""
-    STANDBY = "standby"
-    """NVRx ft_launcher's meaning: exactly MIN nodes train; the others stand by with spares
-    and take a lost node's ranks, so the world never changes size."""
+__all__ = ["ExtraNodes", "LaunchConfig"]
 
 
 @dataclass
@@ -44,7 +38,6 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    max_restarts: int = 0
     run_id: str = "default"
     run_dir: Path = Path("unbroken_runs/default")
     module: bool = False
@@ -58,46 +51,31 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     """LOCAL_RANK 0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device."""
     faults: str = ""  # fault spec string handed to workers (see unbroken.faults)
-    hang_timeout: float | None = None  # None: calibrated from observed step times
-    hang_floor: float = 1.0
-    """The calibrated step timeout (3 x the p99 step time) is never below this (seconds)."""
-    startup_timeout: float = 600.0  # first heartbeat to first step
     node_timeout: float = 10.0  # an agent silent this long is a lost node
     rdzv_timeout: float = 300.0  # all nodes must join an attempt within this
     kill_grace: float = 3.0  # SIGTERM to SIGKILL when stopping workers
-    monitor_interval: float = 0.05
-    warm_restarts: bool = True  # keep torch-imported standbys ready for the next attempt
-    on_fault: str = "shrink"  # in place: "shrink" or "wait" for the replacement; or "restart"
-    recovery_timeout: float = 30.0  # an in-place recovery slower than this falls back to restart
-    join_timeout: float = 60.0  # "wait": how long survivors wait for a replacement, then shrink
-    spares: int = 0  # hot spares per node: warm processes that take a failed worker's slot
     standby: bool = False  # a standby node: only spares, for lost or drained nodes' ranks
     secret_file: str | None = None
     """The job's secret (hex) that signs control messages; else UNBROKEN_SECRET; else, on a
     one-node job, RUN_DIR/secret (made by its agent); else none: unsigned (`control.auth`)."""
-    metrics_port: int | None = None
-    """The leader serves Prometheus /metrics on this port (`--metrics-port`); None: not at all."""
-    metrics_addr: str = "127.0.0.1"
-    """The address /metrics binds to: loopback unless the operator says otherwise."""
-    status_every: float = 30.0
-    """Seconds between the leader's status lines (step, steps/s, goodput, faults); 0: none."""
     backend: BackendKind = BackendKind.TCP
     """The control plane: the node-0 agent's TCPStore, or an etcd cluster (`--rdzv-backend`)."""
     etcd_endpoints: tuple[str, ...] = ()
     """etcd: `--rdzv-endpoint HOST:PORT[,HOST:PORT...]`."""
-    etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     local_addr: str | None = None
     """Where this agent binds what it serves (the attempt's worker store, when it leads);
     None: --master-addr with the TCPStore; with etcd the agent sets it, at start, to its
     address on the route to etcd."""
-    leader_timeout: float = 2.0
-    """etcd: a leader whose lease is silent this long is replaced."""
-    continue_dead_job: bool = False
-    """etcd: keys of a dead job found under this id (`launch.dead_job`) are cleared and the
-    job formed afresh under it, instead of refused."""
     retry_window: float = DEFAULT_WINDOW
     """How long an agent rides out a lost control plane before it gives up."""
-    quarantine: QuarantineRule = field(default_factory=QuarantineRule)
+    recovery: Recovery = field(default_factory=Recovery)
+    """How faults are recovered from: `--max-restarts`, `--on-fault`, `--spares`, quarantine."""
+    hangs: Hangs = field(default_factory=Hangs)
+    """When a worker is hung, and how often the agent looks (`--hang-timeout`, ...)."""
+    etcd: Etcd = field(default_factory=Etcd)
+    """etcd's credentials, and its leader election (`--leader-timeout`, `--continue-dead-job`)."""
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    """/metrics and the status lines (`--metrics-port`, `--metrics-addr`, `--status-every`)."""
 
     @property
     def elastic(self) -> bool:
@@ -108,7 +86,7 @@ class LaunchConfig:
     def in_place(self) -> bool:
         """Workers using run.train() recover in place (not `--on-fault restart`, and a
         Python script: a --no-python program has no worker runtime)."""
-        return self.on_fault != "restart" and not self.no_python
+        return self.recovery.on_fault != "restart" and not self.no_python
 
     @property
     def spares_when_standing_by(self) -> bool:
@@ -162,7 +140,7 @@ class LaunchConfig:
     def lease_period(self, leading: bool) -> float:
         """How often an agent refreshes its lease: five times within the timeout it is
         judged by (a leader's, --leader-timeout, when elected; else --node-timeout)."""
-        timeout = self.leader_timeout if leading and self.elects else self.node_timeout
+        timeout = self.etcd.leader_timeout if leading and self.elects else self.node_timeout
         return max(0.05, min(2.0, timeout / 5))
 
     @property
@@ -173,5 +151,5 @@ class LaunchConfig:
     def control_address(self, port: int) -> ControlAddress:
         """Where agents, workers and `unbroken drain` reach the control plane."""
         if self.backend == BackendKind.ETCD:
-            return ControlAddress(BackendKind.ETCD, self.etcd_endpoints, self.etcd_credentials)
+            return ControlAddress(BackendKind.ETCD, self.etcd_endpoints, self.etcd.credentials)
         return ControlAddress(BackendKind.TCP, (f"{self.master_addr}:{port}",))
