@@ -55,7 +55,7 @@ from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.supervisor import NodeSupervisor, launcher_defaults
 from unbroken.launch.warm_pool import WarmPool
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 
@@ -82,11 +82,11 @@ class Agent:
         handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
         cfg = self.cfg
-        self.events.emit(
-            Event.AGENT_START, run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
+        self.events.emit(ev.AgentStart(
+            run_id=cfg.run_id, pid=os.getpid(), nnodes=cfg.nnodes,
             nproc_per_node=cfg.nproc_per_node, max_restarts=cfg.recovery.max_restarts,
             script=cfg.script, args=cfg.script_args, faults=cfg.faults, instance=self.instance,
-        )
+        ))
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         guard, pool, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
@@ -129,10 +129,10 @@ class Agent:
             if sup is not None:
                 sup.stop_all()
             if isinstance(exc, Deposed):
-                self.events.emit(Event.LEADER_DEPOSED, error=str(exc))
-            self.events.emit(Event.AGENT_ERROR, error=str(exc))
-            self.events.emit(Event.AGENT_EXIT, code=int(exc.exit_code),
-                             events_dropped=self.events.dropped)
+                self.events.emit(ev.LeaderDeposed(error=str(exc)))
+            self.events.emit(ev.AgentError(error=str(exc)))
+            self.events.emit(ev.AgentExit(code=int(exc.exit_code),
+                             events_dropped=self.events.dropped))
             raise
         finally:
             self._lease_stop.set()  # first: a lease refresh racing shutdown would look lost
@@ -145,7 +145,7 @@ class Agent:
                 signal.signal(s, handler)
             if code is None:
                 self.events.close()  # reports the events a full disk cost
-        self.events.emit(Event.AGENT_EXIT, code=int(code), events_dropped=self.events.dropped)
+        self.events.emit(ev.AgentExit(code=int(code), events_dropped=self.events.dropped))
         self.events.close()
         return int(code)
 
@@ -162,7 +162,7 @@ class Agent:
         cfg.node_rank = standby_id(cfg.nnodes, channel.claim(STANDBY_IDS))
         cfg.standby = True
         self.events.context["node"] = cfg.node_rank
-        self.events.emit(Event.NODE_RETURNED, returned_node=old, standby_node=cfg.node_rank)
+        self.events.emit(ev.NodeReturned(returned_node=old, standby_node=cfg.node_rank))
         self.say(f"node {old}'s ranks went on elsewhere while it was away: rejoining as standby "
                  f"node {cfg.node_rank}")
 
@@ -183,7 +183,7 @@ class Agent:
         if signum == signal.SIGTERM and self.role is not None:
             if self._handoff_until is None:
                 self._handoff_until = time.monotonic() + self.cfg.kill_grace
-                self.events.emit(Event.NOTICE, signal="SIGTERM", grace=self.cfg.kill_grace)
+                self.events.emit(ev.Notice(signal="SIGTERM", grace=self.cfg.kill_grace))
                 if self.role.hand_off():
                     return
                 self._handoff_until = 0.0
@@ -198,7 +198,7 @@ class Agent:
     # ---------------------------------------------------------------- control plane
     def _forged(self, key: str, why: str) -> None:
         """A control message that fails its signature check: rejected, and reported."""
-        self.events.emit(Event.FORGED_MESSAGE, key=key, reason=why)
+        self.events.emit(ev.ForgedMessage(key=key, reason=why))
         self.say(f"rejected a forged control message at {key} ({why})")
 
     def _own_secret(self) -> bytes | None:
@@ -283,7 +283,7 @@ class Agent:
         self._declared = job
         why = mismatch(job, mine)
         if why is not None:
-            self.events.emit(Event.AGENT_REJECTED, reason=why, host=os.uname().nodename)
+            self.events.emit(ev.AgentRejected(reason=why, host=os.uname().nodename))
             try:
                 plain.append(AUTH_REJECTIONS, AuthRejection(
                     node=cfg.node_rank, host=os.uname().nodename, reason=why))
@@ -291,7 +291,7 @@ class Agent:
                 pass  # the job is out of reach: this agent's own line is what matters
             raise ConfigError(why)
         if not mine.signed:
-            self.events.emit(Event.CONTROL_UNSIGNED)
+            self.events.emit(ev.ControlUnsigned())
             self.say(UNSIGNED_NOTICE)
 
     def _meet_earlier_job(self, backend: Backend) -> None:
@@ -308,12 +308,12 @@ class Agent:
                 if dead_job.is_reset(backend.get(JOB_AUTH.key)):
                     dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
                 return
-            self.events.emit(Event.DEAD_JOB_FOUND, silent=round(silent, 1),
-                             cont=cfg.etcd.continue_dead_job)
+            self.events.emit(ev.DeadJobFound(silent=round(silent, 1),
+                             cont=cfg.etcd.continue_dead_job))
             if not cfg.etcd.continue_dead_job:
                 raise dead_job.DeadJob(cfg.run_id, silent)
             if dead_job.clear(backend, found, self.instance):
-                self.events.emit(Event.DEAD_JOB_CLEARED)
+                self.events.emit(ev.DeadJobCleared())
                 self.say(f"cleared the keys of a dead job under --rdzv-id {cfg.run_id} (silent "
                          f"{silent:.0f}s): continuing it afresh")
                 return
@@ -388,12 +388,12 @@ class Agent:
                 "that this node restarts and joins it")
 
     def _control_lost(self, error: str) -> None:
-        self.events.emit(Event.CONTROL_PLANE_LOST, error=error)
+        self.events.emit(ev.ControlPlaneLost(error=error))
         self.say(f"lost the control plane ({error}); retrying for up to "
                  f"{self.cfg.retry_window:g}s")
 
     def _control_back(self, outage: float) -> None:
-        self.events.emit(Event.CONTROL_PLANE_BACK, outage=round(outage, 3))
+        self.events.emit(ev.ControlPlaneBack(outage=round(outage, 3)))
         self.say(f"the control plane is back after {outage:.1f}s")
         if self.role is not None:
             self.role.outage_ended = True
@@ -426,7 +426,7 @@ class Agent:
                 backend.refresh_lease(agent_lease(cfg.node_rank, self.instance).key)
             except ControlPlaneError as exc:
                 if not self._lease_stop.is_set():  # not the job's own end
-                    self.events.emit(Event.LEASE_LOST, error=str(exc))
+                    self.events.emit(ev.LeaseLost(error=str(exc)))
                 return
             last = time.monotonic()
 

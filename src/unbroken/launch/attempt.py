@@ -24,7 +24,7 @@ from unbroken.launch.config import LaunchConfig
 from unbroken.launch.planner import EndAttempt
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.launch.supervisor import NodeSupervisor
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
 
@@ -78,7 +78,7 @@ class AttemptWatch:
                         in_place=None)  # it ends the attempt: not recovered in place
         won = self.channel.first(self.keys.fault, fault)
         if won.t == fault.t and won.reported_by == fault.reported_by:
-            self.events.emit(Event.FAULT, **won.event_fields())
+            self.events.emit(ev.Fault(**won.event_fields()))
             self.say(f"fault: {won.where()} {won.kind.value}: {won.detail}")
         return won
 
@@ -94,9 +94,9 @@ class AttemptWatch:
         self.attempt = attempt
         self._t0 = t0 = time.monotonic()
         sup.start_attempt(attempt, plan)
-        self.events.emit(Event.WORKERS_STARTED, attempt=attempt,
+        self.events.emit(ev.WorkersStarted(attempt=attempt,
                          duration=round(time.monotonic() - t0, 6),
-                         pids={w.rank: w.pid for w in sup.workers})
+                         pids={w.rank: w.pid for w in sup.workers}))
         if sup.standby:
             self.say(f"attempt {attempt}: standing by with {sup.spare_target} spare(s)")
         elif attempt == 0 or cfg.is_leader:
@@ -126,7 +126,7 @@ class AttemptWatch:
                 for w in failed:
                     if sup.finished_training(w):  # trained to the end, then failed to exit
                         fault = sup.reap(w)
-                        self.events.emit(Event.EXIT_AFTER_DONE, **fault.event_fields())
+                        self.events.emit(ev.ExitAfterDone(**fault.event_fields()))
                         continue
                     self._death(attempt, sup.reap(w))
             else:
@@ -142,8 +142,8 @@ class AttemptWatch:
                 continue
             if stall is not None:  # the leader blames (launch/blame.py)
                 ch.append(keys.stalls, stall)
-                self.events.emit(Event.STALL_REPORTED, gen=stall.gen,
-                                 workers=[to_plain(w) for w in stall.workers])
+                self.events.emit(ev.StallReported(gen=stall.gen,
+                                 workers=[to_plain(w) for w in stall.workers]))
             # One round trip for what every look reads (etcd: each read is a request).
             fault, result, target = ch.read_many([keys.fault, RESULT, keys.target])
             if self.resilient:
@@ -168,7 +168,7 @@ class AttemptWatch:
                 return outcome
             if not self.done_posted and self._node_done(keys):
                 ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
-                self.events.emit(Event.WORKERS_DONE, attempt=attempt)
+                self.events.emit(ev.WorkersDone(attempt=attempt))
                 self.done_posted = True
             sup.fill_pool(self._t0)
 
@@ -203,7 +203,7 @@ class AttemptWatch:
             self.sup.promote(ready[0], fault.slot, by="agent")
         fault.attempt, fault.t = attempt, time.time()
         self.channel.append(self.keys.deaths, fault)
-        self.events.emit(Event.FAULT, **fault.event_fields())
+        self.events.emit(ev.Fault(**fault.event_fields()))
         self.say(f"fault: rank {fault.rank} {fault.kind.value}: {fault.detail} (recovering in place)")
 
     def _obey(self, order: NodeOrder) -> NodeOrder | None:
@@ -224,7 +224,7 @@ class AttemptWatch:
             return None
         spare = next((s for s in sup.ready_spares() if s.wid == order.spare), None)
         if spare is None:  # died, or promoted here in the meantime: the planner's wait is bounded
-            self.events.emit(Event.SPARE_REQUEST_DECLINED, wid=order.spare, slot=order.slot)
+            self.events.emit(ev.SpareRequestDeclined(wid=order.spare, slot=order.slot))
             return None
         sup.promote(spare, order.slot, by="leader")
         return None
@@ -234,5 +234,5 @@ class AttemptWatch:
         t0 = time.monotonic()
         self.sup.stop_all()
         self.channel.write(AttemptKeys(attempt).node_stopped(self.cfg.node_rank), True)
-        self.events.emit(Event.WORKERS_STOPPED, attempt=attempt, duration=round(time.monotonic() - t0, 6),
-                         reason=fault.kind.value if fault else None)
+        self.events.emit(ev.WorkersStopped(attempt=attempt, duration=round(time.monotonic() - t0, 6),
+                         reason=fault.kind.value if fault else None))
