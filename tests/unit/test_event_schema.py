@@ -89,3 +89,18 @@ def test_missing_and_unknown_keys_and_names_are_tolerated():
     assert isinstance(unknown, schema.UnknownEvent)
     assert (unknown.event, unknown.node, unknown.extra) == ("from_the_future", 1, {"x": [1]})
     json.dumps(schema.encode(newer))  # plain JSON data
+
+
+def test_a_published_fault_fits_the_fault_events():
+    """The agents write `ev.Fault(**fault.event_fields())`: every field of the control
+    message (but its time) must be a field of the event."""
+    from unbroken.control.messages import Fault, FaultKind
+
+    message = {f.name for f in dataclasses.fields(Fault)} - {"t"}
+    for cls in (schema.Fault, schema.ExitAfterDone):
+        assert message <= {f.name for f in dataclasses.fields(cls)}
+    fault = Fault(FaultKind.CRASH, "killed", rank=1, node=0, pid=7, attempt=0, t=5.0)
+    record = schema.encode(schema.Fault(**fault.event_fields()))
+    assert record == {"kind": "crash", "detail": "killed", "rank": 1, "node": 0, "pid": 7,
+                      "attempt": 0}
+    assert json.loads(json.dumps(record)) == record
