@@ -12,7 +12,7 @@ from unbroken.faults import FaultSpec, parse_faults
 
 if TYPE_CHECKING:
     from unbroken.runtime.exact_reduce import exact_allreduce
-    from unbroken.runtime.session import Run, init
+    from unbroken.runtime.run import Run, init
 
 __version__ = "0.1.0"
 
@@ -30,9 +30,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("Run", "init"):
-        from unbroken.runtime import session
+        from unbroken.runtime import run
 
-        return getattr(session, name)
+        return getattr(run, name)
     if name == "exact_allreduce":
         from unbroken.runtime.exact_reduce import exact_allreduce
 

@@ -110,7 +110,7 @@ def _await_assignment() -> list[str] | None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    import unbroken.runtime.session  # noqa: F401
+    import unbroken.runtime.run  # noqa: F401
     from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
     env = WorkerEnv.from_environ()

@@ -20,6 +20,7 @@ import torch
 from unbroken.control.messages import LeaveReason
 from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.membership import Membership, Plan
+from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
 from unbroken.telemetry.event_names import Event
@@ -30,11 +31,13 @@ class Switch:
     """One completed switch into a generation, with the time each phase took."""
 
     plan: Plan
+    position: Position  # where this worker stands in the new generation, holding its state
     sync: SyncResult
     ckpt_groups: CheckpointGroups | None
     view: Any  # what the user's build() returned in the new generation
     phases: dict[str, float]  # wait_plan, gather, form, sync, build: seconds
     tries: int  # generations tried before this one held
+    rolled_back: int  # committed steps given up to resume where every shard is held
 
 
 class Generations:
@@ -73,21 +76,27 @@ class Generations:
                               before_send=lambda step: self.fault_point("send", step))
         return sync
 
-    def join(self, position: Callable[[], tuple[int, bool]],
-             sync: Callable[[Plan, int, bool], SyncResult], build: Callable[[], Any],
+    def join(self, position: Position, sync: Callable[[Plan, int, bool], SyncResult],
+             build: Callable[[Position], Any], whole: Callable[[], bool],
              joining: bool = False,
-             formed: Callable[[Plan, CheckpointGroups | None], None] = lambda plan, groups: None,
+             formed: Callable[[Plan, CheckpointGroups | None, int], None] = (
+                 lambda plan, groups, step: None),
              ) -> Switch:
-        """Join the next generation that names us, with the newest committed state, and
-        rebuild what depends on the group (`build`: DDP's constructor is collective too).
+        """Join the next generation that names us, from `position` (the step we left at,
+        and whether we hold its state), with the newest committed state, and rebuild what
+        depends on the group (`build(position)`: DDP's constructor is collective too).
+
         `sync(plan, committed_step, holds_state)` brings every member the state to resume
         from (collective over the new default group; `replicated`, or `ShardedSync.sync`).
-        `formed(plan, groups)` runs once the state is synced, before `build`: collectives it
-        issues (the checkpointer's) fail over to the next plan like the rest of the switch."""
+        `formed(plan, groups, step)` runs once the state is synced, before `build`:
+        collectives it issues (the checkpointer's) fail over to the next plan like the rest
+        of the switch. `whole()` says whether the tracked state is still whole after a failed
+        try (a receipt may have torn it). Raises `NoStateError` if no member holds state,
+        `JobFinished`, `Drained` or `RecoveryTimeout` from the membership."""
         tries = 0
+        committed_step, holds_state = position.step, position.holds_state
         while True:
             tries += 1
-            committed_step, holds_state = position()  # (step, holds it): may change on receipt
             t0 = time.monotonic()
             plan = self.membership.next_plan(self.gen, joining=joining)
             t1 = time.monotonic()
@@ -108,25 +117,27 @@ class Generations:
                 t3 = time.monotonic()
                 result = sync(plan, committed_step, holds_state)
                 t4 = time.monotonic()
-                formed(plan, ckpt_groups)
-                view = build()
+                rolled_back = max(0, committed_step - result.step) if holds_state else 0
+                committed_step, holds_state = result.step, True
+                formed(plan, ckpt_groups, result.step)
+                arrived = Position(plan.rank, plan.world_size, result.step, plan.gen, True)
+                view = build(arrived)
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
                 self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
-                self.leave(committed_step, holds_state, LeaveReason.NO_STATE,
+                self.leave(committed_step, holds_state and whole(), LeaveReason.NO_STATE,
                            error=first_line(exc))
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise
                 self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
-                committed_step, holds_state = position()
+                holds_state = holds_state and whole()
                 self.leave(committed_step, holds_state, LeaveReason.PEER, error=first_line(exc))
                 joining = joining and not holds_state
                 continue
             phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,
                       "build": t5 - t4}
-            return Switch(plan, result, ckpt_groups, view,
-                          {k: round(v, 6) for k, v in phases.items()}, tries)
-
+            return Switch(plan, arrived, result, ckpt_groups, view,
+                          {k: round(v, 6) for k, v in phases.items()}, tries, rolled_back)

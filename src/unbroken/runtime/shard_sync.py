@@ -21,7 +21,7 @@ import torch.distributed as dist
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.shard_plan import Holding, ShardPlan, Unrecoverable, plan_shards
 from unbroken.runtime.shards import LocalShards, new_mesh
-from unbroken.runtime.snapshots import PeerSnapshots
+from unbroken.runtime.snapshots import PeerSnapshots, SnapshotPacer
 from unbroken.runtime.state_sync import NoStateError, SyncResult, recv_bytes, send_tensors
 
 # int64s per member in the inventory: started (-1: no snapshots), interval (0: undecided),
@@ -44,6 +44,19 @@ class ShardedSync:
         self.shards, self.snapshots, self.groups = shards, snapshots, groups
         self.local_world, self.timeout, self.record = local_world, timeout, record
         self.plan: ShardPlan | None = None  # the last switch's
+        self.pacer: SnapshotPacer | None = None  # when to take rounds; set by `build_sharded`
+
+    def after_commit(self, step: int, last_step: int, step_seconds: float | None) -> None:
+        """After a committed step: a snapshot round if the pacer says one is due."""
+        if self.snapshots is None or self.pacer is None:
+            return
+        self.pacer.after_commit(step, last_step, step_seconds)
+        if self.pacer.refused:
+            self.snapshots = None
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Wait for a round in flight; False if one was still running after `timeout`."""
+        return self.snapshots is None or self.snapshots.wait(timeout=timeout)
 
     def form(self, rank: int, world: int) -> dist.ProcessGroup:
         """Rebuild the mesh on the current default group, rebind the model to it, and form
@@ -155,3 +168,29 @@ def receive_shard(shards: LocalShards, src: int, group: dist.ProcessGroup) -> in
         raise NoStateError(f"the shard from rank {src} does not fit this rank's: {exc}") from exc
     shards.load_meta(json.loads(bytes(blob.numpy()).decode()))
     return int(sizes[1])
+
+
+def build_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                  extra: dict[str, Any], *, world_size: int, joining: bool,
+                  snapshot_every: int | None, snapshot_replicas: int, groups: AbortableGroups,
+                  local_world: int, timeout: float, available: int,
+                  record: Callable[..., None], say: Callable[[str], None]) -> ShardedSync | str:
+    """The sharded switch for a tracked FSDP2/HSDP model, or why in-place recovery cannot
+    serve it (one line). `snapshot_every=0`: no in-memory snapshots; `available`: host
+    memory per rank, for the pacer's agreement that snapshots fit."""
+    try:
+        shards = LocalShards(model, optimizers, extra)
+    except TypeError as exc:
+        return str(exc)
+    why = shards.unsupported(world_size)
+    if why is not None:
+        return why
+    if joining:
+        shards.prime()  # its optimizer state exists, so its tensor list matches a holder's
+    snapshots = None
+    if snapshot_every != 0:
+        snapshots = PeerSnapshots(shards, snapshot_replicas, snapshot_every, record)
+    sync = ShardedSync(shards, snapshots, groups, local_world, timeout, record)
+    if snapshots is not None:
+        sync.pacer = SnapshotPacer(snapshots, shards.nbytes(), available, record, say)
+    return sync

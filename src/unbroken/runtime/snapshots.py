@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.runtime.shards import LocalShards
+from unbroken.telemetry.event_names import Event
 
 
 @dataclass
@@ -299,3 +300,73 @@ def copy_tensors(tensors: list[torch.Tensor], flat: torch.Tensor,
             flat[pos:pos + n].copy_(src)
         pos += n
     return deferred
+
+
+class SnapshotPacer:
+    """When to take a round: the snapshot interval policy, decided the same on every rank.
+
+    Before the first round the ranks agree (collective) that snapshots fit in every rank's
+    host memory; with `every=None` the first two rounds are timed and the ranks then agree
+    on the interval (the largest proposal), so that rounds pair up."""
+
+    def __init__(self, snaps: PeerSnapshots, shard_bytes: int, available: int,
+                 record: Callable[..., None], say: Callable[[str], None]) -> None:
+        """`available`: host memory per rank, in bytes; `say`: a line for the user (rank 0
+        prints it)."""
+        self.snaps, self.shard_bytes, self.available = snaps, shard_bytes, available
+        self.record, self.say = record, say
+        self.refused = False
+        """The ranks agreed that snapshots do not fit: none is taken any more."""
+
+    def after_commit(self, step: int, last_step: int, step_seconds: float | None) -> None:
+        """After committed step `step` (the next to run) of a run to `last_step`: start a
+        round if one is due (collective when it decides)."""
+        snaps = self.snaps
+        if self.refused or step >= last_step:
+            return  # the last step: the run ends, and no fault can need this snapshot
+        if not snaps.started:
+            if step % 5 == 0 and self._fit():  # past the first, slow steps
+                snaps.take(step)
+            return
+        if snaps.every is None:
+            if snaps.rounds < 2:
+                snaps.take(step)  # a second round, timed with its buffers warm
+                return
+            self._agree_interval(step_seconds or 0.0)
+        elif snaps.due(step):
+            snaps.take(step)
+
+    def _agree_interval(self, step_seconds: float) -> None:
+        snaps = self.snaps
+        snaps.wait()
+        proposal = torch.tensor([auto_every(snaps.round_seconds or 0.0, step_seconds)])
+        dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=snaps.group)
+        snaps.every = int(proposal.item())
+        host = host_bytes(self.shard_bytes, snaps.replicas)
+        self.record(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=True, replicas=snaps.replicas,
+                    shard_bytes=self.shard_bytes, host_bytes=host,
+                    round_s=round(snaps.round_seconds or 0.0, 6), step_s=round(step_seconds, 6))
+        self.say(f"an in-memory snapshot every {snaps.every} step(s): a round takes "
+                 f"{snaps.round_seconds or 0:.3f} s and a step {step_seconds:.3f} s, so at "
+                 f"most 1 % of step time; {host / 2**20:.0f} MiB of host memory per rank")
+
+    def _fit(self) -> bool:
+        """Agree (collective) that snapshots fit in every rank's host memory; if one rank's
+        do not, none takes any, and each says why with the figures."""
+        snaps = self.snaps
+        need = host_bytes(self.shard_bytes, snaps.replicas)
+        why = refusal(self.shard_bytes, snaps.replicas, self.available)
+        fits = torch.tensor([0 if why else 1])
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=snaps.group)
+        if fits.item():
+            if snaps.every is not None:
+                self.record(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=False,
+                            replicas=snaps.replicas, shard_bytes=self.shard_bytes,
+                            host_bytes=need)
+            return True
+        why = why or "another rank's in-memory snapshots would not fit in its host memory"
+        self.record(Event.SNAPSHOTS_REFUSED, reason=why, need_bytes=need,
+                    available_bytes=self.available)
+        self.say(why)
+        self.refused = True
+        return False

@@ -1,6 +1,7 @@
-"""A hot spare's wait: warmed up, it waits to be promoted into a failed worker's slot.
+"""A hot spare: its warm-up in a sandbox, then its wait to be promoted into a failed slot.
 
-The agent writes the slot into the spare's heartbeat page (shared memory: an idle spare
+Warm-up runs the real step a few times on a private one-process group (real kernels,
+allocator and caches; nothing reaches the job), then discards it. The agent writes the slot into the spare's heartbeat page (shared memory: an idle spare
 costs no system call and no store round trip); the spare also looks, once a second, whether
 the job has finished without it.
 """
@@ -9,8 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import torch.distributed as dist
+
+from unbroken.errors import UserError
 from unbroken.runtime.heartbeat import PHASE_SPARE_READY, HeartbeatWriter
+from unbroken.runtime.shards import LocalShards, is_fake_world
 
 _POLL = 0.002  # seconds between looks at the heartbeat page
 _JOB_CHECK = 1.0  # seconds between looks at the store
@@ -30,3 +36,41 @@ def await_promotion(heartbeat: HeartbeatWriter, finished: Callable[[], bool]) ->
             if finished():
                 return None
     return slot
+
+
+def warm_up(shadow_step: Callable[[int, Any], None], build: Callable[[], Any], steps: int,
+            shards: LocalShards | None) -> dict[str, Any]:
+    """Run `shadow_step(step, view)` `steps` times on `build()`'s view, in a world that
+    reaches no one; return what the `spare_ready` event says about the state's size.
+
+    Sharded: in the stand-in world of the real size, as rank 0, so that only shard-sized
+    state is ever allocated (the caller has placed the position at rank 0). Replicated: on a
+    private one-process gloo group (the caller has placed it at rank 0 of 1). The state is
+    replaced by a peer's when the spare is promoted. Raises `UserError` for a sharded model
+    whose shards differ in shape between ranks (no one spare can serve every slot)."""
+    if shards is not None:
+        uneven = shards.rank_independent()
+        if uneven is not None:
+            raise UserError(f"a hot spare cannot serve this sharded model: {uneven} does "
+                            "not divide evenly, so each rank's shard has its own shape; "
+                            "make the sharded dimensions divisible by the world size, "
+                            "or run without --spares (replacements start per slot)")
+        _shadow(shadow_step, build, steps)
+        return {"sharded": True, "shard_bytes": shards.nbytes(),
+                "largest_tensor_bytes": max((t.numel() * t.element_size()
+                                             for t in shards.tensors()), default=0)}
+    if is_fake_world():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _shadow(shadow_step, build, steps)
+    finally:
+        dist.destroy_process_group()
+    return {}
+
+
+def _shadow(shadow_step: Callable[[int, Any], None], build: Callable[[], Any],
+            steps: int) -> None:
+    view = build()
+    for step in range(steps):
+        shadow_step(step, view)

@@ -1,0 +1,309 @@
+"""The worker API: `unbroken.init()` returns a `Run`, whose loop owns the step counter.
+
+    run = unbroken.init(checkpoint_dir="ckpt", checkpoint_every=50)   # async: ~1 ms stall
+    model = GPT(cfg); optimizer = torch.optim.AdamW(model.parameters())
+    run.track(model, optimizer)                    # the state a step commits
+    def build():                                   # once per generation: what needs the group
+        return DDP(model)
+    def train_step(step, ddp):                     # forward and backward; no optimizer.step()
+        x, y = batch(step, run.rank, run.world_size)
+        loss = loss_fn(ddp(x), y); loss.backward(); run.log(loss=loss)
+    run.train(train_step, steps=1000, build=build) # the runtime steps the optimizer: the commit
+
+Under `unbroken run`, a fault in one worker does not restart the others: survivors leave the
+broken generation, re-form the group in place, get the newest committed state from a peer,
+call `build()` again and go on. `Run` is the user's surface; the recovery itself is the
+engine's (`runtime/engine.py`, contract in docs/engine.md), which other loops can drive too.
+The simpler `for step in run.steps(n)` loop is kept for scripts that step the optimizer
+themselves; a fault then restarts every worker from the last checkpoint. Both work under
+`unbroken run`, under `torchrun`, and in a single plain process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.errors import UserError
+from unbroken.faults.inject import FaultInjector
+from unbroken.faults.spec import parse_faults
+from unbroken.runtime.config import RunConfig
+from unbroken.runtime.control_link import ControlLink
+from unbroken.runtime.engine import Engine, EngineSettings
+from unbroken.runtime.first_group import form_first_group
+from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
+from unbroken.runtime.host import available_memory, process_start_time
+from unbroken.runtime.membership import Membership
+from unbroken.runtime.position import Position
+from unbroken.runtime.process_group import AbortableGroups, default_backend
+from unbroken.runtime.recovery import Generations
+from unbroken.runtime.tracked import TrackedState
+from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.events import EVENTS_FILE, EventLog
+
+# Forming a generation's groups takes milliseconds once every member has arrived; a member
+# that dies in that window blocks the others until this bound, then a new plan follows.
+_JOIN_TIMEOUT = 3.0
+
+
+class Run:
+    """One worker's view of the job; create it with `unbroken.init()`."""
+
+    def __init__(self, config: RunConfig | None = None, **options: Any) -> None:
+        """`config`, or the options of `unbroken.init()` (see `RunConfig`)."""
+        self.config = config = config or RunConfig(**options)
+        self.env = env = WorkerEnv.from_environ()
+        self.local_rank, self.attempt = env.local_rank, env.attempt
+        self.backend = config.backend or default_backend()
+        self.seed, self.timeout = config.seed, config.timeout
+        slot = env.slot if env.slot is not None else env.rank
+        spare = env.role == Role.SPARE
+        self.events = events = EventLog(
+            Path(env.run_dir) / EVENTS_FILE if env.run_dir else None, source="worker",
+            node=env.node_rank, rank=env.rank, attempt=env.attempt)
+        events.context["slot"] = slot
+        heartbeat = HeartbeatWriter(env.heartbeat_file) if env.heartbeat_file else None
+        groups = AbortableGroups()
+        first = form_first_group(env, self.backend, config.timeout, groups,
+                                 joining=env.joining or spare, spare=spare,
+                                 in_place=env.in_place)
+        if env.in_place and first.formed_by_script:
+            # The script formed the group itself: we cannot abort it from the inside, so a
+            # leaving worker could not unblock its peers. Faults restart every worker.
+            events.emit(Event.IN_PLACE_UNAVAILABLE, reason="process group initialised by the script")
+        settings = EngineSettings(
+            in_place=env.in_place and not first.formed_by_script, slot=slot,
+            wid=env.worker_id or f"{slot}.0", spare=spare, joining=env.joining or spare,
+            seed=config.seed, shadow_steps=env.shadow_steps,
+            snapshot_every=config.snapshot_every, snapshot_replicas=config.snapshot_replicas,
+            local_world=env.local_world_size, timeout=config.timeout)
+        started = process_start_time()
+        events.emit(Event.WORKER_START, pid=os.getpid(), world_size=env.world_size,
+                    startup=round(time.time() - started, 6) if started else None,
+                    process_group=round(first.seconds, 6), wid=settings.wid,
+                    joining=settings.joining)
+        self._link = link = ControlLink(env, events.emit)
+        faults = FaultInjector(parse_faults(env.faults), env.rank, link.claim_fault, events.emit)
+        ckpt = first.ckpt_groups
+        checkpointer = (
+            Checkpointer(config.checkpoint_dir, group=ckpt and ckpt.writes,
+                         control_group=ckpt and ckpt.control, keep=config.keep_checkpoints,
+                         keep_every=config.keep_every, attempt=env.attempt,
+                         record=events.emit, clean_stale=not settings.joining,
+                         persist_timeout=config.checkpoint_timeout, schedule=config.schedule(),
+                         fault_point=faults.at_point)
+            if config.checkpoint_dir else None)
+        generations = None
+        if settings.in_place:
+            membership = Membership(link.channel(), env.attempt, settings.wid,
+                                    lambda: engine.stamp(engine.position.step, PHASE_RECOVERY),
+                                    timeout=env.recovery_timeout)
+            generations = Generations(membership, groups, self.backend, config.timeout,
+                                      join_timeout=_JOIN_TIMEOUT, record=events.emit,
+                                      fault_point=faults.at_point)
+        self._engine = engine = Engine(
+            Position(env.rank, env.world_size, 0), settings, events=events, faults=faults,
+            groups=groups, heartbeat=heartbeat, checkpointer=checkpointer,
+            generations=generations, available_memory=available_memory)
+        engine.owns_group = first.owned
+        self._metrics: dict[str, float] = {}
+        self._long_depth = 0  # nested run.phase() blocks
+
+    # ------------------------------------------------------------------ where we stand
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation."""
+        return self._engine.position.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.position.world_size
+
+    @property
+    def step(self) -> int:
+        """The next step to run; equals the number of committed steps."""
+        return self._engine.position.step
+
+    @property
+    def gen(self) -> int:
+        """The generation: 0 as launched, one more per switch in place."""
+        return self._engine.position.gen
+
+    @property
+    def slot(self) -> int:
+        """The logical slot (the original rank, which a replacement inherits)."""
+        return self._engine.slot
+
+    @property
+    def wid(self) -> str:
+        return self._engine.settings.wid
+
+    @property
+    def spare(self) -> bool:
+        """A hot spare (until the run ends, even once promoted)."""
+        return self._engine.settings.spare
+
+    @property
+    def joining(self) -> bool:
+        """A spare or replacement that has not yet joined a generation."""
+        return self._engine.joining
+
+    @property
+    def in_place(self) -> bool:
+        """Faults are recovered in place (else every worker restarts)."""
+        return self._engine.in_place
+
+    @property
+    def engine(self) -> Engine:
+        """The recovery engine, for loops other than `train` (docs/engine.md)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ state
+    def track(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer, **extra: Any) -> None:
+        """Register what a checkpoint holds: the model (DDP/FSDP-wrapped or not), its
+        optimizers, and any other objects with `state_dict`/`load_state_dict`."""
+        self._engine.track(TrackedState(model, list(optimizers), extra))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed state, as a checkpoint holds it."""
+        return self._engine.state_dict()
+
+    def save_checkpoint(self) -> bool:
+        """Start a checkpoint of the committed state now (collective: every rank calls it).
+
+        It is snapshotted while the next step runs and persisted in the background. False if
+        it was deferred because the previous save is still being written."""
+        return self._engine.save_checkpoint()
+
+    # ------------------------------------------------------------------ the loops
+    def log(self, **metrics: Any) -> None:
+        """Attach metrics (floats or one-element tensors) to the current step's event."""
+        for name, value in metrics.items():
+            self._metrics[name] = float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Declare a part of a step long (an evaluation, a recompile, a large checkpoint of
+        the script's own): inside it no hang timeout runs, and a rank that others wait for
+        meanwhile is not blamed for their wait. Its time is not counted as step time.
+
+            def train_step(step, model):
+                if step % 100 == 0:
+                    with run.phase("eval"):
+                        evaluate(model)
+                ...
+
+        Use it only around work that may legitimately take many step times: a hang inside
+        it is not detected (a stopped process still is). Blocks may nest."""
+        t0 = time.monotonic()
+        heartbeat = self._engine.heartbeat
+        self._long_depth += 1
+        outer = heartbeat.phase if heartbeat is not None else PHASE_TRAINING
+        if self._long_depth == 1:
+            self._engine.stamp(self.step, PHASE_LONG)
+        try:
+            yield
+        finally:
+            self._long_depth -= 1
+            if self._long_depth == 0:
+                self._engine.stamp(self.step, outer)  # a step's clock starts again here
+                self.events.emit(Event.PHASE, name=name, step=self.step,
+                                 duration=round(time.monotonic() - t0, 6))
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps still to run, from the last committed one up to `total`; the
+        body steps the optimizer itself. A fault restarts every worker."""
+        engine = self._engine
+        if total < 0:
+            raise UserError(f"steps(total): total must be >= 0, got {total}")
+        engine.start_plain(total)
+        while (step := engine.begin()) is not None:
+            engine.enter(step)
+            self._metrics = {}
+            yield step
+            engine.commit(step, self._metrics)  # the body returned: the step is committed
+        engine.finish_checkpoints()
+        engine.finish()
+
+    def train(self, step_fn: Callable[[int, Any], Any], steps: int,
+              build: Callable[[], Any] | None = None) -> None:
+        """Run steps up to `steps`, recovering in place from faults of other workers.
+
+        `step_fn(step, model)` runs one step's forward and backward. `model` is what `build()`
+        returned for the current generation (the tracked model if there is no `build`). The
+        runtime then steps the tracked optimizers and schedulers: that update is the commit.
+        """
+        engine = self._engine
+        if steps < 0:
+            raise UserError(f"train(steps=...): must be >= 0, got {steps}")
+        engine.start(steps, build, step_fn)
+        while (step := engine.begin()) is not None:
+            self._metrics = {}
+            try:
+                engine.enter(step)
+                step_fn(step, engine.view)
+            except Exception as exc:
+                engine.fail(step, exc)
+                continue
+            engine.update()
+            engine.commit(step, self._metrics)
+        engine.finish()
+
+    def close(self) -> None:
+        """Tear down what `init` created; safe to call twice."""
+        self._engine.close()
+        self.events.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def init(
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 3,
+    backend: str | None = None,
+    timeout: float = 1800.0,
+    seed: int | None = 0,
+    *,
+    checkpoint_every_seconds: float | None = None,
+    checkpoint_mtbf_hours: float | None = None,
+    keep_every: int | None = None,
+    checkpoint_timeout: float = 600.0,
+    snapshot_every: int | None = None,
+    snapshot_replicas: int = 1,
+) -> Run:
+    """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
+    script already did, and set up heartbeat, events, faults and checkpoints.
+
+    Checkpoints (async: snapshot while the next step runs, persist in the background) are
+    taken every `checkpoint_every` steps, or every `checkpoint_every_seconds`, or at the
+    Young/Daly interval for the measured checkpoint cost and an expected mean time between
+    failures of `checkpoint_mtbf_hours`; and at the end. The newest `keep_checkpoints` are
+    kept, and every one whose step is a multiple of `keep_every`. A save not committed within
+    `checkpoint_timeout` seconds is reported and skipped over; the loop never waits for it.
+
+    Sharded state (FSDP2, HSDP) under `unbroken run` recovers in place: from a live replica
+    (HSDP), or from in-memory snapshots of every rank's shards taken every `snapshot_every`
+    steps (None: at most 1 % of step time; 0: none) and copied to `snapshot_replicas` buddies
+    (on other nodes, where there are several).
+
+    `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
+    redone or run by a replacement draws the same numbers; None leaves the RNG alone.
+    """
+    return Run(RunConfig(checkpoint_dir, checkpoint_every, keep_checkpoints, backend, timeout, seed,
+                         checkpoint_every_seconds=checkpoint_every_seconds,
+                         checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
+                         checkpoint_timeout=checkpoint_timeout, snapshot_every=snapshot_every,
+                         snapshot_replicas=snapshot_replicas))

@@ -1,0 +1,83 @@
+"""The state a step commits: the model, its optimizers, and any other `state_dict` objects.
+
+`TrackedState` turns them into a state dict (for checkpoints and peers) and back, runs the
+update that commits a step, and knows whether what it holds is whole: not while an update
+or a peer's state overwrites it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from unbroken.errors import UserError
+
+
+class TrackedState:
+    """What `run.track(model, *optimizers, **extra)` registered."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                 extra: dict[str, Any]) -> None:
+        """Raises `UserError` if an extra object has no `state_dict`/`load_state_dict`."""
+        for name, obj in extra.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise UserError(f"track({name}=...): {type(obj).__name__} has no "
+                                "state_dict/load_state_dict")
+        self.model, self.optimizers, self.extra = model, optimizers, extra
+        self.whole = True
+        """False while an update or a restore overwrites the tensors (a fault then leaves
+        this rank without committed state)."""
+
+    def state_dict(self, step: int, rng: bool = True) -> dict[str, Any]:
+        """The state at committed step `step`: a checkpoint's (with this rank's RNG state),
+        or a peer's (`rng=False`: per rank, and re-seeded from the step anyway)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        ours: dict[str, Any] = {"step": torch.tensor(step)}
+        if rng:
+            ours["rng_cpu"] = torch.get_rng_state()
+        state: dict[str, Any] = {"model": model_sd, "unbroken": ours}
+        if self.optimizers:
+            state["optim"] = optim_sd
+        for name, obj in self.extra.items():
+            state[f"extra_{name}"] = obj.state_dict()
+        return state
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load `state` (from `state_dict`) in place; return its step."""
+        self.whole = False
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state[f"extra_{name}"])
+        if "rng_cpu" in state["unbroken"]:  # a checkpoint's; state from a peer has none
+            torch.set_rng_state(state["unbroken"]["rng_cpu"])
+        self.whole = True
+        return int(state["unbroken"]["step"])
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around an update that overwrites the state: torn if it raises."""
+        self.whole = False
+        yield
+        self.whole = True
+
+    def update(self) -> None:
+        """The commit of a step: step the optimizers (clearing their gradients) and the
+        tracked LR schedulers. Called after backward, with every rank's gradients reduced."""
+        with self.updating():
+            for optimizer in self.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for obj in self.extra.values():
+                if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                    obj.step()
+
+    def discard_gradients(self) -> None:
+        """Drop what a step accumulated that was never committed."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
