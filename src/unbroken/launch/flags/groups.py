@@ -108,8 +108,9 @@ class Rendezvous:
              "they take over a lost node's or a drained node's ranks; give a --node-rank of "
              "--nnodes or more, or none (it claims a standby id: 100, 101, ...)")
     retry_window: float = flag("--control-retry-window", parse=seconds, default=30.0,
-                               pet="PET_CONTROL_RETRY_WINDOW", help="seconds an agent retries "
-                               "a lost control plane before giving up")
+                               pet="PET_CONTROL_RETRY_WINDOW", metavar="CONTROL_RETRY_WINDOW",
+                               help="seconds an agent retries a lost control plane before "
+                                    "giving up")
     node_timeout: float | None = flag("--node-timeout", parse=seconds, help="seconds of agent "
                                       "silence before its node is lost (default 10)")
     rdzv_timeout: float | None = flag(
@@ -160,7 +161,7 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class Etcd:
-    """etcd: the control plane's credentials and leader election."""
+    """Etcd: the control plane's credentials, and its leader election."""
 
     etcd_cacert: str | None = flag("--etcd-cacert", metavar="PATH",
                                    help="CA that signed etcd's TLS certificate")
@@ -359,7 +360,7 @@ class Workers:
                                        "128+signal")
     kill_grace: float = flag(
         "--shutdown-timeout", "--kill-grace", torchrun=True, parse=seconds, default=3.0,
-        pet="PET_SHUTDOWN_TIMEOUT",
+        pet="PET_SHUTDOWN_TIMEOUT", metavar="SHUTDOWN_TIMEOUT",
         help="seconds between SIGTERM and SIGKILL when stopping workers, and for a node told "
              "to stop (SIGTERM) to hand its ranks to spares first (default 3)")
     virtual_local_rank: bool = flag(
