@@ -434,6 +434,9 @@ class Engine:
 
     # ------------------------------------------------------------------ switching
     def _switch_due(self, step: int) -> bool:
+        """The leader asked (on the heartbeat page) for a switch at this step or before."""
+        if self.heartbeat is None:
+            return False
         gen, at_step = self.heartbeat.target()
         return gen > self._position.gen and step >= at_step
 

@@ -206,3 +206,22 @@ class TrainingDone(EventBody):
     step: int = doc("the last step + 1")
     gen: int | None = optional("the generation")
     pid: int | None = optional("its process id")
+
+
+@event(Event.STEP_DROPPED)
+class StepDropped(EventBody):
+    """The loop dropped a step before its update (`Engine.drop`): nothing of it was
+    committed, and it runs again."""
+
+    step: int = doc("the step dropped")
+    gen: int = doc("the generation")
+    reason: str = doc("why, as the loop said it")
+
+
+@event(Event.ROLLED_BACK)
+class RolledBack(EventBody):
+    """The loop rolled back to the newest checkpoint (`Engine.rollback`, collective)."""
+
+    step: int = doc("the step resumed from")
+    from_step: int = doc("the step it was at")
+    reason: str = doc("why, as the loop said it")
