@@ -68,7 +68,7 @@ from unbroken.launch.planner_state import (
     job_state,
 )
 from unbroken.launch.role import Role
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 class Leader(Role):
@@ -78,7 +78,7 @@ class Leader(Role):
         # The job's one state: its restart budget, and its nodes (for the next full restart;
         # elastic: whoever joins the first), with what became of each.
         self.state: PlannerState = job_state(
-            cfg.max_restarts, node_set.initial(0 if cfg.joins_freely else cfg.nnodes))
+            cfg.recovery.max_restarts, node_set.initial(0 if cfg.joins_freely else cfg.nnodes))
         self.leases = LeaseWatch(self.channel.backend, pause_limit=cfg.node_timeout / 2)
         self.plan: AttemptPlan | None = None
         self._worker_store: Any = None  # the attempt's worker store; dropping it closes it
@@ -136,13 +136,13 @@ class Leader(Role):
                 paid = self.budget.spend()
                 if paid is None:
                     return self._fail(fault, f"the restart budget of "
-                                             f"{cfg.max_restarts} is spent")
+                                             f"{cfg.recovery.max_restarts} is spent")
                 self.state.budget = paid
             attempt += 1
-            self.events.emit(Event.RESTART, attempt=attempt, restarts_left=self.budget.left,
-                             reason=fault.kind.value if fault else None)
+            self.events.emit(ev.Restart(attempt=attempt, restarts_left=self.budget.left,
+                             reason=fault.kind.value if fault else None))
             self.say(f"restarting all workers: attempt {attempt} of at most "
-                     f"{cfg.max_restarts + 1}")
+                     f"{cfg.recovery.max_restarts + 1}")
             outcome = None
 
     def _open(self, attempt: int) -> Outcome:
@@ -161,10 +161,10 @@ class Leader(Role):
         plan.clock_seen = {k: t for k, t in self.rendezvous.join_seen.items() if k in plan.nodes}
         plan.clock_written = time.time()
         ch.write(keys.plan, plan)
-        self.events.emit(Event.RENDEZVOUS, attempt=attempt, world_size=plan.world_size,
+        self.events.emit(ev.Rendezvous(attempt=attempt, world_size=plan.world_size,
                          duration=round(time.monotonic() - t0, 6), worker_port=plan.worker_port,
-                         nodes=list(plan.nodes))
-        self.events.emit(Event.CLOCK_OFFSET, attempt=attempt, offset=0.0, error=0.0)
+                         nodes=list(plan.nodes)))
+        self.events.emit(ev.ClockOffset(attempt=attempt, offset=0.0, error=0.0))
         return self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
 
     # ---------------------------------------------------------------- taking over
@@ -178,8 +178,8 @@ class Leader(Role):
             self.nodes = record.nodes
         current = ch.read(CURRENT)
         attempt = current if current is not None else 0
-        self.events.emit(Event.LEADER_ELECTED, attempt=attempt, term=self.election.mine.term,
-                         previous=old.node if old else None)
+        self.events.emit(ev.LeaderElected(attempt=attempt, term=self.election.mine.term,
+                         previous=old.node if old else None))
         self.say(f"leading the job from now on (term {self.election.mine.term})"
                  + (f": node {old.node}'s agent went silent" if old else ""))
         plan = ch.read(AttemptKeys(attempt).plan) if current is not None else None
@@ -212,8 +212,8 @@ class Leader(Role):
         self._reset_attempt()
         self._start_planner(attempt, self.plan, resume=False)
         self.save_record(attempt)
-        self.events.emit(Event.NODE_SET, attempt=attempt, order=list(self.nodes.order),
-                         out={k: v.value for k, v in self.nodes.out.items()})
+        self.events.emit(ev.NodeSet(attempt=attempt, order=list(self.nodes.order),
+                         out={k: v.value for k, v in self.nodes.out.items()}))
         return self.plan
 
     def _reset_attempt(self) -> None:
@@ -227,10 +227,10 @@ class Leader(Role):
         set carry over), or, on a takeover, the one the old leader persisted."""
         cfg = self.cfg
         config = PlannerConfig(
-            policy=Policy(cfg.on_fault), recovery_timeout=cfg.recovery_timeout,
-            stall_limit=max(60.0, 3 * cfg.node_timeout), join_timeout=cfg.join_timeout,
-            node_timeout=cfg.node_timeout, leader_timeout=cfg.leader_timeout,
-            quarantine=cfg.quarantine, least=cfg.least if cfg.elastic else 0,
+            policy=Policy(cfg.recovery.on_fault), recovery_timeout=cfg.recovery.recovery_timeout,
+            stall_limit=max(60.0, 3 * cfg.node_timeout), join_timeout=cfg.recovery.join_timeout,
+            node_timeout=cfg.node_timeout, leader_timeout=cfg.etcd.leader_timeout,
+            quarantine=cfg.recovery.quarantine, least=cfg.least if cfg.elastic else 0,
             standby_takes_ranks=cfg.spares_when_standing_by)
         self._executor = PlanExecutor(self.channel, attempt, config, self.events.emit, self.say)
         if resume and (state := PlanExecutor.resume(self.channel, attempt)) is not None:
@@ -366,7 +366,7 @@ class Leader(Role):
         job, heirs = node_set.after_attempt(self.nodes, layout, hosted)
         self.nodes = job
         for out, heir in heirs.items():
-            self.events.emit(Event.NODE_TAKEN_OVER, attempt=attempt, out_node=out, by=heir)
+            self.events.emit(ev.NodeTakenOver(attempt=attempt, out_node=out, by=heir))
         self.save_record(attempt)
 
     def _wait_stopped(self, attempt: int) -> None:
@@ -435,7 +435,7 @@ class Leader(Role):
         if sum(len(r or []) for r in ready) < mine.nproc:
             return False
         self._stepping_down = True
-        self.events.emit(Event.LEADER_STEPPED_DOWN, attempt=plan.attempt, ranks=mine.nproc)
+        self.events.emit(ev.LeaderSteppedDown(attempt=plan.attempt, ranks=mine.nproc))
         self.say("SIGTERM: stepping down; another agent takes over and moves this node's "
                  "ranks to spares")
         return True

@@ -12,7 +12,7 @@ from unbroken.control.messages import NodeSet
 from unbroken.control.schema import AUTH_REJECTIONS
 from unbroken.errors import ExitCode, UserError
 from unbroken.launch.config import LaunchConfig
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 from unbroken.telemetry.live import LiveTelemetry
 
@@ -22,20 +22,20 @@ def start_telemetry(cfg: LaunchConfig, say: Callable[[str], None],
     """Prometheus /metrics (with --metrics-port) and the status line, for as long as this
     agent leads. A port that cannot be bound is the user's to fix: one line, exit 2 at
     start; an agent taking over a running job says so and leads without metrics."""
-    if cfg.metrics_port is None and not cfg.status_every:
+    if cfg.telemetry.metrics_port is None and not cfg.telemetry.status_every:
         return None
-    metrics = ((cfg.metrics_addr, cfg.metrics_port)
-               if cfg.metrics_port is not None else None)
+    metrics = ((cfg.telemetry.metrics_addr, cfg.telemetry.metrics_port)
+               if cfg.telemetry.metrics_port is not None else None)
     try:
         live = LiveTelemetry(Path(cfg.run_dir) / EVENTS_FILE, say, metrics=metrics,
-                             status_every=cfg.status_every)
+                             status_every=cfg.telemetry.status_every)
     except OSError as exc:
         if takeover:
-            say(f"warning: cannot serve /metrics on {cfg.metrics_addr}:"
-                f"{cfg.metrics_port} ({exc.strerror or exc}); leading without metrics")
+            say(f"warning: cannot serve /metrics on {cfg.telemetry.metrics_addr}:"
+                f"{cfg.telemetry.metrics_port} ({exc.strerror or exc}); leading without metrics")
             return None
-        raise UserError(f"--metrics-port {cfg.metrics_port}: cannot serve /metrics on "
-                        f"{cfg.metrics_addr}: {exc.strerror or exc}; choose a free port "
+        raise UserError(f"--metrics-port {cfg.telemetry.metrics_port}: cannot serve /metrics on "
+                        f"{cfg.telemetry.metrics_addr}: {exc.strerror or exc}; choose a free port "
                         "(or --metrics-addr)") from None
     if live.export is not None:
         host, bound = live.export.server.server_address[:2]
@@ -64,14 +64,14 @@ class Rejections:
             self._seen += 1
             if rejection is None:
                 continue
-            self.events.emit(Event.AGENT_REJECTED, rejected_node=rejection.node,
-                             host=rejection.host, reason=rejection.reason)
+            self.events.emit(ev.AgentRejected(rejected_node=rejection.node,
+                             host=rejection.host, reason=rejection.reason))
             self.say(f"refused an agent on {rejection.host}: {rejection.reason}")
 
 
 def stranded_reason(cfg: LaunchConfig, nodes: NodeSet) -> str:
     """Why a static job whose every node is out ends (exit `QUARANTINED`)."""
-    rule = cfg.quarantine
+    rule = cfg.recovery.quarantine
     out = ", ".join(f"node {k} {why.value}" for k, why in sorted(nodes.out.items()))
     return (f"no node is left to train on ({out}; quarantine: {rule.after} faults within "
             f"{rule.window:g}s), and no standby node can take the ranks; exit "

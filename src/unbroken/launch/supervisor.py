@@ -53,7 +53,7 @@ from unbroken.runtime.heartbeat import (
     STEPPING,
     HeartbeatReader,
 )
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
 _HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
@@ -93,7 +93,8 @@ class NodeSupervisor:
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
         self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
         # A standby node runs only spares, as many as it has devices.
-        self.spare_target = cfg.nproc_per_node if cfg.spares_when_standing_by else cfg.spares
+        self.spare_target = (cfg.nproc_per_node if cfg.spares_when_standing_by
+                             else cfg.recovery.spares)
 
     # ---------------------------------------------------------------- starting
     def start_attempt(self, attempt: int, plan: AttemptPlan) -> None:
@@ -102,7 +103,7 @@ class NodeSupervisor:
         self._attempt, self._plan = attempt, plan
         self.standby = self.cfg.node_rank not in plan.nodes
         spares_here = self.cfg.nproc_per_node if self.cfg.spares_when_standing_by else 0
-        self.spare_target = spares_here if self.standby else self.cfg.spares
+        self.spare_target = spares_here if self.standby else self.cfg.recovery.spares
         self.tailer.retire()  # the last attempt's logs: copied to the end, then let go
         self._targets_written.clear()
         self._peer_errors_since = None
@@ -127,8 +128,8 @@ class NodeSupervisor:
         self._incarnations[slot] = incarnation
         new = self._spawn_worker(slot, self._local_rank.get(slot, 0), f"{slot}.{incarnation}",
                                  joining=True)
-        self.events.emit(Event.REPLACEMENT_STARTED, slot=slot, wid=new.wid, pid=new.pid,
-                         duration=round(time.monotonic() - t0, 6))
+        self.events.emit(ev.ReplacementStarted(slot=slot, wid=new.wid, pid=new.pid,
+                         duration=round(time.monotonic() - t0, 6)))
         return new
 
     def _env(self, rank: int, local_rank: int, base: Path, error_file: str | None = None,
@@ -140,7 +141,7 @@ class NodeSupervisor:
             local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=len(plan.nodes),
             group_rank=list(plan.nodes).index(cfg.node_rank) if cfg.node_rank in plan.nodes
             else None,
-            attempt=self._attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
+            attempt=self._attempt, max_restarts=cfg.recovery.max_restarts, run_id=cfg.run_id,
             master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
             run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
             error_file=str(base.with_suffix(".error.json")),
@@ -150,8 +151,9 @@ class NodeSupervisor:
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
-            faults=cfg.faults, in_place=cfg.on_fault != "restart",
-            recovery_timeout=2 * cfg.recovery_timeout + cfg.join_timeout, agent_store=True,
+            faults=cfg.faults, in_place=cfg.recovery.on_fault != "restart",
+            recovery_timeout=2 * cfg.recovery.recovery_timeout + cfg.recovery.join_timeout,
+            agent_store=True,
             **fields)
         env = dict(os.environ)
         env.update(contract.to_environ())
@@ -215,7 +217,7 @@ class NodeSupervisor:
         _idle_priority(proc.pid)
         spare = self._watch(proc, -1, local_rank, base, wid, register=False)  # until promoted
         self.spares.append(spare)
-        self.events.emit(Event.SPARE_STARTED, wid=wid, pid=proc.pid)
+        self.events.emit(ev.SpareStarted(wid=wid, pid=proc.pid))
         return spare
 
     def tend_spares(self, training: bool) -> None:
@@ -226,8 +228,8 @@ class NodeSupervisor:
             error = read_error(spare.error_file)
             detail = (f"{error['type']}: {error['message']}" if error
                       else describe_exit(spare.proc.returncode)[1])
-            self.events.emit(Event.SPARE_LOST, wid=spare.wid, exit_code=spare.proc.returncode,
-                             detail=detail)
+            self.events.emit(ev.SpareLost(wid=spare.wid, exit_code=spare.proc.returncode,
+                             detail=detail))
             self.say(f"spare {spare.wid} failed ({detail})")
             spare.close()
             self._spare_failures += 1
@@ -255,11 +257,11 @@ class NodeSupervisor:
         self.workers.append(spare)
         if spare.pidfd is not None:
             self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
-        self.events.emit(Event.SPARE_PROMOTED, wid=spare.wid, slot=slot, pid=spare.pid, by=by)
+        self.events.emit(ev.SparePromoted(wid=spare.wid, slot=slot, pid=spare.pid, by=by))
 
     def _hang_detector(self) -> HangDetector:
-        return HangDetector(self.cfg.hang_timeout, self.cfg.startup_timeout,
-                            floor=self.cfg.hang_floor)
+        return HangDetector(self.cfg.hangs.hang_timeout, self.cfg.hangs.startup_timeout,
+                            floor=self.cfg.hangs.hang_floor)
 
     def fill_pool(self, spawned_at: float) -> None:
         """Warm the next attempt's workers once this attempt is training, not in its start-up."""
@@ -271,7 +273,7 @@ class NodeSupervisor:
         if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
             started = pool.fill()
             if started:
-                self.events.emit(Event.STANDBYS_STARTED, count=started)
+                self.events.emit(ev.StandbysStarted(count=started))
 
     # ---------------------------------------------------------------- watching
     def wait(self, timeout: float) -> None:
