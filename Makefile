@@ -56,5 +56,8 @@ coverage: install
 	rm -rf .coverage-data && mkdir -p .coverage-data
 	COVERAGE_FILE=$(CURDIR)/.coverage-data/cov $(BIN)/pytest -q --cov --cov-report=term tests/unit tests/integration
 
+# lint-imports: the layering contracts of pyproject.toml (`make test` checks them too, in
+# tests/unit/test_layers.py).
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/lint-imports --no-cache --no-logo
