@@ -85,8 +85,9 @@ def with_runtime(corpus: CharCorpus, steps: int, run_dir: Path) -> float:
 def with_train(corpus: CharCorpus, steps: int, run_dir: Path, watchdog: bool = False) -> float:
     run, _, _ = _run(corpus, run_dir)
     if watchdog:  # as in place (which needs an agent): the thread, and the progress hooks
-        run._watchdog = Watchdog(run._heartbeat, lambda: None, lambda *a: None)
-        run._watchdog.start()
+        engine = run.engine  # the engine starts one only in place, under an agent
+        engine._watchdog = Watchdog(engine.heartbeat, lambda: None, lambda *a: None)
+        engine._watchdog.start()
 
     def step_fn(step: int, net: torch.nn.Module) -> None:
         x, y = corpus.batch(step, 0, 1, 4, 32)

@@ -22,7 +22,8 @@ from unbroken.control.messages import GenPlan, LeaveReason
 from unbroken.control.schema import AttemptKeys
 from unbroken.control.tcp import TcpBackend
 from unbroken.faults.inject import FaultInjector
-from unbroken.runtime.engine import Engine, EngineSettings
+from unbroken.runtime.config import EngineSettings
+from unbroken.runtime.engine import Engine
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups
@@ -122,7 +123,7 @@ def test_a_fault_leaves_switches_and_resumes_at_the_step_it_broke(world):
         except Exception as exc:  # noqa: BLE001 - the engine decides
             engine.fail(step, exc)
             continue
-        engine.update()
+        engine.tracked.update()
         engine.commit(step, {"loss": 1.0})
     engine.finish()
     elapsed = time.monotonic() - t0

@@ -22,7 +22,8 @@ from torch.distributed import HashStore
 from unbroken.control.messages import LeaveReason
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
-from unbroken.runtime.engine import Engine, EngineSettings
+from unbroken.runtime.config import EngineSettings
+from unbroken.runtime.engine import Engine
 from unbroken.runtime.membership import Plan
 from unbroken.runtime.position import Position
 from unbroken.runtime.recovery import Generations
@@ -160,7 +161,7 @@ def _train(engine: Engine, steps: int, body: Callable[[int], None]) -> list[tupl
         except Exception as exc:  # noqa: BLE001 - the engine decides
             engine.fail(step, exc)
             continue
-        engine.update()
+        engine.tracked.update()
         engine.commit(step, {"loss": 1.0})
     engine.finish()
     engine.close()
@@ -224,7 +225,7 @@ def test_a_dropped_step_commits_nothing_and_runs_again():
             dropped.append(step)
             engine.drop(step, "a loss spike")
             continue
-        engine.update()
+        engine.tracked.update()
         engine.commit(step)
     engine.close()
     assert ran == [0, 1, 1, 2]

@@ -27,7 +27,7 @@ from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
 from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 if TYPE_CHECKING:
     from unbroken.telemetry.events import EventLog
@@ -116,7 +116,7 @@ def _await_assignment() -> list[str] | None:
     env = WorkerEnv.from_environ()
     log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
                    source="standby", node=env.node_rank)
-    log.emit(Event.STANDBY_READY, pid=os.getpid(), warmup=round(time.monotonic() - t0, 6))
+    log.emit(ev.StandbyReady(pid=os.getpid(), warmup=round(time.monotonic() - t0, 6)))
     pre = Preimporter(modules_path(env.run_dir, env.node_rank)) if env.run_dir else None
     try:
         line = _preimport_until_assigned(pre, log)
@@ -125,9 +125,9 @@ def _await_assignment() -> list[str] | None:
         assignment = json.loads(line)
         if pre is not None:
             taken = WorkerEnv.from_environ(assignment["env"])
-            log.emit(Event.STANDBY_TAKEN, pid=os.getpid(), rank=taken.rank,
+            log.emit(ev.StandbyTaken(pid=os.getpid(), rank=taken.rank,
                      attempt=taken.attempt, modules=pre.added, pending=pre.missing(),
-                     failed=pre.failed, refused=pre.refused)
+                     failed=pre.failed, refused=pre.refused))
     finally:
         log.close()
     restore()
@@ -167,8 +167,8 @@ def _preimport_until_assigned(pre: Preimporter | None, log: EventLog) -> str:
         pre.step()
         if pre.pending == 0 and pre.added != reported:  # caught up with the list
             reported = pre.added
-            log.emit(Event.STANDBY_IMPORTS, pid=os.getpid(), modules=pre.added,
-                     failed=pre.failed, refused=pre.refused, duration=round(pre.seconds, 6))
+            log.emit(ev.StandbyImports(pid=os.getpid(), modules=pre.added,
+                     failed=pre.failed, refused=pre.refused, duration=round(pre.seconds, 6)))
 
 
 def _record_imports(script: str | None) -> None:

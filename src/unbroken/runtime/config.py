@@ -51,3 +51,32 @@ class RunConfig:
     def schedule(self) -> Schedule:
         return Schedule(self.checkpoint_every, self.checkpoint_every_seconds,
                         self.checkpoint_mtbf_hours)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is told once, at `unbroken.init()`."""
+
+    in_place: bool
+    """Recover in place (under `unbroken run`); False: a fault restarts every worker."""
+    slot: int
+    """The logical slot: the original rank, which a replacement inherits (a spare's is set
+    when it is promoted)."""
+    wid: str
+    """This worker process's id in the generation protocol."""
+    spare: bool = False
+    """A hot spare: warms up in a sandbox and waits to be promoted."""
+    joining: bool = False
+    """A spare or a replacement: it joins a planned generation rather than generation 0."""
+    seed: int | None = 0
+    """Seed torch's RNG from (seed, step, slot) before each step; None: leave it alone."""
+    shadow_steps: int = 0
+    """A spare's warm-up steps."""
+    snapshot_every: int | None = None
+    """Sharded state: an in-memory snapshot every N steps (None: automatic; 0: none)."""
+    snapshot_replicas: int = 1
+    """Sharded state: buddies that hold a copy of each snapshot."""
+    local_world: int = 1
+    """Workers on this node (snapshot buddies go to other nodes)."""
+    timeout: float = 1800.0
+    """Collectives' timeout, in seconds."""

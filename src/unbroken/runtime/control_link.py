@@ -11,7 +11,7 @@ from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import fault_claim
 from unbroken.control.signing import Signer
 from unbroken.control.worker_env import WorkerEnv
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 class ControlLink:
@@ -33,11 +33,9 @@ class ControlLink:
             address = ControlAddress.parse(env.control, EtcdCredentials.from_environ(os.environ))
             backend = RetryingBackend(
                 lambda: open_backend(address, env.run_id, 30.0), window=env.retry_window,
-                on_lost=lambda error: self._record(Event.CONTROL_PLANE_LOST, error=error),
-                on_back=lambda outage: self._record(Event.CONTROL_PLANE_BACK,
-                                                    outage=round(outage, 3)))
-            self._channel = Channel(backend, signer, on_forged=lambda key, why: self._record(
-                Event.FORGED_MESSAGE, key=key, reason=why))
+                on_lost=lambda error: self._record(ev.ControlPlaneLost(error=error)),
+                on_back=lambda outage: self._record(ev.ControlPlaneBack(outage=round(outage, 3))))
+            self._channel = Channel(backend, signer, on_forged=lambda key, why: self._record(ev.ForgedMessage(key=key, reason=why)))
         return self._channel
 
     def claim_fault(self, key: str) -> bool:

@@ -7,7 +7,7 @@ generation the worker is in (-1 until it runs the resilient loop) and the genera
 wants it to move to, with the step at which to move, read by the worker at each boundary and
 by its watchdog thread (which aborts the generation's groups if the move is due mid-step).
 
-Two more worker fields let the leader blame a hang on the right rank (`launch/blame.py`):
+Two more worker fields let the leader blame a hang on the right rank (`launch/culprit.py`):
 - `progress`: a counter the worker bumps at points inside a step (0 at the step's start; the
   model's forward entered, then returned: the gradient collective follows). Ranks of one
   generation pass the same points, so a rank whose (step, progress) is behind the others',
@@ -120,6 +120,12 @@ class HeartbeatWriter:
         """(generation, step): the agent asks the worker to leave its generation at that step
         (`LEAVE_NOW`: at once)."""
         return _settled(lambda: struct.unpack_from(_TARGET_FORMAT, self._map, _TARGET_OFFSET))
+
+    def switch_asked(self, gen: int, step: int) -> bool:
+        """The leader asked (`target`) for a switch past generation `gen` at `step` or
+        before."""
+        target_gen, at_step = self.target()
+        return target_gen > gen and step >= at_step
 
     def promotion(self) -> int | None:
         """A spare's slot, once its agent has promoted it."""

@@ -23,7 +23,7 @@ from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 @dataclass
@@ -125,14 +125,14 @@ class Generations:
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
-                self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
+                self.record(ev.SwitchFailed(gen=plan.gen, error=first_line(exc)))
                 self.leave(committed_step, holds_state and whole(), LeaveReason.NO_STATE,
                            error=first_line(exc))
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
                 if not is_peer_error(exc):
                     raise
-                self.record(Event.SWITCH_FAILED, gen=plan.gen, error=first_line(exc))
+                self.record(ev.SwitchFailed(gen=plan.gen, error=first_line(exc)))
                 holds_state = holds_state and whole()
                 self.leave(committed_step, holds_state, LeaveReason.PEER, error=first_line(exc))
                 joining = joining and not holds_state

@@ -35,9 +35,9 @@ from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
-from unbroken.runtime.config import RunConfig
+from unbroken.runtime.config import EngineSettings, RunConfig
 from unbroken.runtime.control_link import ControlLink
-from unbroken.runtime.engine import Engine, EngineSettings
+from unbroken.runtime.engine import Engine
 from unbroken.runtime.first_group import form_first_group
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
 from unbroken.runtime.host import available_memory, process_start_time
@@ -46,7 +46,7 @@ from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups, default_backend
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.tracked import TrackedState
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
 # Forming a generation's groups takes milliseconds once every member has arrived; a member
@@ -78,7 +78,7 @@ class Run:
         if env.in_place and first.formed_by_script:
             # The script formed the group itself: we cannot abort it from the inside, so a
             # leaving worker could not unblock its peers. Faults restart every worker.
-            events.emit(Event.IN_PLACE_UNAVAILABLE, reason="process group initialised by the script")
+            events.emit(ev.InPlaceUnavailable(reason="process group initialised by the script"))
         settings = EngineSettings(
             in_place=env.in_place and not first.formed_by_script, slot=slot,
             wid=env.worker_id or f"{slot}.0", spare=spare, joining=env.joining or spare,
@@ -86,10 +86,10 @@ class Run:
             snapshot_every=config.snapshot_every, snapshot_replicas=config.snapshot_replicas,
             local_world=env.local_world_size, timeout=config.timeout)
         started = process_start_time()
-        events.emit(Event.WORKER_START, pid=os.getpid(), world_size=env.world_size,
+        events.emit(ev.WorkerStart(pid=os.getpid(), world_size=env.world_size,
                     startup=round(time.time() - started, 6) if started else None,
                     process_group=round(first.seconds, 6), wid=settings.wid,
-                    joining=settings.joining)
+                    joining=settings.joining))
         self._link = link = ControlLink(env, events.emit)
         faults = FaultInjector(parse_faults(env.faults), env.rank, link.claim_fault, events.emit)
         ckpt = first.ckpt_groups
@@ -174,14 +174,16 @@ class Run:
 
     def state_dict(self) -> dict[str, Any]:
         """The committed state, as a checkpoint holds it."""
-        return self._engine.state_dict()
+        return self._engine.need_tracked("checkpointing").state_dict(self.step)
 
     def save_checkpoint(self) -> bool:
         """Start a checkpoint of the committed state now (collective: every rank calls it).
 
         It is snapshotted while the next step runs and persisted in the background. False if
         it was deferred because the previous save is still being written."""
-        return self._engine.save_checkpoint()
+        engine = self._engine
+        return engine.checkpoints.save(engine.need_tracked("checkpointing"), self.step,
+                                       engine.step_time)
 
     # ------------------------------------------------------------------ the loops
     def log(self, **metrics: Any) -> None:
@@ -215,8 +217,8 @@ class Run:
             self._long_depth -= 1
             if self._long_depth == 0:
                 self._engine.stamp(self.step, outer)  # a step's clock starts again here
-                self.events.emit(Event.PHASE, name=name, step=self.step,
-                                 duration=round(time.monotonic() - t0, 6))
+                self.events.emit(ev.Phase(name=name, step=self.step,
+                                 duration=round(time.monotonic() - t0, 6)))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run, from the last committed one up to `total`; the
@@ -230,8 +232,7 @@ class Run:
             self._metrics = {}
             yield step
             engine.commit(step, self._metrics)  # the body returned: the step is committed
-        engine.finish_checkpoints()
-        engine.finish()
+        engine.finish(checkpoint=True)
 
     def train(self, step_fn: Callable[[int, Any], Any], steps: int,
               build: Callable[[], Any] | None = None) -> None:
@@ -253,7 +254,7 @@ class Run:
             except Exception as exc:
                 engine.fail(step, exc)
                 continue
-            engine.update()
+            engine.tracked.update()
             engine.commit(step, self._metrics)
         engine.finish()
 

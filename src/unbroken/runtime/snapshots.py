@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.runtime.shards import LocalShards
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 @dataclass
@@ -343,9 +343,9 @@ class SnapshotPacer:
         dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=snaps.group)
         snaps.every = int(proposal.item())
         host = host_bytes(self.shard_bytes, snaps.replicas)
-        self.record(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=True, replicas=snaps.replicas,
+        self.record(ev.SnapshotConfig(every=snaps.every, auto=True, replicas=snaps.replicas,
                     shard_bytes=self.shard_bytes, host_bytes=host,
-                    round_s=round(snaps.round_seconds or 0.0, 6), step_s=round(step_seconds, 6))
+                    round_s=round(snaps.round_seconds or 0.0, 6), step_s=round(step_seconds, 6)))
         self.say(f"an in-memory snapshot every {snaps.every} step(s): a round takes "
                  f"{snaps.round_seconds or 0:.3f} s and a step {step_seconds:.3f} s, so at "
                  f"most 1 % of step time; {host / 2**20:.0f} MiB of host memory per rank")
@@ -360,13 +360,13 @@ class SnapshotPacer:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=snaps.group)
         if fits.item():
             if snaps.every is not None:
-                self.record(Event.SNAPSHOT_CONFIG, every=snaps.every, auto=False,
+                self.record(ev.SnapshotConfig(every=snaps.every, auto=False,
                             replicas=snaps.replicas, shard_bytes=self.shard_bytes,
-                            host_bytes=need)
+                            host_bytes=need))
             return True
         why = why or "another rank's in-memory snapshots would not fit in its host memory"
-        self.record(Event.SNAPSHOTS_REFUSED, reason=why, need_bytes=need,
-                    available_bytes=self.available)
+        self.record(ev.SnapshotsRefused(reason=why, need_bytes=need,
+                    available_bytes=self.available))
         self.say(why)
         self.refused = True
         return False

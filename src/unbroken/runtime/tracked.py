@@ -58,6 +58,10 @@ class TrackedState:
         self.whole = True
         return int(state["unbroken"]["step"])
 
+    def tear(self) -> None:
+        """The tensors are about to be overwritten (a peer's state arriving): not whole."""
+        self.whole = False
+
     @contextmanager
     def updating(self) -> Iterator[None]:
         """Around an update that overwrites the state: torn if it raises."""

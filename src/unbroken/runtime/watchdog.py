@@ -3,7 +3,7 @@
 Every `period` seconds it
 - ticks the heartbeat page's `alive` field: a stopped process (SIGSTOP, a frozen host) stops
   ticking, a process blocked in a collective does not, which is how the leader tells the
-  culprit of a hang from the ranks waiting for it (`launch/blame.py`);
+  culprit of a hang from the ranks waiting for it (`launch/culprit.py`);
 - reads the switch target its agent mirrors from the leader. If the leader has broken the
   worker's generation (a member died, hung or was cut off: the target names a newer
   generation, to be left at once, `LEAVE_NOW`) while the main thread is inside a step, it
@@ -12,7 +12,7 @@ Every `period` seconds it
   blocked on a peer that will never answer then fails at once, and the main thread leaves by
   the normal path (a peer error), instead of waiting for a socket that never closes.
 
-The contract with the main thread (`Run.train`): it calls `entered(gen, step)` before a step's
+The contract with the main thread (the engine's step transaction): it calls `entered(gen, step)` before a step's
 body and `left()` after the step's last collective (its checkpoint decision included). The
 watchdog only aborts between the two, under the same lock, so it never aborts groups being
 formed or a step already over; at the next boundary the main thread sees the due switch and
@@ -81,3 +81,26 @@ class Watchdog:
             self._aborted_gen = gen
             self._interrupt()
         return gen, target_gen, step
+
+
+class _NoWatchdog(Watchdog):
+    """Where no watchdog runs (no agent, or not in place): the same calls, doing nothing."""
+
+    def __init__(self) -> None:
+        self.errors = []
+
+    def start(self) -> None:
+        pass
+
+    def entered(self, gen: int, step: int) -> None:
+        pass
+
+    def left(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+NO_WATCHDOG: Watchdog = _NoWatchdog()
+"""The engine's watchdog until one starts."""

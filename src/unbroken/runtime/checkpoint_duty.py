@@ -1,0 +1,67 @@
+"""What the worker checkpoints and when: the tracked state, at committed steps.
+
+The engine calls these at step boundaries; `Checkpointer` (checkpoint/) does the staging,
+the persisting and the commit. Without a checkpoint_dir every call is a no-op, except an
+explicit save, which is the user's mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.errors import UserError
+from unbroken.runtime.process_group import CheckpointGroups
+from unbroken.runtime.tracked import TrackedState
+
+
+class CheckpointDuty:
+    """The engine's checkpoints, over an optional `Checkpointer`."""
+
+    def __init__(self, checkpointer: Checkpointer | None) -> None:
+        self.checkpointer = checkpointer
+
+    def protect(self, tracked: TrackedState) -> None:
+        """Hold back optimizer updates until the staged copy of their tensors is taken."""
+        if self.checkpointer is not None:
+            self.checkpointer.protect(tracked.model, tracked.optimizers)
+
+    def save(self, tracked: TrackedState, step: int, step_time: float | None) -> bool:
+        """Start a save of committed step `step` (collective); False if it was deferred."""
+        if self.checkpointer is None:
+            raise UserError("no checkpoint_dir was given to unbroken.init()")
+        return self.checkpointer.start(tracked.state_dict(step), step, step_time)
+
+    def after_commit(self, tracked: TrackedState, step: int, step_time: float | None) -> None:
+        """After committed step `step`: a save if the schedule says one is due."""
+        if self.checkpointer is not None and self.checkpointer.due(step):
+            self.save(tracked, step, step_time)
+
+    def finish(self, tracked: TrackedState, step: int) -> None:
+        """The final state, committed before the worker reports done (bounded by the
+        checkpoint timeout)."""
+        if self.checkpointer is not None:
+            self.checkpointer.finish(tracked.state_dict(step), step)
+
+    def load_newest(self, tracked: TrackedState, step: int) -> int | None:
+        """Load the newest intact checkpoint into the tracked state (collective); its step,
+        or None (and nothing changes) if there is none. A save in flight ends first."""
+        if self.checkpointer is None:
+            return None
+        self.checkpointer.wait()
+        built: list[dict[str, Any]] = []  # the state dict, built only if there is one to load
+
+        def build() -> dict[str, Any]:
+            built.append(tracked.state_dict(step))
+            return built[0]
+
+        if self.checkpointer.load_latest(build) is None:
+            return None
+        return tracked.restore(built[0])
+
+    def rejoin(self, groups: CheckpointGroups | None, gen: int, step: int) -> None:
+        """In a new generation: save over its groups, on a schedule its members agree
+        (collective)."""
+        if self.checkpointer is not None:
+            self.checkpointer.use_groups(groups and groups.writes, groups and groups.control, gen)
+            self.checkpointer.rejoin(step)
