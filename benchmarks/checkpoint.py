@@ -8,7 +8,7 @@ the same live state, in turns, with:
 - `dcp.async_save`: the thread executor with the default stager (the copy is made in the call);
 - `dcp.async_save+staging`: with `DefaultStager(use_async_staging=True)`: the copy is made
   in the background too; the loop waits for it before the next optimizer update, as it must;
-- `unbroken`: `Checkpointer.start` (snapshot behind the next step, persist, verify, commit).
+- `unbroken`: `Checkpointer.start` (staged behind the next step, persist, verify, commit).
 
 Per checkpoint: the training-loop stall (the time the loop is blocked: the call, plus any
 wait before the next optimizer update) and the time to durable (call to files fsynced; for

@@ -1,4 +1,4 @@
-"""Async checkpoints: a consistent snapshot, a background persist, and every fault it meets.
+"""Async checkpoints: a consistent staged copy, a background persist, and every fault it meets.
 
 The in-process tests use real threads, real DCP writes and a real optimizer; the job tests
 launch real workers and inflict real faults: a SIGKILL mid-write, a writer that raises, a

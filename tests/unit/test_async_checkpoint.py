@@ -1,4 +1,4 @@
-"""Async checkpoints in process: a consistent snapshot taken at start, a background persist
+"""Async checkpoints in process: a consistent staged copy taken at start, a background persist
 with real threads, real DCP writes and a real optimizer, the interval and retention rules.
 (Real workers and real faults mid-write: tests/integration/test_async_checkpoint.py.)
 """
@@ -19,7 +19,7 @@ from unbroken.checkpoint.manifest import verify_manifest
 from unbroken.telemetry.schema import encode
 
 
-def test_snapshot_is_the_state_at_start_even_as_training_goes_on(tmp_path):
+def test_the_staged_copy_is_the_state_at_start_even_as_training_goes_on(tmp_path):
     """The optimizer update right after start() waits for the copy; BatchNorm statistics
     changed by the next forward are not in the checkpoint; the learning rate a scheduler
     changes afterwards is not either."""
@@ -80,10 +80,10 @@ def test_buffers_are_reused_between_saves(tmp_path):
     ckpt.protect(model, [optimizer])
     train_step(model, optimizer)
     ckpt.save(state_of(model, optimizer), 1)
-    first = {k: v.data_ptr() for k, v in ckpt._snapshot._buffers.items()}
+    first = {k: v.data_ptr() for k, v in ckpt._staging._buffers.items()}
     train_step(model, optimizer)
     ckpt.save(state_of(model, optimizer), 2)
-    assert {k: v.data_ptr() for k, v in ckpt._snapshot._buffers.items()} == first
+    assert {k: v.data_ptr() for k, v in ckpt._staging._buffers.items()} == first
     assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2, 1]
 
 
@@ -160,10 +160,10 @@ def test_parameters_no_optimizer_updates_are_copied_at_once(tmp_path):
 
 class _Unpicklable:
     def state_dict(self):
-        return {"lock": threading.Lock()}  # cannot be copied into a snapshot
+        return {"lock": threading.Lock()}  # cannot be copied into a staged copy
 
 
-def test_a_snapshot_that_cannot_be_taken_is_reported_and_training_goes_on(tmp_path):
+def test_a_copy_that_cannot_be_staged_is_reported_and_training_goes_on(tmp_path):
     model, optimizer = tiny_model()
     events = []
     ckpt = Checkpointer(tmp_path / "ckpt", record=lambda e: events.append((e.event, encode(e))))

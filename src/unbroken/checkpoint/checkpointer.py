@@ -1,4 +1,4 @@
-"""Async, atomic, verified DCP checkpoints: snapshot at a step boundary, persist behind it.
+"""Async, atomic, verified DCP checkpoints: staged at a step boundary, persisted behind it.
 
     ckpt.protect(model, optimizers)     # their step pre-hook waits for an unfinished copy
     ckpt.start(state, step)             # collective; returns in about a millisecond
@@ -50,7 +50,7 @@ from unbroken.checkpoint.persist import (
     exchange_json,
     persist,
 )
-from unbroken.checkpoint.snapshot import Snapshot, Staged, local_tensor
+from unbroken.checkpoint.staging import Staged, StagingArea, local_tensor
 from unbroken.errors import first_line
 from unbroken.telemetry import schema as ev
 
@@ -120,7 +120,7 @@ class Checkpointer:
         self.schedule = schedule or Schedule()
         self.fault_point = fault_point  # injected faults in the writer (tests)
         self.tag = f"a{attempt}"  # names this writer's temporary directories
-        self._snapshot = Snapshot()
+        self._staging = StagingArea()
         self._save: _Save | None = None
         self._deferrals = 0
         self._loaded_step: int | None = None
@@ -154,12 +154,12 @@ class Checkpointer:
         if save is not None and not save.done.is_set():
             save.abandoned = True
             self._save = None
-            self._snapshot = Snapshot()  # its writer may still read the old buffers
+            self._staging = StagingArea()  # its writer may still read the old buffers
             self.record(ev.CheckpointFailed(step=save.step, stall=round(save.stall, 6),
                         duration=round(time.monotonic() - save.started, 6),
                         error=f"abandoned: generation {generation} formed while it was written"))
 
-    # ------------------------------------------------------------------ snapshot
+    # ------------------------------------------------------------------ staging
     def protect(self, model: torch.nn.Module | None, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Copy `model`'s parameters and the optimizers' state in the background, and make
         each optimizer's update wait until that copy is done (a step pre-hook)."""
@@ -167,7 +167,7 @@ class Checkpointer:
         self._protected = (model, optimizers)
         for handle in self._hooks:
             handle.remove()
-        self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_snapshot()) for o in optimizers]
+        self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_staged()) for o in optimizers]
 
     def _late(self) -> Callable[[torch.Tensor], bool]:
         """Tensors that only an optimizer update changes: safe to copy after start() returns.
@@ -184,7 +184,7 @@ class Checkpointer:
                             if isinstance(v, torch.Tensor))
         return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
 
-    def wait_snapshot(self) -> None:
+    def wait_staged(self) -> None:
         """Block until the state being checkpointed has been copied (before it changes)."""
         save = self._save
         if save is None or save.copied.is_set():
@@ -208,7 +208,7 @@ class Checkpointer:
         return bool(vote[0]), int(vote[1])
 
     def start(self, state: dict[str, Any], step: int, step_time: float | None = None) -> bool:
-        """Checkpoint `state` as of `step`: snapshot now, persist in the background.
+        """Checkpoint `state` as of `step`: stage a copy now, persist it in the background.
 
         Collective (every rank calls it at the same step). Returns False if the save was
         deferred because a previous one is still being written on some rank.
@@ -236,7 +236,7 @@ class Checkpointer:
         self._deferrals = 0
         stage_error = None
         try:
-            staged = self._snapshot.stage(state, self._late())
+            staged = self._staging.stage(state, self._late())
         except Exception as exc:  # noqa: BLE001 -- no memory for the buffers, an uncopyable value
             staged, stage_error = Staged(state={}), first_line(exc)  # the peers must hear of it
         save = _Save(step=step, staged=staged, started=t0)
@@ -270,13 +270,13 @@ class Checkpointer:
         t0 = time.monotonic()
         try:
             if error is None:
-                self._snapshot.copy_pending(save.staged)
+                self._staging.copy_pending(save.staged)
         except Exception as exc:  # noqa: BLE001 -- reported to every rank below
             error = first_line(exc)
         finally:
             save.copied_at = time.monotonic()
             save.copied.set()
-        t1 = time.monotonic()
+        t1 = time.monotonic()  # t0 to t1: the staged copy (the event's `snapshot`)
         try:
             if error is None:
                 try:  # before any collective, so that a failure here is reported, not a hang
@@ -288,7 +288,7 @@ class Checkpointer:
                                     group if distributed else None)
             failed = [r["error"] for r in reports if not r["ok"]]
             if failed:
-                raise CheckpointWriteError(f"snapshot failed: {failed[0]}")
+                raise CheckpointWriteError(f"staging failed: {failed[0]}")
             save.committed = persist(
                 save.staged.state, save.step, tmp, self.directory / step_name(save.step), group,
                 rank, self.keep, self.keep_every, {"attempt": self.attempt},
@@ -305,7 +305,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # torn: give its space back
             end = time.monotonic()
             save.persisted = end - t1
-            save.staged.state = {}  # the buffers stay with the Snapshot, for the next save
+            save.staged.state = {}  # the buffers stay in the StagingArea, for the next save
             self._report(save, t0, t1, end)
 
     def _report(self, save: _Save, t0: float, t1: float, end: float) -> None:

@@ -1,4 +1,5 @@
-"""Phase two of a checkpoint: write a snapshot in DCP format and commit it, in the background.
+"""Phase two of a checkpoint: write the staged copy in DCP format and commit it, in the
+background.
 
 Every rank writes its own shard files through DCP over the checkpoint group (around the page
 cache, checksummed as written, fsynced: see `direct_io.py`), and tells the others whether it

@@ -26,7 +26,8 @@ class CheckpointSaved(EventBody):
     bytes: int | None = doc("rank 0: the checkpoint's size")
     stall: float = doc("what it cost this rank's loop: the call plus any wait for the copy "
                        "before the next optimizer update")
-    snapshot: float = doc("the background copy")
+    snapshot: float = doc("the background copy into host memory: the staged copy (the "
+                          "field's name predates the term; not the peer snapshots)")
     persist: float = doc("write, fsync, commit, retention")
     durable: float = doc("call to commit")
     deleted: list[int] | None = doc("steps removed by retention (rank 0)")

@@ -1,4 +1,5 @@
-"""Phase one of a checkpoint: copy the state into reusable CPU buffers, off the loop's path.
+"""Phase one of a checkpoint, staging: copy the state into reusable CPU buffers, off the
+loop's path.
 
 Only the optimizer update overwrites parameters and optimizer state, so those large tensors
 are copied by the checkpoint's background thread while the next step's forward and backward
@@ -27,8 +28,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Staged:
-    """A snapshot being taken: `state` has the structure of the original with CPU buffers
-    in place of tensors; `pending` are the copies still to do (source, buffer)."""
+    """A staged copy being taken: `state` has the structure of the original with CPU
+    buffers in place of tensors; `pending` are the copies still to do (source, buffer)."""
 
     state: dict[str, Any]
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -37,8 +38,11 @@ class Staged:
     nbytes: int = 0
 
 
-class Snapshot:
-    """Reusable CPU buffers for one training state; `stage` then `copy_pending`."""
+class StagingArea:
+    """Reusable CPU buffers for one training state; `stage` then `copy_pending`.
+
+    "Staging", as torch DCP's async save calls it: not the peer snapshots of sharded state
+    (`runtime/snapshots.py`), which are another thing."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
