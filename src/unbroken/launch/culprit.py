@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from unbroken.control.heartbeat_page import PHASE_LONG, PHASE_TRAINING, STEPPING
 from unbroken.control.messages import (
     Fault,
     FaultKind,
@@ -39,8 +40,7 @@ from unbroken.control.messages import (
 )
 from unbroken.launch.planner_commands import Command, EndAction, EndAttempt, Order, Record, Say
 from unbroken.launch.planner_state import Stalls
-from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_TRAINING, STEPPING
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 class VerdictKind(StrEnum):
@@ -130,8 +130,8 @@ def take_in_stalls(stalls: Stalls, reports: list[StallReport | None], members: l
     verdict = find_culprits(members, latest)
     out: list[Command] = []
     if verdict.kind != VerdictKind.KILL and stalls.verdict != verdict.kind:
-        out.append(Record(Event.STALL, {"gen": gen, "verdict": verdict.kind.value,
-                                        "reason": verdict.reason}))
+        out.append(Record(ev.Stall(gen=gen, verdict=verdict.kind.value,
+                                       reason=verdict.reason)))
     killed = list(stalls.culprits)
     after = Stalls(reports=latest, since=since, culprits=killed, verdict=verdict.kind.value)
     if verdict.kind == VerdictKind.KILL:
@@ -141,10 +141,10 @@ def take_in_stalls(stalls: Stalls, reports: list[StallReport | None], members: l
             killed.append(c.worker.wid)
             out.append(Order(c.node, NodeOrder(OrderKind.KILL, slot=c.worker.slot,
                                                wid=c.worker.wid, reason=verdict.reason)))
-            out.append(Record(Event.HANG_BLAMED, {
-                "gen": gen, "wid": c.worker.wid, "slot": c.worker.slot, "culprit_node": c.node,
-                "step": c.worker.step, "progress": c.worker.progress, "reason": verdict.reason,
-                "reports": len(latest)}))
+            out.append(Record(ev.HangBlamed(
+                gen=gen, wid=c.worker.wid, slot=c.worker.slot, culprit_node=c.node,
+                step=c.worker.step, progress=c.worker.progress, reason=verdict.reason,
+                reports=len(latest))))
         return after, out, None
     stalled = now - since
     # No culprit (yet): a network blip heals, a cut-off node is declared lost; a stall

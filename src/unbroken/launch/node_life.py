@@ -27,7 +27,7 @@ from unbroken.control.messages import NodeOut, NodeSet, StandbyJoin
 from unbroken.launch import node_set
 from unbroken.launch.node_set import QuarantineRule
 from unbroken.launch.planner_commands import Command, MarkOut, Record, Say
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry import schema as ev
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def lose(nodes: Nodes, node: int) -> Nodes:
 def declare_lost(nodes: Nodes, node: int, attempt: int, detail: str) -> tuple[Nodes, list[Command]]:
     """`lose`, with the event and the line that say so."""
     return lose(nodes, node), [
-        Record(Event.NODE_LOST, {"attempt": attempt, "lost_node": node, "detail": detail}),
+        Record(ev.NodeLost(attempt=attempt, lost_node=node, detail=detail)),
         Say(f"node {node} lost: {detail}")]
 
 
@@ -132,8 +132,8 @@ def strike(nodes: Nodes, hit: Strike, rule: QuarantineRule,
         return nodes, [], False
     return nodes, [
         MarkOut(hit.node, NodeOut.QUARANTINED),
-        Record(Event.NODE_QUARANTINED, {"attempt": attempt, "quarantined": hit.node,
-                                        "faults": rule.after, "window": rule.window}),
+        Record(ev.NodeQuarantined(attempt=attempt, quarantined=hit.node,
+                                  faults=rule.after, window=rule.window)),
         Say(f"node {hit.node} quarantined: {rule.after} faults within {rule.window:g}s; "
             "its ranks go to spares, and it is not used again")], True
 

@@ -157,8 +157,8 @@ class PlanExecutor:
                     ch.write(keys.drain_outcome(index), outcome)
                 case MarkFinished():
                     ch.write(keys.finished, True)
-                case Record(event, fields):
-                    self.record(event, **fields)
+                case Record(body):
+                    self.record(body)
                 case Say(text):
                     self.say(text)
                 case EndAttempt():

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any
 
+from unbroken.control.heartbeat_page import LEAVE_NOW
 from unbroken.control.messages import (
     Departure,
     DrainRequest,
@@ -68,7 +68,7 @@ from unbroken.launch.planner_state import (
     Refill,
     Stalls,
 )
-from unbroken.runtime.heartbeat import LEAVE_NOW
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.event_names import Event
 
 
@@ -97,8 +97,8 @@ class _Decision:
     def ended(self) -> bool:
         return any(isinstance(c, EndAttempt) for c in self.out)
 
-    def record(self, event: Event, **fields: Any) -> None:
-        self.out.append(Record(event, fields))
+    def record(self, body: ev.EventBody) -> None:
+        self.out.append(Record(body))
 
     def say(self, text: str) -> None:
         self.out.append(Say(text))
@@ -192,7 +192,7 @@ class _Decision:
         self.s.spares.assigned.append(spare)
         self.s.spares.ordered_from[slot] = node
         self.out.append(Order(node, NodeOrder(OrderKind.PROMOTE, slot=slot, spare=spare)))
-        self.record(Event.SPARE_ASSIGNED, wid=spare, slot=slot, spare_node=node)
+        self.record(ev.SpareAssigned(wid=spare, slot=slot, spare_node=node))
         return spare
 
     # ------------------------------------------------------------ faults
@@ -241,7 +241,7 @@ class _Decision:
             death = Fault(kind=FaultKind.NODE_LOST, node=node, rank=slot, slot=slot, wid=wid,
                           attempt=s.attempt, in_place=True, detail=detail,
                           spare=self._assign(*spare, slot) if spare is not None else None)
-            self.record(Event.FAULT, **death.event_fields())
+            self.record(ev.decode({"event": Event.FAULT, **death.event_fields()}))
             self._death(death)
             if self.ended:
                 return
@@ -330,7 +330,7 @@ class _Decision:
         for m, (spare_node, spare) in zip(members, spares, strict=False):
             s.drains.draining[m] = (self._assign(spare_node, spare, s.slot_of[m]), index)
             moves[s.slot_of[m]] = spare
-        self.record(Event.DRAIN_STARTED, request=request.as_event(), moves=moves)
+        self.record(ev.DrainStarted(request=request.as_event(), moves=moves))
         self.say(f"draining rank(s) {sorted(moves)} onto spare(s) {list(moves.values())}")
 
     # ------------------------------------------------------------ the generations
@@ -394,7 +394,7 @@ class _Decision:
             if any(f.wid == m and f.kind == FaultKind.EXCEPTION for f in rec.faults):
                 continue
             rec.faults.append(fault)
-            self.record(Event.FAULT, **fault.event_fields())
+            self.record(ev.decode({"event": Event.FAULT, **fault.event_fields()}))
             self.say(f"fault: rank {fault.rank} exception: {fault.detail} (recovering in place)")
             if not self._charge(fault):
                 return
@@ -444,8 +444,9 @@ class _Decision:
         s = self.s
         gen = s.gen + 1
         self.out.append(WritePlan(GenPlan(gen=gen, members=members)))
-        self.record(Event.GEN_PLAN, gen=gen, world_size=len(members), members=members,
-                    duration=round(self.now - s.recovery.started, 6) if s.recovery else None)
+        self.record(ev.GenPlan(gen=gen, world_size=len(members), members=members,
+                               duration=round(self.now - s.recovery.started, 6)
+                               if s.recovery else None))
         s.gen, s.members = gen, members
         s.departed = {}
         s.stalls = Stalls()
@@ -462,9 +463,9 @@ class _Decision:
         s = self.s
         s.phase = Phase.RUNNING
         rec = s.recovery
-        self.record(Event.GEN_UP, gen=s.gen, world_size=len(s.members),
-                    duration=round(self.now - rec.started, 6) if rec else None,
-                    faults=[f.kind.value for f in rec.faults] if rec else [])
+        self.record(ev.GenUp(gen=s.gen, world_size=len(s.members),
+                             duration=round(self.now - rec.started, 6) if rec else None,
+                             faults=[f.kind.value for f in rec.faults] if rec else []))
         if rec and rec.faults:
             s.recovered += len(rec.faults)
             self.say(f"recovered in place: generation {s.gen} of {len(s.members)} workers "
@@ -483,6 +484,6 @@ class _Decision:
         fault = copy.copy(s.recovery.faults[0] if paid
                           else Fault(kind=FaultKind.RECOVERY_FAILED, attempt=s.attempt))
         fault.detail = f"{fault.detail} ({why})".strip()
-        self.record(Event.RECOVERY_FALLBACK, gen=s.gen, reason=why)
+        self.record(ev.RecoveryFallback(gen=s.gen, reason=why))
         self.say(f"in-place recovery impossible ({why}): restarting every worker")
         self.end(EndAction.FALLBACK if paid else EndAction.RESTART, fault, why)

@@ -19,6 +19,7 @@ from unbroken.control.messages import (
     NodeOut,
     SwitchTarget,
 )
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.event_names import Event
 
 
@@ -64,8 +65,18 @@ class MarkFinished:
 
 @dataclass
 class Record:
-    event: Event
-    fields: dict[str, Any]
+    """An event for the run's log, typed (`telemetry.schema`)."""
+
+    body: ev.EventBody
+
+    @property
+    def event(self) -> Event:
+        return self.body.EVENT
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """Its keys as the log holds them."""
+        return ev.encode(self.body)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import replace
 from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
 from unbroken.launch.planner_commands import AnswerDrain, Command, Record, Say
 from unbroken.launch.planner_state import Drains, Phase, PlannerState
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.event_names import Event
 
 
@@ -41,7 +42,7 @@ def movers(s: PlannerState, request: DrainRequest,
 
 def refusal(index: int, request: DrainRequest, why: str) -> list[Command]:
     return [AnswerDrain(index, DrainOutcome(ok=False, error=why)),
-            Record(Event.DRAIN_REFUSED, {"request": request.as_event(), "reason": why}),
+            Record(ev.DrainRefused(request=request.as_event(), reason=why)),
             Say(f"drain refused: {why}")]
 
 
@@ -54,7 +55,8 @@ def answered(drains: Drains, slot_of: dict[str, int], gen: int,
     for member, spare, index in drains.moved:
         move = {"rank": slot_of[spare], "from": member, "to": spare}
         moves.setdefault(index, []).append(move)
-        out.append(Record(Event.DRAINED, {**move, "gen": gen, "switch_s": switch_s}))
+        out.append(Record(ev.decode({"event": Event.DRAINED, **move, "gen": gen,
+                                       "switch_s": switch_s})))
         out.append(Say(f"drained rank {move['rank']}: {member} -> {spare}, generation {gen} "
                        f"up {switch_s}s after the switch began"))
     for index in sorted({index for _, _, index in drains.moved}):
