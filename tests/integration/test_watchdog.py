@@ -8,7 +8,8 @@ import time
 
 from conftest import wait_for
 
-from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatReader, HeartbeatWriter
+from unbroken.launch.heartbeat_reader import HeartbeatReader
+from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatWriter
 from unbroken.runtime.watchdog import Watchdog
 
 

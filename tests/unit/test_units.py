@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.control.heartbeat_page import PHASE_CHECKPOINT, PHASE_STARTING, PHASE_TRAINING, Beat
 from unbroken.errors import UserError
 from unbroken.faults import FaultSpec, parse_faults
 from unbroken.launch.hang_detector import HangDetector
-from unbroken.runtime.heartbeat import (
-    PHASE_CHECKPOINT,
-    PHASE_STARTING,
-    PHASE_TRAINING,
-    Beat,
-    HeartbeatReader,
-    HeartbeatWriter,
-)
+from unbroken.launch.heartbeat_reader import HeartbeatReader
+from unbroken.runtime.heartbeat import HeartbeatWriter
 
 
 def test_fault_language_roundtrips():

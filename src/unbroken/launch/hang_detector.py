@@ -8,14 +8,14 @@ recompile) is not a hang. A phase the script declares long (`run.phase("eval")`)
 timeout, and the time it took is no step time.
 
 Who is to blame for a stall is not decided here: in place, the leader compares every rank's
-progress (`launch/blame.py`); without in-place recovery, the node kills its stalled worker.
+progress (`launch/culprit.py`); without in-place recovery, the node kills its stalled worker.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from unbroken.runtime.heartbeat import (
+from unbroken.control.heartbeat_page import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
     PHASE_LONG,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unbroken.control.address import ControlAddress
+from unbroken.control.heartbeat_page import PHASE_DONE, PHASE_RECOVERY, PHASE_SPARE_READY, STEPPING
 from unbroken.control.messages import (
     AttemptPlan,
     Fault,
@@ -32,6 +33,7 @@ from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.culprit import frozen
 from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.heartbeat_reader import HeartbeatReader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
 from unbroken.launch.worker_logs import AttemptLogs, Tailer, WorkerStreams
@@ -45,13 +47,6 @@ from unbroken.launch.worker_process import (
     spawn,
     stop_workers,
     worker_command,
-)
-from unbroken.runtime.heartbeat import (
-    PHASE_DONE,
-    PHASE_RECOVERY,
-    PHASE_SPARE_READY,
-    STEPPING,
-    HeartbeatReader,
 )
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog

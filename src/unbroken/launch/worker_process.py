@@ -13,8 +13,8 @@ from pathlib import Path
 
 from unbroken.control.messages import Fault
 from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.heartbeat_reader import HeartbeatReader
 from unbroken.launch.worker_logs import WorkerStreams
-from unbroken.runtime.heartbeat import HeartbeatReader
 
 
 @dataclass
