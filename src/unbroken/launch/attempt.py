@@ -2,7 +2,7 @@
 
 Each look: reap failed workers (in place: publish each death, promote a local ready spare;
 otherwise publish the fault that ends the attempt), kill a hung worker (in place: report a
-stall inside a step to the leader, which blames, and kill whom it orders), carry out the
+stall inside a step to the leader, which finds the culprit, and kill whom it orders), carry out the
 leader's orders to this node, hand the switch target to the workers, offer spares, post
 this node's `NodeDone`, and stop when the attempt's fault or the job's result is published.
 The role's own duties (the leader's planning and node watch; a follower's release after a
@@ -133,14 +133,14 @@ class AttemptWatch:
                 fault = sup.attempt_failure(failed)
                 if fault is not None:
                     return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
-            hung = sup.find_hang(blamed_by_leader=self.resilient)  # killed: a death next look
+            hung = sup.hangs.find_hang(leader_finds_culprits=self.resilient)  # a death next look
             if hung is not None and not self.resilient:
                 return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
-            stall = sup.stall_report() if self.resilient else None
+            stall = sup.hangs.stall_report() if self.resilient else None
             if not self._control_due(bool(failed) or stall is not None):
                 sup.fill_pool(self._t0)
                 continue
-            if stall is not None:  # the leader blames (launch/blame.py)
+            if stall is not None:  # the leader finds the culprit (launch/culprit.py)
                 ch.append(keys.stalls, stall)
                 self.events.emit(ev.StallReported(gen=stall.gen,
                                  workers=[to_plain(w) for w in stall.workers]))
@@ -215,7 +215,7 @@ class AttemptWatch:
             self.channel.write(self.keys.node_released(self.cfg.node_rank), True)
             return order
         if order.kind == OrderKind.KILL:
-            sup.kill_blamed(order)  # its death is published at the next look
+            sup.hangs.kill_culprit(order)  # its death is published at the next look
             return None
         if order.kind == OrderKind.REPLACE:
             if sup.standby:

@@ -15,24 +15,17 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from enum import IntEnum
 from pathlib import Path
 
 from unbroken.control.address import ControlAddress
 from unbroken.control.heartbeat_page import PHASE_DONE, PHASE_RECOVERY, PHASE_SPARE_READY, STEPPING
-from unbroken.control.messages import (
-    AttemptPlan,
-    Fault,
-    FaultKind,
-    NodeOrder,
-    StallReport,
-    SwitchTarget,
-    WorkerProgress,
-)
+from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
 from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
-from unbroken.launch.culprit import frozen
 from unbroken.launch.hang_detector import HangDetector
+from unbroken.launch.hang_watch import HangWatch
 from unbroken.launch.heartbeat_reader import HeartbeatReader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
@@ -51,9 +44,16 @@ from unbroken.launch.worker_process import (
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
-_HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
 _ROOT_CAUSE_GRACE = 0.5  # seconds to wait for a root cause when only peer errors are seen
-_PEER_ERROR = 2
+
+
+class ExitCause(IntEnum):
+    """How likely a failed worker's exit is the root cause of the attempt's end: the lowest
+    is the root cause."""
+
+    SIGNALLED = 0  # killed by a signal
+    OWN_ERROR = 1  # its own error
+    PEER_ERROR = 2  # an error caused by a peer (the root cause is elsewhere)
 
 
 class NodeSupervisor:
@@ -81,8 +81,7 @@ class NodeSupervisor:
         self._targets_written: dict[int, SwitchTarget] = {}  # pid -> the request it was given
         self._spares_started = 0
         self._spare_failures = 0
-        self._hang_quiet_until = 0.0
-        self._stall_key: tuple | None = None  # what this node last reported of a stall
+        self.hangs = HangWatch(cfg.node_rank, lambda: self.workers)  # hung workers: killed
         self._peer_errors_since: float | None = None
         self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
@@ -102,7 +101,7 @@ class NodeSupervisor:
         self.tailer.retire()  # the last attempt's logs: copied to the end, then let go
         self._targets_written.clear()
         self._peer_errors_since = None
-        self._stall_key = None
+        self.hangs.new_attempt()
         attempt_dir = self.node_dir / f"attempt_{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         for stale in attempt_dir.glob("rank_*"):  # a reused run dir: old errors or beats would lie
@@ -167,7 +166,7 @@ class NodeSupervisor:
         return w
 
     def _spawn_worker(self, rank: int, local_rank: int, wid: str, joining: bool) -> WorkerProcess:
-        """Start one worker (from a warm standby when there is one) and watch it."""
+        """Start one worker (from a warm interpreter when there is one) and watch it."""
         cfg = self.cfg
         incarnation = wid.split(".")[1]
         name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
@@ -268,7 +267,7 @@ class NodeSupervisor:
         if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
             started = pool.fill()
             if started:
-                self.events.emit(ev.StandbysStarted(count=started))
+                self.events.emit(ev.WarmInterpretersStarted(count=started))
 
     # ---------------------------------------------------------------- watching
     def wait(self, timeout: float) -> None:
@@ -318,15 +317,15 @@ class NodeSupervisor:
         us reap the dead process)."""
         if not failed:
             return None
-        if all(_blame(w) == _PEER_ERROR for w in failed):
+        if all(exit_cause(w) == ExitCause.PEER_ERROR for w in failed):
             self._peer_errors_since = self._peer_errors_since or time.monotonic()
             if time.monotonic() - self._peer_errors_since < _ROOT_CAUSE_GRACE:
                 return None
         return self.exit_fault(failed)
 
     def exit_fault(self, failed: list[WorkerProcess]) -> Fault:
-        """Describe the most likely culprit among workers that exited non-zero together."""
-        w = min(failed, key=_blame)
+        """Describe the most likely root cause among workers that exited non-zero together."""
+        w = min(failed, key=exit_cause)
         code = w.proc.returncode
         error = w.error()
         if code is None and error:  # reported before the exit: the code it is exiting with
@@ -345,97 +344,6 @@ class NodeSupervisor:
         if beat is not None:
             fault.step = beat.step
         return fault
-
-    def find_hang(self, blamed_by_leader: bool) -> Fault | None:
-        """Kill the hung worker, if one is overdue; its death is then seen like any other.
-
-        `blamed_by_leader` (in place): a stall inside a step is the leader's to blame
-        (`stall_report`, `launch/blame.py`); only a start-up, checkpoint or recovery that
-        outlives its own timeout is decided here."""
-        now = time.monotonic()
-        if now < self._hang_quiet_until:
-            return None  # peers of a worker just killed for hanging are still unblocking
-        beating, overdue = [], []
-        for w in self.workers:
-            if w.proc.returncode is not None:
-                continue
-            beat = w.heartbeat.read()
-            if beat is None:
-                continue
-            w.hang.observe(beat)
-            beating.append(w)
-            if blamed_by_leader and beat.phase in STEPPING:
-                continue
-            if w.hang.overdue(now) is not None:
-                overdue.append(w)
-        if not overdue:
-            return None
-        # Once anyone is overdue, its peers are usually blocked on the culprit. A stopped
-        # process is the culprit; otherwise the overdue worker silent the longest.
-        stopped = [w for w in beating if _is_stopped(w.pid)]
-        w = stopped[0] if stopped else min(overdue, key=lambda w: w.hang.last_beat.monotonic)
-        timeout = w.hang.overdue(now) or w.hang.step_timeout()
-        beat = w.hang.last_beat
-        silent = now - beat.monotonic
-        self._kill_hung(w, timeout, f"no heartbeat for {silent:.1f}s (timeout {timeout:.1f}s); killed")
-        return w.fault
-
-    def _kill_hung(self, w: WorkerProcess, timeout: float, detail: str) -> None:
-        """SIGKILL a hung worker (reaped, with a bound, by stop_workers or reap) and note why."""
-        now = time.monotonic()
-        beat = w.hang.last_beat
-        silent = now - beat.monotonic if beat is not None else 0.0
-        os.kill(w.pid, signal.SIGKILL)
-        self._hang_quiet_until = now + _HANG_QUIET
-        w.fault = Fault(kind=FaultKind.HANG, rank=w.rank, node=self.cfg.node_rank, pid=w.pid,
-                        step=beat.step if beat is not None else None, silent_for=round(silent, 3),
-                        hang_started=round(time.time() - silent, 6), timeout=round(timeout, 3),
-                        detail=detail)
-
-    def stall_report(self) -> StallReport | None:
-        """In place: where this node's workers stand, once one of them has been inside its
-        step past its step timeout (a report with no workers once all move again); None
-        when nothing changed since the last report. Read from the heartbeat pages only."""
-        now = time.monotonic()
-        beats = {}
-        for w in self.workers:
-            beat = w.heartbeat.read() if w.proc.poll() is None else None
-            if beat is None or beat.generation < 0:
-                continue  # exited, or joining: not a member the leader weighs
-            w.hang.observe(beat)
-            beats[w.wid] = beat
-        gens = {b.generation for b in beats.values()}
-        if len(gens) != 1:
-            return None  # nobody here to weigh, or mid-switch
-        live = [w for w in self.workers if w.wid in beats]
-        stalled = any(beats[w.wid].phase in STEPPING
-                      and w.hang.silent_for(now) > w.hang.step_timeout() for w in live)
-        quiet_before = self._stall_key is None or not self._stall_key[1]
-        if not stalled and quiet_before:
-            return None  # the usual look: nothing to say, and nothing read from /proc
-        workers = [WorkerProgress(
-            wid=w.wid, slot=w.rank, step=beats[w.wid].step, progress=beats[w.wid].progress,
-            phase=beats[w.wid].phase, silent_for=round(w.hang.silent_for(now), 3),
-            frozen_for=(round(now - beats[w.wid].alive, 3)
-                        if beats[w.wid].alive is not None else None),
-            timeout=round(w.hang.step_timeout(), 3), stopped=_is_stopped(w.pid))
-            for w in live] if stalled else []
-        report = StallReport(node=self.cfg.node_rank, gen=gens.pop(), workers=workers)
-        key = (report.gen, tuple((p.wid, p.step, p.progress, p.phase, frozen(p),
-                                  p.silent_for > p.timeout) for p in report.workers))
-        if key == self._stall_key:
-            return None
-        self._stall_key = key
-        return report
-
-    def kill_blamed(self, order: NodeOrder) -> bool:
-        """The leader blamed worker `order.wid` for a hang: kill it (its death is published
-        like any other). False if it is no longer here or already dead."""
-        w = next((w for w in self.workers if w.wid == order.wid), None)
-        if w is None or w.proc.poll() is not None:
-            return False
-        self._kill_hung(w, w.hang.step_timeout(), f"blamed by the leader: {order.reason}; killed")
-        return True
 
     def mirror_target(self, target: SwitchTarget) -> None:
         """Hand the leader's switch request to the workers through their heartbeat pages."""
@@ -525,22 +433,16 @@ def _idle_priority(pid: int) -> None:
         pass  # not permitted: it warms up at normal priority
 
 
-def _blame(w: WorkerProcess) -> int:
-    """0: killed by a signal (a root cause); 1: its own error; 2: an error caused by a peer."""
+def exit_cause(w: WorkerProcess) -> ExitCause:
+    """Why a failed worker exited, as far as its exit code and its error record tell."""
     if w.proc.returncode is not None and w.proc.returncode < 0:
-        return 0
+        return ExitCause.SIGNALLED
     error = w.error()
     if error is None:
-        return 1 if w.proc.returncode not in (None, 0) else _PEER_ERROR
+        return ExitCause.OWN_ERROR if w.proc.returncode not in (None, 0) else ExitCause.PEER_ERROR
     if error.get("error_class"):  # the worker classified its own exception (errors.classify)
-        return _PEER_ERROR if error["error_class"] == ErrorClass.PEER else 1
+        return (ExitCause.PEER_ERROR if error["error_class"] == ErrorClass.PEER
+                else ExitCause.OWN_ERROR)
     tb = error.get("traceback", "")
-    return _PEER_ERROR if any(m in tb for m in PEER_ERROR_MARKERS) else 1
+    return ExitCause.PEER_ERROR if any(m in tb for m in PEER_ERROR_MARKERS) else ExitCause.OWN_ERROR
 
-
-def _is_stopped(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
