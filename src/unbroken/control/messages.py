@@ -133,7 +133,7 @@ class WorkerProgress:
 class StallReport:
     """A node's word that its workers have stopped making progress in generation `gen`, with
     where each of them stands; `workers` empty: they move again. Written by the node's agent
-    when that changes, read by the leader, which blames (`launch/blame.py`)."""
+    when that changes, read by the leader, which finds the culprit (`launch/culprit.py`)."""
 
     node: int
     gen: int
