@@ -1,4 +1,4 @@
-"""Hot spares: a warm standby takes a failed worker's exact rank.
+"""Hot spares: a warm spare process takes a failed worker's exact rank.
 
 Real workers and spares under `unbroken run --spares`, real SIGKILLs from outside. The
 worker script sleeps a little per step, as a GPU job leaves its host CPU idle, so that a

@@ -1,5 +1,6 @@
-"""Warm standbys pre-import what the previous attempt's workers imported (installed packages
-and the standard library only), so that a plain script's restart skips its own imports."""
+"""Warm interpreters pre-import what the previous attempt's workers imported (installed
+packages and the standard library only), so that a plain script's restart skips its own
+imports. (Their events keep the names `standby_imports`, `standby_taken`.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import SCRIPTS, events_of, finish, start, wait_for
 
 from unbroken.runtime.warm_imports import MODULES_FILE
 
-_STANDBY = """
+_WARM_INTERPRETER = """
 import json, sys
 from pathlib import Path
 from unbroken.runtime.warm_imports import Preimporter
@@ -27,9 +28,9 @@ print(json.dumps({"networkx": "networkx" in sys.modules, "local": "warm_local_mo
 """
 
 
-def test_a_standby_imports_only_installed_modules_and_dotted_names(tmp_path):
+def test_a_warm_interpreter_imports_only_installed_modules_and_dotted_names(tmp_path):
     """Names that are not dotted identifiers are ignored; a module found on the user's path
-    (here the standby's cwd), even one shadowing a stdlib name, is refused unimported; one
+    (here the interpreter's cwd), even one shadowing a stdlib name, is refused unimported; one
     that fails to import is counted and skipped."""
     marker = tmp_path / "ran"
     side_effect = f"open({str(marker)!r}, 'w').close()\n"
@@ -44,19 +45,19 @@ def test_a_standby_imports_only_installed_modules_and_dotted_names(tmp_path):
         "warm_raises", "warm_exits", "networkx", "warm_local_mod", "colorsys",
         "os; import warm_local_mod", "1abc", 42, "__import__('warm_local_mod')",
         "no_such_module_at_all", "json.decoder"]}))
-    res = subprocess.run([sys.executable, "-c", _STANDBY, str(listed), str(site)], cwd=tmp_path,
+    res = subprocess.run([sys.executable, "-c", _WARM_INTERPRETER, str(listed), str(site)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     assert got["networkx"] and got["added"] > 10
     assert not got["local"] and not got["colorsys"] and not marker.exists()
     assert got["refused"] == 3  # warm_local_mod, colorsys (the cwd's), no_such_module_at_all
-    assert got["failed"] == 2  # warm_raises, warm_exits: skipped, the standby goes on
+    assert got["failed"] == 2  # warm_raises, warm_exits: skipped, the interpreter goes on
 
 
 def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
     """A plain script (no unbroken API) imports networkx, which `import torch` does not;
-    rank 1 exits 1 in attempt 0. The standbys that become attempt 1's workers have imported
+    rank 1 exits 1 in attempt 0. The warm interpreters that become attempt 1's workers have imported
     networkx from the list attempt 0 wrote, but not the script's own module."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
@@ -66,7 +67,7 @@ def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
         def warm():
             evs = [e for e in events_of(run_dir, "standby_imports") if e["modules"] > 0]
             return len({e["pid"] for e in evs}) >= 2
-        wait_for(warm, 90, "two standbys to pre-import the workers' modules")
+        wait_for(warm, 90, "two warm interpreters to pre-import the workers' modules")
         (out / "go").touch()
         result = finish(proc, run_dir, timeout=90)
     finally:

@@ -20,6 +20,11 @@ def node_dir(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
     return Path(run_dir) / f"node_{node_rank}"
 
 
+WARM_FLAG = "--warm"
+"""`python -m unbroken.runtime.bootstrap --warm`: a warm interpreter, which imports torch and
+waits on stdin for the worker it becomes (`WorkerEnv.warm_environ`, `launch/warm_pool.py`)."""
+
+
 class Role(StrEnum):
     WORKER = "worker"
     SPARE = "spare"  # warms up, then waits to be promoted into a slot
@@ -78,7 +83,7 @@ class WorkerEnv:
     role_name: str = "default"
     """torchrun's `--role` (ROLE_NAME)."""
     record_imports: bool = False
-    """The node keeps warm standbys: list this worker's modules for them (`warm_imports`)."""
+    """The node keeps warm interpreters: list this worker's modules for them (`warm_imports`)."""
     device: str | None = None
     """`--virtual-local-rank`: this worker's one visible device (CUDA_VISIBLE_DEVICES), and
     LOCAL_RANK is 0; None: LOCAL_RANK is the local rank, and the devices are left alone."""
@@ -117,9 +122,9 @@ class WorkerEnv:
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
-    def standby_environ(self) -> dict[str, str]:
-        """What a warm standby (`runtime/bootstrap.py --standby`) starts with: where to log
-        and whose child it is, no rank and no attempt (it gets `to_environ()` when taken)."""
+    def warm_environ(self) -> dict[str, str]:
+        """What a warm interpreter (`WARM_FLAG`) starts with: where to log and whose child it
+        is, no rank and no attempt (it gets `to_environ()` when taken)."""
         env = {"UNBROKEN_AGENT_PID": self.agent_pid, "UNBROKEN_RUN_DIR": self.run_dir,
                "UNBROKEN_NODE_RANK": self.node_rank}
         return {k: str(v) for k, v in env.items() if v is not None}

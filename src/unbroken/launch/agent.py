@@ -96,7 +96,7 @@ class Agent:
             # After the connection: a node rank given in join order is known by now. Not with
             # --virtual-local-rank: a library that touches CUDA at import would see every device.
             if cfg.recovery.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
-                pool = WarmPool(cfg.nproc_per_node, self._standby_env(), guard)
+                pool = WarmPool(cfg.nproc_per_node, self._warm_env(), guard)
             sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, address, self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
             election = None
@@ -450,9 +450,10 @@ class Agent:
                  f"last fault was {where}")
         print(root_cause_report(self.cfg.script, fault), file=self.out, flush=True)
 
-    def _standby_env(self) -> dict[str, str]:
-        """What a standby imports torch under: the workers' environment without rank or attempt."""
+    def _warm_env(self) -> dict[str, str]:
+        """What a warm interpreter imports torch under: the workers' environment without rank
+        or attempt."""
         env = dict(os.environ)
         env.update(WorkerEnv(agent_pid=os.getpid(), run_dir=str(Path(self.cfg.run_dir).resolve()),
-                             node_rank=self.cfg.node_rank).standby_environ())
+                             node_rank=self.cfg.node_rank).warm_environ())
         return launcher_defaults(env, self.cfg)

@@ -1,18 +1,21 @@
-"""Warm standbys for restarts: interpreters that have already imported torch, and what the
-workers imported.
+"""Warm interpreters for restarts: interpreters that have already imported torch, and what
+the workers imported.
 
 Most of a restarted worker's start-up is `import torch` (3-4 s of a 5 s restart with 4
 workers on 2 cores), and a plain script adds its own libraries' imports (transformers: 2-3 s
-more here). The pool starts one standby per local worker once training is running, so the
-imports overlap with training instead of stalling the restart; a standby imports torch,
-then, while it waits, the modules the node's workers have imported (`runtime/warm_imports`:
-installed packages and the standard library only, never the script's own modules); a
-restart hands each standby its rank's environment and arguments over a pipe.
+more here). The pool starts one warm interpreter per local worker once training is running,
+so the imports overlap with training instead of stalling the restart; a warm interpreter
+imports torch, then, while it waits, the modules the node's workers have imported
+(`runtime/warm_imports`: installed packages and the standard library only, never the
+script's own modules); a restart hands each its rank's environment and arguments over a
+pipe. (Not the standby nodes of `--standby`, whose every process is a spare. The events
+`standbys_started`, `standby_ready`, `standby_imports` and `standby_taken` are about warm
+interpreters: their names predate the term.)
 
 Caveat, documented: a script that changes variables read at import time by torch or by a
 library it imports (for example OMP_NUM_THREADS) before importing them gets them only on
 the first attempt, and a library that reads the rank variables (RANK, LOCAL_RANK, ...) at
-import time reads none in a standby; `--no-warm-restarts` turns the pool off.
+import time reads none in a warm interpreter; `--no-warm-restarts` turns the pool off.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import json
 import os
 import subprocess
 
+from unbroken.control.worker_env import WARM_FLAG
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.worker_logs import WorkerStreams
 from unbroken.launch.worker_process import BOOTSTRAP
 
 
 def normal_priority(pid: int) -> None:
-    """A standby or spare under SCHED_IDLE would starve behind training once it is needed:
-    give it, every thread of it, normal priority now (a standby still importing restores
-    its own once its imports are done)."""
+    """A warm interpreter or spare under SCHED_IDLE would starve behind training once it is
+    needed: give it, every thread of it, normal priority now (a warm interpreter still
+    importing restores its own once its imports are done)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
@@ -43,11 +47,13 @@ def normal_priority(pid: int) -> None:
 
 
 class WarmPool:
+    """This node's warm interpreters: `fill` starts them, `take` hands one a worker's rank."""
+
     def __init__(self, size: int, env: dict[str, str], guard: OrphanGuard) -> None:
         self.size = size
         self.env = env
         self.guard = guard
-        self._standbys: list[subprocess.Popen] = []
+        self._interpreters: list[subprocess.Popen] = []
 
     def _drop(self, proc: subprocess.Popen) -> None:
         if proc.poll() is None:
@@ -56,30 +62,30 @@ class WarmPool:
         self.guard.forget(proc.pid)
 
     def fill(self) -> int:
-        """Start standbys up to the pool's size; returns how many were started."""
-        for dead in [p for p in self._standbys if p.poll() is not None]:
+        """Start warm interpreters up to the pool's size; returns how many were started."""
+        for dead in [p for p in self._interpreters if p.poll() is not None]:
             self._drop(dead)
-            self._standbys.remove(dead)
+            self._interpreters.remove(dead)
         started = 0
-        while len(self._standbys) < self.size:
+        while len(self._interpreters) < self.size:
             proc = subprocess.Popen(
-                [*BOOTSTRAP, "--standby"],
+                [*BOOTSTRAP, WARM_FLAG],
                 stdin=subprocess.PIPE, env=self.env, start_new_session=True,
             )
             self.guard.watch(proc.pid)
-            self._standbys.append(proc)
+            self._interpreters.append(proc)
             started += 1
         return started
 
     @property
     def full(self) -> bool:
-        return len(self._standbys) >= self.size
+        return len(self._interpreters) >= self.size
 
     def take(self, env: dict[str, str], argv: list[str],
              streams: WorkerStreams | None) -> subprocess.Popen | None:
-        """A live standby turned into the worker described, or None if the pool is empty."""
-        while self._standbys:
-            proc = self._standbys.pop(0)
+        """A live warm interpreter turned into the worker described, or None if the pool is empty."""
+        while self._interpreters:
+            proc = self._interpreters.pop(0)
             if proc.poll() is not None:
                 self._drop(proc)
                 continue
@@ -97,7 +103,7 @@ class WarmPool:
         return None
 
     def close(self) -> None:
-        """Stop every standby at once: they hold no state worth a graceful exit."""
-        for proc in self._standbys:
+        """Stop every warm interpreter at once: they hold no state worth a graceful exit."""
+        for proc in self._interpreters:
             self._drop(proc)
-        self._standbys = []
+        self._interpreters = []

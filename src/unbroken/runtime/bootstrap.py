@@ -4,10 +4,12 @@ It ties the worker's life to its agent's (so killing an agent leaves no worker b
 runs the user's script exactly as `python SCRIPT ARGS` would, and records an uncaught
 exception's traceback where the agent reads it.
 
-With `--standby` it is a warm standby for a restart: it imports torch (the bulk of a
-worker's start-up) ahead of time, then, while it waits on stdin for its assignment
-(environment, arguments, log file), imports what the node's workers imported in the previous
-attempt (`warm_imports`: installed packages only), and becomes that worker.
+With `--warm` (`WARM_FLAG`) it is a warm interpreter for a restart (`launch/warm_pool.py`):
+it imports torch (the bulk of a worker's start-up) ahead of time, then, while it waits on
+stdin for its assignment (environment, arguments, log file), imports what the node's workers
+imported in the previous attempt (`warm_imports`: installed packages only), and becomes that
+worker. Its events (`standby_ready`, `standby_imports`, `standby_taken`, source `standby`)
+keep the names they had before the term.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.control.worker_env import WARM_FLAG, Role, WorkerEnv
 from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
 from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from unbroken.telemetry.events import EventLog
 
 _PR_SET_PDEATHSIG = 1
-_LIST_POLL = 1.0  # seconds between a standby's looks at the node's module list, once caught up
+_LIST_POLL = 1.0  # seconds between a warm interpreter's looks at the node's module list, once caught up
 
 
 def _die_with_agent() -> None:
@@ -84,8 +86,8 @@ def _write_error(exc: BaseException) -> None:
 
 
 def _lower_priority() -> Callable[[], None]:
-    """Warm up only on CPU time training leaves idle (SCHED_IDLE), so a standby's imports
-    never slow the live job; returns how to get normal priority back. Only where we may
+    """Warm up only on CPU time training leaves idle (SCHED_IDLE), so a warm interpreter's
+    imports never slow the live job; returns how to get normal priority back. Only where we may
     restore it afterwards: raising priority again needs root or CAP_SYS_NICE."""
     if os.geteuid() != 0:
         return lambda: None
@@ -105,7 +107,7 @@ def _await_assignment() -> list[str] | None:
 
     t0 = time.monotonic()
     restore = _lower_priority()
-    import torch  # noqa: F401  - the point of a standby: pay for these imports in advance
+    import torch  # noqa: F401  - the point of a warm interpreter: pay for these imports early
     import torch._dynamo  # noqa: F401  - imported by the first optimizer built: ~1 s
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
@@ -115,8 +117,8 @@ def _await_assignment() -> list[str] | None:
 
     env = WorkerEnv.from_environ()
     log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
-                   source="standby", node=env.node_rank)
-    log.emit(ev.StandbyReady(pid=os.getpid(), warmup=round(time.monotonic() - t0, 6)))
+                   source="standby", node=env.node_rank)  # the name predates the term
+    log.emit(ev.WarmInterpreterReady(pid=os.getpid(), warmup=round(time.monotonic() - t0, 6)))
     pre = Preimporter(modules_path(env.run_dir, env.node_rank)) if env.run_dir else None
     try:
         line = _preimport_until_assigned(pre, log)
@@ -125,7 +127,7 @@ def _await_assignment() -> list[str] | None:
         assignment = json.loads(line)
         if pre is not None:
             taken = WorkerEnv.from_environ(assignment["env"])
-            log.emit(ev.StandbyTaken(pid=os.getpid(), rank=taken.rank,
+            log.emit(ev.WarmInterpreterTaken(pid=os.getpid(), rank=taken.rank,
                      attempt=taken.attempt, modules=pre.added, pending=pre.missing(),
                      failed=pre.failed, refused=pre.refused))
     finally:
@@ -139,7 +141,7 @@ def _await_assignment() -> list[str] | None:
     sys.stdout.flush()  # what a pre-import printed belongs to the console, not the rank's log
     sys.stderr.flush()
     for stream, target in ((1, assignment.get("stdout")), (2, assignment.get("stderr"))):
-        if target:  # else the agent's console, which the standby already writes to
+        if target:  # else the agent's console, which it already writes to
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, stream)
             os.close(fd)
@@ -167,12 +169,12 @@ def _preimport_until_assigned(pre: Preimporter | None, log: EventLog) -> str:
         pre.step()
         if pre.pending == 0 and pre.added != reported:  # caught up with the list
             reported = pre.added
-            log.emit(ev.StandbyImports(pid=os.getpid(), modules=pre.added,
+            log.emit(ev.WarmInterpreterImports(pid=os.getpid(), modules=pre.added,
                      failed=pre.failed, refused=pre.refused, duration=round(pre.seconds, 6)))
 
 
 def _record_imports(script: str | None) -> None:
-    """A worker keeps its installed modules listed for the next attempt's standbys
+    """A worker keeps its installed modules listed for the next attempt's warm interpreters
     (`warm_imports`: one worker of the node at a time writes the list)."""
     env = WorkerEnv.from_environ()
     if env.run_dir and env.role == Role.WORKER and env.record_imports:
@@ -183,7 +185,7 @@ def _record_imports(script: str | None) -> None:
 def main() -> None:
     _die_with_agent()
     args = sys.argv[1:]
-    if args[:1] == ["--standby"]:
+    if args[:1] == [WARM_FLAG]:
         assigned = _await_assignment()
         if assigned is None:
             return

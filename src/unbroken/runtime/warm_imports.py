@@ -1,11 +1,11 @@
-"""What a worker imported, so that the next attempt's warm standbys import it in advance.
+"""What a worker imported, so that the next attempt's warm interpreters import it in advance.
 
-A warm standby (`bootstrap.py --standby`) imports torch before it is needed, but a plain
+A warm interpreter (`bootstrap.py --warm`) imports torch before it is needed, but a plain
 script may spend as long again importing its own libraries (transformers, ...). So one
 worker of each node at a time (the holder of a lock beside the file) records the modules it
 has imported (`ImportRecorder`, a daemon thread that looks every second, backing off to
-every 30 s while nothing changes) in `RUN_DIR/node_K/modules.json`, and each standby of the
-node, while it waits for a rank, imports the modules listed there that it has not
+every 30 s while nothing changes) in `RUN_DIR/node_K/modules.json`, and each warm interpreter
+of the node, while it waits for a rank, imports the modules listed there that it has not
 (`Preimporter`), in the order the worker first imported them.
 
 The safety rule, applied by the writer and again by the reader (the file is only data):
@@ -54,7 +54,7 @@ _ACTIONS = frozenset({"antigravity", "this", "__main__", "__hello__", "__phello_
 
 
 def valid_name(name: object) -> bool:
-    """A dotted identifier (`a`, `a.b_c`): the only thing a standby takes from the file.
+    """A dotted identifier (`a`, `a.b_c`): all a warm interpreter takes from the file.
     A `__main__` module (`unittest.__main__` runs tests) and the stdlib's jokes are not."""
     if not (isinstance(name, str) and 0 < len(name) <= 512):
         return False
@@ -196,7 +196,8 @@ class ImportRecorder:
 
 
 class Preimporter:
-    """A standby's side: import the listed modules, one at a time, between looks at stdin.
+    """A warm interpreter's side: import the listed modules, one at a time, between looks
+    at stdin.
 
     Each import is checked first (`find_spec` without running anything: the module must be
     installed code) and guarded: a module that fails to import is counted and skipped.
@@ -210,7 +211,7 @@ class Preimporter:
         self._listed: set[str] = set()
         self._baseline = len(sys.modules)  # torch and the runtime, imported before
         self.failed = 0  # raised while importing
-        self.refused = 0  # not installed code where this standby looked for it
+        self.refused = 0  # not installed code where this interpreter looked for it
         self.seconds = 0.0
 
     def refresh(self) -> bool:

@@ -254,7 +254,7 @@ def _labels_for_slot(slot: int, mine: list[EventBody], own: list[_Step],
         if isinstance(e, ev.WorkerStart):
             if e.startup is not None:
                 pg = e.process_group or 0.0
-                # A warm standby's process was started long before the agent handed it this
+                # A warm interpreter's process was started long before the agent handed it this
                 # job: its startup counts from that hand-over, not from its process start.
                 began = max([t - e.startup, *(a for a, node in launched
                                               if a <= t and node == e.node)])

@@ -225,7 +225,7 @@ class Recovery:
     join_timeout: float = 60.0
     """`--on-fault wait`: how long survivors wait for a replacement, then shrink (no flag)."""
     warm_restarts: bool = flag("--no-warm-restarts", kind=Kind.OFF_SWITCH, default=True,
-                               help="do not keep warm standbys (torch and the script's imports "
+                               help="do not keep warm interpreters (torch and the script's imports "
                                     "done) for restarts (see README)")
     quarantine_after: int = flag("--quarantine-after", parse=int, default=3, metavar="N",
                                  help="quarantine a node after N faults within "

@@ -5,13 +5,13 @@ back with `decode(record)`.
 The classes are grouped by who writes them; each group is a section of docs/events.md.
 """
 
-from unbroken.telemetry.schema import agent, checkpoint, recovery, standby, worker
+from unbroken.telemetry.schema import agent, checkpoint, recovery, warm, worker
 from unbroken.telemetry.schema.agent import *  # noqa: F403
 from unbroken.telemetry.schema.base import (
     EVENT_TYPES,
-    Emit,
     SCHEMA_VERSION,
     VERSION_KEY,
+    Emit,
     EventBody,
     UnknownEvent,
     decode,
@@ -21,10 +21,10 @@ from unbroken.telemetry.schema.base import (
 )
 from unbroken.telemetry.schema.checkpoint import *  # noqa: F403
 from unbroken.telemetry.schema.recovery import *  # noqa: F403
-from unbroken.telemetry.schema.standby import *  # noqa: F403
+from unbroken.telemetry.schema.warm import *  # noqa: F403
 from unbroken.telemetry.schema.worker import *  # noqa: F403
 
-SECTIONS = (agent, recovery, worker, checkpoint, standby)
+SECTIONS = (agent, recovery, worker, checkpoint, warm)
 """The modules of event classes, in the order docs/events.md lists them."""
 
 __all__ = ["EVENT_TYPES", "Emit", "SCHEMA_VERSION", "SECTIONS", "VERSION_KEY", "EventBody",

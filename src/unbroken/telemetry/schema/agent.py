@@ -60,8 +60,9 @@ class WorkersStarted(EventBody):
 
 
 @event(Event.STANDBYS_STARTED)
-class StandbysStarted(EventBody):
-    """Warm standby interpreters were started for the next attempt."""
+class WarmInterpretersStarted(EventBody):
+    """Warm interpreters were started for the next attempt (the event's name predates the
+    term; not standby nodes)."""
 
     count: int = doc("how many")
 

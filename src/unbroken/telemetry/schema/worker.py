@@ -1,5 +1,5 @@
-"""The workers' events (scripts using `unbroken.init`), and the warm standbys'. (Their
-checkpoints: `schema.checkpoint`.)"""
+"""The workers' events (scripts using `unbroken.init`). (Their checkpoints:
+`schema.checkpoint`; the warm interpreters': `schema.warm`.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class WorkerStart(EventBody):
     pid: int = doc("its process id")
     world_size: int = doc("the world size")
     startup: float | None = doc("process start to the end of `init`, imports included; for a "
-                                "warm standby this includes its wait")
+                                "warm interpreter this includes its wait")
     process_group: float = doc("`init_process_group` time")
     wid: str | None = doc("its worker id")
     joining: bool = doc("a replacement")
