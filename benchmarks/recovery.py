@@ -11,13 +11,13 @@ measures, from the job's event log:
 
 Arms: `torchrun` (`python -m torch.distributed.run --max-restarts 3`, c10d rendezvous),
 `unbroken-restart` (`unbroken run --on-fault restart`: every worker restarted from the last
-checkpoint, from warm standbys), `unbroken` (`unbroken run`: survivors recover in place).
+checkpoint, from warm interpreters), `unbroken` (`unbroken run`: survivors recover in place).
 Tries alternate between the arms so machine noise hits all of them.
 
 Steady state: the same step as a plain DDP loop (benchmarks/plain_ddp.py under torchrun)
 against the example under `unbroken run` with no faults and no checkpoints, alternating
 rounds; the figure is the median wall time between consecutive steps of rank 0, once the
-warm standbys are ready (their start-up is a transient, not a steady-state cost).
+warm interpreters are ready (their start-up is a transient, not a steady-state cost).
 
     .venv/bin/python benchmarks/recovery.py --tries 10
 
@@ -115,7 +115,7 @@ def steady_step_time(kind: str, root: Path, index: int, workers: int, steps: int
     else:
         evs = events_of(run_dir)
         ends = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0][warmup:]
-        # Steady state begins once the warm standbys have finished importing torch: they do
+        # Steady state begins once the warm interpreters have finished importing torch: they do
         # it on idle CPU only, but on 2 cores that is not free (see benchmarks/README.md).
         ready = max((e["t"] for e in evs if e["event"] == "standby_ready"), default=0.0)
         ends = [t for t in ends if t > ready]

@@ -17,13 +17,13 @@ seconds is a hang. Tries alternate between the launchers so that machine noise h
 torchrun-style script with no unbroken API and heavy imports (`benchmarks/plain_heavy.py`:
 transformers where installed), 2 workers, its own checkpoint every 10 steps, each step
 waiting --plain-step-sleep s (standing in for accelerator time, as in spares.py). Once it
-passes step PLAIN_KILL_AT (~20 s in: the warm standbys have imported torch and what the
+passes step PLAIN_KILL_AT (~20 s in: the warm interpreters have imported torch and what the
 workers imported), rank 1 is SIGKILLed from outside; the figure is the time from the kill to
 the first step the restarted script completes (from the step log it writes under both
 launchers), for `unbroken run --on-fault restart` against torchrun (same flags as above; by
 default with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the only way its restart of a plain gloo
 script succeeds at the first try here: see --plain-torchrun-store). `--plain-control` adds
-`unbroken-torch-only`: warm standbys that import torch only, as before they imported what
+`unbroken-torch-only`: warm interpreters that import torch only, as before they imported what
 the workers had (the node's module list is blocked: a directory stands at its path).
 
     .venv/bin/python benchmarks/restart.py --case plain_heavy --tries 5
@@ -73,7 +73,7 @@ from unbroken.runtime.warm_imports import modules_path  # noqa: E402
 KILL_AT = 120
 STEPS = 140
 # The plain script: ~20 s into training, past the 10 s after which the agent fills its pool
-# for a script that sends no heartbeats, and the standbys' imports (~6 s at idle priority).
+# for a script that sends no heartbeats, and the warm interpreters' imports (~6 s at idle priority).
 PLAIN_KILL_AT = 300
 PLAIN_STEPS = 340
 TORCHRUN_RDZV = "c10d"
@@ -83,8 +83,9 @@ TORCHRUN_RDZV = "c10d"
 class RestartTry(Try):
     """A try, and: `restart_failed` (the launcher gave up: every restart failed); the
     restarted workers' mean start-up (s); the attempt the first resumed step belongs to;
-    for the plain script under unbroken, the standbys that had caught up with the workers'
-    module list at the kill and the modules each taken standby had pre-imported."""
+    for the plain script under unbroken, the warm interpreters (`standby_*` events) that had
+    caught up with the workers' module list at the kill and the modules each taken one had
+    pre-imported."""
 
     restart_failed: bool = False
     startup: float | None = None
@@ -230,7 +231,7 @@ def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: f
             time.sleep(0.05)
         if victim is None:
             return RestartTry(launcher, error="never reached the kill step")
-        # How many standbys had caught up with the workers' module list at the kill.
+        # How many warm interpreters had caught up with the workers' module list at the kill.
         warm = (len({e["pid"] for e in events_of(run_dir) if e["event"] == "standby_imports"})
                 if launcher.startswith("unbroken") else None)
         done = _kill_and_wait(
@@ -374,7 +375,7 @@ def main() -> None:
                         "every restart, where a restarted gloo group may read the dead "
                         "workers' addresses and fail (another restart then follows)")
     p.add_argument("--plain-control", action="store_true",
-                   help="plain_heavy: also run unbroken with standbys that import torch only")
+                   help="plain_heavy: also run unbroken with warm interpreters that import torch only")
     args = p.parse_args()
     global TORCHRUN_RDZV
     TORCHRUN_RDZV = args.torchrun_rdzv

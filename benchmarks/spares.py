@@ -16,7 +16,7 @@ the recovered job completes. Arms:
 
 Tries alternate between the arms. Steady state: `--spares 1` against `--spares 0`, no
 fault, no checkpoint, alternating rounds; the figure is the median time between consecutive
-steps of rank 0 once the spare (and the warm standbys) are ready.
+steps of rank 0 once the spare (and the warm interpreters) are ready.
 
     .venv/bin/python benchmarks/spares.py --tries 10
 
