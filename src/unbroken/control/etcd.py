@@ -30,7 +30,6 @@ import re
 import socket
 import ssl
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,6 +40,7 @@ from typing import Any
 from torch.distributed import Store
 
 from unbroken.control.backend import StoreMisconfigured, StoreUnavailable
+from unbroken.polling import Backoff, PollTimeout, poll_until
 
 _RETRIES = 64  # compare-and-set rounds an atomic add may take under contention
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most requests one txn may carry
@@ -394,15 +394,13 @@ class EtcdBackend:
         raise StoreUnavailable(f"add to {key} on {self.describe()}: lost {_RETRIES} races")
 
     def wait(self, keys: list[str], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        pause = 0.001
-        while True:
-            if all(raw is not None for raw in self._ranges(keys)):
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(0.05, pause * 2)
+        def all_there() -> bool | None:
+            return True if all(raw is not None for raw in self._ranges(keys)) else None
+
+        try:
+            return poll_until(all_there, timeout, Backoff(0.001, 2.0, 0.05), what="the keys")
+        except PollTimeout:
+            return False
 
     def refresh_lease(self, key: str) -> None:
         """One put: only the holder writes its lease, so its own count is the token."""

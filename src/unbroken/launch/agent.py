@@ -55,6 +55,7 @@ from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.supervisor import NodeSupervisor, launcher_defaults
 from unbroken.launch.warm_pool import WarmPool
+from unbroken.polling import poll_until
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -244,18 +245,25 @@ class Agent:
         record is not published) is retried until --rdzv-timeout, with one progress line;
         only then is it an error."""
         cfg = self.cfg
-        deadline = time.monotonic() + cfg.rdzv_timeout
+        missing: list[str] = []
         told = False
-        while missing := unresolved(address.hosts):
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"cannot resolve {', '.join(missing)} after {cfg.rdzv_timeout:g}s: check "
-                    "--master-addr/--rdzv-endpoint (the name must resolve on every node)")
+
+        def resolved() -> bool | None:
+            nonlocal missing
+            missing = unresolved(address.hosts)
+            return None if missing else True
+
+        def tell(_waited: float) -> None:
+            nonlocal told
             if not told:
                 self.say(f"waiting for {', '.join(missing)} to resolve (up to "
                          f"{cfg.rdzv_timeout:g}s)")
                 told = True
-            self._sleep(0.25)
+
+        poll_until(resolved, cfg.rdzv_timeout, 0.25, on_wait=tell, sleep=self._sleep,
+                   timeout_error=lambda: ControlPlaneError(
+                       f"cannot resolve {', '.join(missing)} after {cfg.rdzv_timeout:g}s: check "
+                       "--master-addr/--rdzv-endpoint (the name must resolve on every node)"))
         if told:
             self.say(f"{', '.join(address.hosts)} resolved")
 
@@ -272,14 +280,11 @@ class Agent:
             plain.write(JOB_AUTH, mine)
             job = mine
         else:
-            deadline = time.monotonic() + cfg.rdzv_timeout
-            while (job := plain.read(JOB_AUTH)) is None:
-                if time.monotonic() > deadline:
-                    raise ControlPlaneError(
-                        f"the control store at {cfg.master_addr}:{cfg.master_port} never said "
-                        f"how the job signs within {cfg.rdzv_timeout:g}s: is it an unbroken "
-                        "job's node 0?")
-                self._sleep(0.05)
+            job = poll_until(lambda: plain.read(JOB_AUTH), cfg.rdzv_timeout, 0.05,
+                             sleep=self._sleep, timeout_error=lambda: ControlPlaneError(
+                                 f"the control store at {cfg.master_addr}:{cfg.master_port} never "
+                                 f"said how the job signs within {cfg.rdzv_timeout:g}s: is it an "
+                                 "unbroken job's node 0?"))
         self._declared = job
         why = mismatch(job, mine)
         if why is not None:
@@ -353,15 +358,20 @@ class Agent:
 
     def _first_contact(self, address: ControlAddress) -> Backend:
         """The first connection: retried until --rdzv-timeout (node 0 may start later)."""
-        deadline = time.monotonic() + self.cfg.rdzv_timeout
-        while True:
+        last: list[StoreUnavailable] = []
+
+        def contact() -> Backend | None:
             self._check_signal()
             try:
                 return open_backend(address, self.cfg.run_id, 2.0)
-            except StoreUnavailable:
-                if address.kind == BackendKind.ETCD or time.monotonic() > deadline:
+            except StoreUnavailable as e:
+                if address.kind == BackendKind.ETCD:
                     raise  # etcd is up before the job: a wrong endpoint is said at once
-                self._sleep(0.1)
+                last[:] = [e]
+                return None
+
+        return poll_until(contact, self.cfg.rdzv_timeout, 0.1, sleep=self._sleep,
+                          timeout_error=lambda: last[0])  # the store's own last word
 
     def _retrying(self, address: ControlAddress, first: Backend | None = None) -> RetryingBackend:
         """A client that rides out a blip of the control plane (--control-retry-window)."""

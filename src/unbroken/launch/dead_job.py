@@ -44,6 +44,7 @@ from unbroken.control.codec import decode
 from unbroken.control.messages import LeaderClaim
 from unbroken.control.schema import JOB_AUTH, LEADER, agent_lease
 from unbroken.errors import ConfigError, ControlPlaneError
+from unbroken.polling import poll_until
 
 RESET_MARK = "reset:"
 
@@ -110,9 +111,7 @@ def clear(backend: Backend, dead_declaration: str, instance: str) -> bool:
 
 def wait_cleared(backend: Backend, timeout: float, sleep: Callable[[float], None]) -> None:
     """Wait until the agent that won `clear` has deleted the dead job's keys (bounded)."""
-    deadline = time.monotonic() + timeout
-    while is_reset(backend.get(JOB_AUTH.key)):
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(f"another agent began to clear a dead job's keys and did "
-                                    f"not finish within {timeout:g}s")
-        sleep(0.05)
+    poll_until(lambda: None if is_reset(backend.get(JOB_AUTH.key)) else True, timeout, 0.05,
+               sleep=sleep, timeout_error=lambda: ControlPlaneError(
+                   f"another agent began to clear a dead job's keys and did not finish within "
+                   f"{timeout:g}s"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest, Job
 from unbroken.control.schema import CURRENT, JOB_AUTH, RESULT, AttemptKeys
 from unbroken.control.signing import Signer, load_secret
 from unbroken.errors import ConfigError, ControlPlaneError, UserError
+from unbroken.polling import poll_until
 
 CONTROL_FILE = "control.json"  # in each agent's run dir: where the control plane is, and the run id
 
@@ -109,16 +109,16 @@ def request_drain(channel: Channel, request: DrainRequest, timeout: float) -> Dr
     if keys is None or channel.read(keys.plan) is None:
         raise UserError("the job has not started training yet; try again once it has")
     index = channel.append(keys.drains, request)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        outcome = channel.read(keys.drain_outcome(index))
-        if outcome is not None:
-            return outcome
-        if channel.read(CURRENT) != attempt or channel.read(RESULT):
+
+    def outcome() -> DrainOutcome | None:
+        done = channel.read(keys.drain_outcome(index))
+        if done is None and (channel.read(CURRENT) != attempt or channel.read(RESULT)):
             raise UserError("the job restarted or ended before the drain completed")
-        time.sleep(0.05)
-    raise UserError(f"the drain did not complete within {timeout:g}s; see the job's events "
-                    "(drain_started, spare_promoted)")
+        return done
+
+    return poll_until(outcome, timeout, 0.05, timeout_error=lambda: UserError(
+        f"the drain did not complete within {timeout:g}s; see the job's events "
+        "(drain_started, spare_promoted)"))
 
 
 def drain(target: DrainTarget, rank: int | None, node: int | None, timeout: float,

@@ -22,6 +22,7 @@ from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import LeaderClaim
 from unbroken.control.schema import LEADER, agent_lease
 from unbroken.errors import ControlPlaneError
+from unbroken.polling import PollTimeout, poll_until
 
 WRONG_SECRET = ("the job's control messages are signed with another secret than this "
                 "agent's: give every node the same --secret-file or UNBROKEN_SECRET")
@@ -53,18 +54,22 @@ class Election:
         job's leader is node 0 unless node 0 is late."""
         if self.channel.signed_elsewhere(LEADER):
             raise ControlPlaneError(WRONG_SECRET)
-        deadline = time.monotonic() + (0.0 if first else self.timeout)
-        while not first and time.monotonic() < deadline:
-            claim = self.channel.read(LEADER)
-            if claim is not None:
-                return claim
-            if self.channel.signed_elsewhere(LEADER):
-                raise ControlPlaneError(WRONG_SECRET)
-            time.sleep(0.05)
+        if not first:
+            try:
+                return poll_until(self._held, self.timeout, 0.05, what="node 0's claim")
+            except PollTimeout:
+                pass  # node 0 is late: anyone may stand
         won = self.channel.first(LEADER, self.mine)
         if won is not None and won.instance == self.mine.instance:
             self.mine = won
         return won if won is not None else self.mine
+
+    def _held(self) -> LeaderClaim | None:
+        """The claim that holds, if any (one under another secret: said, and raised)."""
+        claim = self.channel.read(LEADER)
+        if claim is None and self.channel.signed_elsewhere(LEADER):
+            raise ControlPlaneError(WRONG_SECRET)
+        return claim
 
     def check_held(self) -> None:
         """Each look of the leader: raise `Deposed` if the claim is no longer its own."""

@@ -26,7 +26,10 @@ from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.election import WRONG_SECRET
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
+from unbroken.polling import poll_until
 from unbroken.telemetry import schema as ev
+
+_LOOK = 0.02  # seconds between two looks while waiting: the role's sleep (the agent's default)
 
 
 class Quarantined(Exception):  # noqa: N818 - control flow, not an error
@@ -147,8 +150,7 @@ class Follower(Role):
                                             error=round(error, 6)))
 
     def _wait_next_attempt(self, seen: int) -> int:
-        deadline = time.monotonic() + self.cfg.rdzv_timeout
-        while True:
+        def opened() -> int | None:
             self._check_result()
             if self.election is not None:
                 self.election.watch(None)
@@ -157,10 +159,12 @@ class Follower(Role):
                 return int(current)
             if current is None and self.channel.signed_elsewhere(CURRENT):
                 raise ControlPlaneError(WRONG_SECRET)
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"the node-0 agent opened no new attempt within {self.cfg.rdzv_timeout:g}s")
-            self._sleep()
+            return None
+
+        return poll_until(opened, self.cfg.rdzv_timeout, _LOOK, sleep=lambda _: self._sleep(),
+                          timeout_error=lambda: ControlPlaneError(
+                              f"the node-0 agent opened no new attempt within "
+                              f"{self.cfg.rdzv_timeout:g}s"))
 
     def _wait_plan(self, attempt: int) -> AttemptPlan | None:
         """The plan for this attempt, or None if it already runs without this agent."""

@@ -68,7 +68,10 @@ from unbroken.launch.planner_state import (
     job_state,
 )
 from unbroken.launch.role import Role
+from unbroken.polling import PollTimeout, poll_until
 from unbroken.telemetry import schema as ev
+
+_LOOK = 0.02  # seconds between two looks while waiting: the role's sleep (the agent's default)
 
 
 class Leader(Role):
@@ -372,9 +375,10 @@ class Leader(Role):
     def _wait_stopped(self, attempt: int) -> None:
         """Wait until every live follower has stopped its workers of this attempt."""
         keys = AttemptKeys(attempt)
-        deadline = time.monotonic() + self.cfg.kill_grace + self.cfg.node_timeout
         pending = set(self._followers()) - set(self.state.nodes.released)
-        while pending and time.monotonic() < deadline:
+
+        def all_stopped() -> bool | None:
+            nonlocal pending
             pending = {k for k in pending if not self.channel.read(keys.node_stopped(k))}
             # No planner looks now: the lease silences go into the state here.
             silences, released = self._silences(attempt)
@@ -383,8 +387,14 @@ class Leader(Role):
             self._executor.carry_out(said)
             self.save_record(attempt)
             pending -= set(self.state.nodes.lost)
-            if pending:
-                self._sleep()
+            return None if pending else True
+
+        if pending:
+            try:
+                poll_until(all_stopped, self.cfg.kill_grace + self.cfg.node_timeout, _LOOK,
+                           sleep=lambda _: self._sleep(), what="the followers' stop")
+            except PollTimeout:
+                pass  # the next attempt's rendezvous deals with a follower still stopping
 
     def _fail(self, fault: Fault | None, reason: str,
               code: ExitCode = ExitCode.GAVE_UP) -> int:
@@ -403,14 +413,20 @@ class Leader(Role):
         """Keep the store up until the followers have read the result (bounded). `clear`:
         with etcd, the job's keys outlive it: delete them once every follower has read the
         result (the TCPStore goes away with this agent)."""
-        deadline = time.monotonic() + 5.0
         nodes = self.state.nodes
         followers = set() if self.plan is None else \
             set(self._followers()) - set(nodes.released) - set(nodes.lost)
-        while followers and time.monotonic() < deadline:
+
+        def all_read() -> bool | None:
+            nonlocal followers
             followers = {k for k in followers if not self.channel.read(ack(k))}
-            if followers:
-                time.sleep(0.02)
+            return None if followers else True
+
+        if followers:
+            try:
+                poll_until(all_read, 5.0, 0.02, what="the followers' acks")
+            except PollTimeout:
+                pass  # bounded: a follower that never reads the result is not waited for
         if clear and self.election is not None:
             self.channel.backend.delete_prefix()
 

@@ -16,6 +16,9 @@ from unbroken.control.messages import NodeJoin, NodeOut
 from unbroken.control.schema import NODE_RANKS, AttemptKeys, agent_lease
 from unbroken.errors import ControlPlaneError
 from unbroken.launch import node_life, node_set
+from unbroken.polling import poll_until
+
+_LOOK = 0.02  # seconds between two looks while waiting: the role's sleep (the agent's default)
 
 if TYPE_CHECKING:
     from unbroken.launch.leader import Leader
@@ -94,23 +97,27 @@ class Rendezvous:
         if self.lead.cfg.joins_freely:
             return self._gathered(attempt)
         cfg, keys = self.lead.cfg, AttemptKeys(attempt)
-        deadline = time.monotonic() + cfg.rdzv_timeout
+        missing: list[int] = []
         told = False
-        while True:
+
+        def all_joined() -> dict[int, NodeJoin | None] | None:
+            nonlocal missing
             nodes = {k: self.lead.channel.read(keys.node_join(k)) for k in self.lead.nodes.order}
             self._note_joins(nodes)
             missing = [k for k, v in nodes.items() if v is None]
-            if not missing:
-                break
-            if not told and time.monotonic() > deadline - cfg.rdzv_timeout + 3:
+            return None if missing else nodes
+
+        def tell(waited: float) -> None:
+            nonlocal told
+            if not told and waited > 3:
                 self.lead.say(f"waiting up to {cfg.rdzv_timeout:g}s for node(s) {missing} to join")
                 told = True
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"node(s) {missing} did not join within {cfg.rdzv_timeout:g}s; start their "
-                    f"agents with --nnodes {cfg.nnodes} and the same --master-addr/--master-port/--rdzv-id"
-                )
-            self.lead._sleep()
+
+        nodes = poll_until(
+            all_joined, cfg.rdzv_timeout, _LOOK, on_wait=tell, sleep=lambda _: self.lead._sleep(),
+            timeout_error=lambda: ControlPlaneError(
+                f"node(s) {missing} did not join within {cfg.rdzv_timeout:g}s; start their "
+                f"agents with --nnodes {cfg.nnodes} and the same --master-addr/--master-port/--rdzv-id"))
         for k in range(cfg.nnodes):  # out nodes whose agents came back
             if k not in nodes and (join := self.lead.channel.read(keys.node_join(k))) is not None:
                 self._note_joins({k: join})

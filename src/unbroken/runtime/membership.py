@@ -19,6 +19,7 @@ from torch.distributed import Store
 from unbroken.control.channel import Channel
 from unbroken.control.messages import Departure, GenPlan, Joiner, LeaveReason
 from unbroken.control.schema import AttemptKeys
+from unbroken.polling import poll_until
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,8 @@ class Membership:
 
     def _poll(self, ready: Callable[[], Any], what: str) -> Any:
         """Poll until `ready()` returns something other than None, keeping the heartbeat fresh."""
-        deadline = time.monotonic() + self.timeout
-        while (result := ready()) is None:
-            if time.monotonic() > deadline:
-                raise RecoveryTimeout(f"{what} within {self.timeout:g}s")
-            self._on_wait()
-            time.sleep(self.poll)
-        return result
+        return poll_until(ready, self.timeout, self.poll, on_wait=lambda _: self._on_wait(),
+                          timeout_error=lambda: RecoveryTimeout(f"{what} within {self.timeout:g}s"))
 
     def next_plan(self, after: int, joining: bool = False) -> Plan:
         """Block until a generation newer than `after` names this worker.

@@ -39,6 +39,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from unbroken.polling import PollTimeout, poll_until
 from unbroken.telemetry.event_names import Event
 from unbroken.telemetry.schema import SCHEMA_VERSION, VERSION_KEY, EventBody, encode
 
@@ -364,16 +365,19 @@ def _shared_lock(lock_path: Path) -> int | None:
         fd = os.open(lock_path, os.O_RDONLY)
     except OSError:
         return None
-    deadline = time.monotonic() + READ_LOCK_WAIT
-    while True:
+
+    def locked() -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                return None
-            time.sleep(0.002)
+            return None
+
+    try:
+        return poll_until(locked, READ_LOCK_WAIT, 0.002, what="a shared lock of the event log")
+    except PollTimeout:
+        os.close(fd)
+        return None
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
