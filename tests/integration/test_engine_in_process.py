@@ -75,7 +75,7 @@ class FakeLeader(threading.Thread):
 def world():
     """A served control store, and generation 0: a one-process gloo group."""
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
-    channel = Channel(TcpBackend(server, "engine-test"))
+    channel = Channel(TcpBackend(server, "engine-test", "127.0.0.1", server.port))
     groups = AbortableGroups()
     with groups.recording():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -229,8 +229,12 @@ class Leader(Role):
         """The attempt's executor, and its state: a new one (the budget and the job's node
         set carry over), or, on a takeover, the one the old leader persisted."""
         cfg = self.cfg
+        # `--on-fault restart` plans no generations (the inbox says not in place): its
+        # planner takes in node news only, and never reads the policy.
+        on_fault = cfg.recovery.on_fault
         config = PlannerConfig(
-            policy=Policy(cfg.recovery.on_fault), recovery_timeout=cfg.recovery.recovery_timeout,
+            policy=Policy(on_fault) if on_fault in {p.value for p in Policy} else Policy.SHRINK,
+            recovery_timeout=cfg.recovery.recovery_timeout,
             stall_limit=max(60.0, 3 * cfg.node_timeout), join_timeout=cfg.recovery.join_timeout,
             node_timeout=cfg.node_timeout, leader_timeout=cfg.etcd.leader_timeout,
             quarantine=cfg.recovery.quarantine, least=cfg.least if cfg.elastic else 0,
