@@ -201,8 +201,8 @@ def test_https_against_a_plain_etcd_says_to_use_http(auth, tmp_path):
 def test_the_protocol_works_as_a_user_and_renews_a_forgotten_token(auth):
     backend = EtcdBackend([auth], "users", user="root", password=PASSWORD)
     exercise(backend)
-    backend._token = "forgotten.1"  # what etcd answers for an expired token: HTTP 401
-    assert backend.get("a") == "2" and backend._token != "forgotten.1"
+    backend._gateway._token = "forgotten.1"  # what etcd answers for an expired token: HTTP 401
+    assert backend.get("a") == "2" and backend._gateway._token != "forgotten.1"
     store = backend.rendezvous_store("g/1/pg/", 5)  # logs in on its own
     store.set("k", b"v")
     assert store.get("k") == b"v"
@@ -228,7 +228,7 @@ def test_a_user_without_permission_is_told_what_to_grant_and_no_secret_leaks(aut
     text = one_line_error(backend)
     assert text == (f"etcd at {auth} denied user 'alice' kv/range: grant it a role with "
                     "readwrite permission on the keys under 'unbroken/'")
-    assert backend._token and backend._token not in text and PASSWORD not in text
+    assert backend._gateway._token and backend._gateway._token not in text and PASSWORD not in text
 
 
 # ------------------------------------------------------------------ bulk calls
