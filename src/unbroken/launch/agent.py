@@ -1,7 +1,8 @@
 """The node agent: `unbroken run`. One per node; the node-0 agent is the leader.
 
-This module only sets the agent up and picks its role: it serves or connects to the control
-store, keeps this agent's liveness lease, handles SIGINT/SIGTERM, and turns the role's end
+This module only sets the agent up and picks its role: it makes first contact with the job
+(`first_contact.FirstContact`: serves or connects to the control store, agrees on signing),
+keeps this agent's liveness lease, handles SIGINT/SIGTERM, and turns the role's end
 into an exit code. The roles are `leader.Leader` and `follower.Follower`; both watch their
 node's processes through `attempt.AttemptWatch` and `supervisor.NodeSupervisor`. The agent
 never imports the user's code.
@@ -20,42 +21,26 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.control.address import (
-    BackendKind,
-    ControlAddress,
-    address_toward,
-    open_backend,
-    unresolved,
-)
-from unbroken.control.auth import UNSIGNED_NOTICE, job_auth, mismatch
-from unbroken.control.backend import Backend, StoreUnavailable
+from unbroken.control.address import ControlAddress, open_backend
 from unbroken.control.channel import Channel
-from unbroken.control.messages import AuthRejection, Fault, JobAuth
+from unbroken.control.messages import Fault
 from unbroken.control.retry import RetryingBackend
-from unbroken.control.schema import (
-    AUTH_REJECTIONS,
-    JOB_AUTH,
-    NODE_RANKS,
-    STANDBY_IDS,
-    agent_lease,
-    standby_id,
-)
-from unbroken.control.signing import Signer, load_secret
-from unbroken.control.tcp import TcpBackend, serve_store
+from unbroken.control.schema import STANDBY_IDS, agent_lease, standby_id
+from unbroken.control.signing import Signer
 from unbroken.control.worker_env import WorkerEnv
-from unbroken.errors import ConfigError, ControlPlaneError, ExitCode
-from unbroken.launch import dead_job, returning
+from unbroken.errors import ControlPlaneError, ExitCode
+from unbroken.launch import returning
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
 from unbroken.launch.election import Deposed, Elected, Election
 from unbroken.launch.failure_report import root_cause_report
+from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.supervisor import NodeSupervisor, launcher_defaults
 from unbroken.launch.warm_pool import WarmPool
-from unbroken.polling import poll_until
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -76,8 +61,7 @@ class Agent:
         self._handoff_until: float | None = None  # SIGTERM: ranks moving to spares until then
         self._lease_stop = threading.Event()
         self.role: Leader | Follower | None = None
-        self._secret: bytes | None = None
-        self._declared: JobAuth | None = None  # the job's declaration, as agreed at first contact
+        self._secret: bytes | None = None  # as found at first contact; None: unsigned
 
     def run(self) -> int:
         handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
@@ -202,200 +186,19 @@ class Agent:
         self.events.emit(ev.ForgedMessage(key=key, reason=why))
         self.say(f"rejected a forged control message at {key} ({why})")
 
-    def _own_secret(self) -> bytes | None:
-        """This agent's secret (`control.auth`): given, or on a one-node job its own; None
-        on a multi-node job given none (it runs unsigned)."""
-        cfg = self.cfg
-        alone = cfg.single_node
-        return load_secret(cfg.run_dir if alone else None, cfg.secret_file,
-                           create=alone and cfg.is_leader)
-
     def _connect(self) -> tuple[Channel, ControlAddress]:
-        """The control channel, and where the workers reach the control plane. The node-0
-        agent serves the TCPStore; every other agent, and every agent with etcd, connects.
-        The agent's secret is checked against the job's before anything else (`_agree`).
-        Every agent keeps a liveness lease from here on."""
-        cfg = self.cfg
-        self._secret = self._own_secret()
-        self._wait_resolvable(cfg.control_address(cfg.master_port))
-        if cfg.elects and cfg.local_addr is None:
-            # Where this agent serves the workers' store if it comes to lead: its address on
-            # the route to etcd, which the other hosts reach too (loopback for a local etcd).
-            cfg.local_addr = address_toward(cfg.etcd_endpoints[0])
-        hosted = self._host_store()
-        if hosted is None:
-            address = cfg.control_address(cfg.master_port)
-            backend = self._retrying(address, self._first_contact(address))
-            self._agree(backend, declare=cfg.elects)
-            if cfg.assign_rank:
-                self._take_node_rank(backend)
-        else:
-            store, port = hosted
-            address = cfg.control_address(port)
-            backend = TcpBackend(store, cfg.run_id, cfg.master_addr, port)
-            self._agree(backend, declare=True)
+        """The control channel, and where the workers reach the control plane: the first
+        contact with the job (`first_contact.FirstContact`: the store served or reached, the
+        signing agreed, the node rank taken). Every agent keeps a liveness lease from here on."""
+        contact = FirstContact(self.cfg, self.events, self.say, self.instance, self._sleep,
+                               self._check_signal, self._control_lost, self._control_back)
+        backend, address = contact.connect()
+        self._secret = contact.secret
         self._write_control_file(address)
         threading.Thread(target=self._keep_lease, args=(address,), daemon=True,
                          name="agent-lease").start()
         signer = Signer(self._secret) if self._secret is not None else None
         return Channel(backend, signer, self._forged), address
-
-    def _wait_resolvable(self, address: ControlAddress) -> None:
-        """A master address or endpoint whose name does not resolve yet (a pod whose DNS
-        record is not published) is retried until --rdzv-timeout, with one progress line;
-        only then is it an error."""
-        cfg = self.cfg
-        missing: list[str] = []
-        told = False
-
-        def resolved() -> bool | None:
-            nonlocal missing
-            missing = unresolved(address.hosts)
-            return None if missing else True
-
-        def tell(_waited: float) -> None:
-            nonlocal told
-            if not told:
-                self.say(f"waiting for {', '.join(missing)} to resolve (up to "
-                         f"{cfg.rdzv_timeout:g}s)")
-                told = True
-
-        poll_until(resolved, cfg.rdzv_timeout, 0.25, on_wait=tell, sleep=self._sleep,
-                   timeout_error=lambda: ControlPlaneError(
-                       f"cannot resolve {', '.join(missing)} after {cfg.rdzv_timeout:g}s: check "
-                       "--master-addr/--rdzv-endpoint (the name must resolve on every node)"))
-        if told:
-            self.say(f"{', '.join(address.hosts)} resolved")
-
-    def _agree(self, backend: Backend, declare: bool) -> None:
-        """Settle signing with the job (`control.auth`): the first agent declares it (the
-        TCPStore's host always; with etcd whoever writes first), every other one reads the
-        declaration and leaves, alone and at once, if its own differs."""
-        cfg, plain = self.cfg, Channel(backend)  # unsigned: the declaration is what is checked
-        mine = dataclasses.replace(job_auth(self._secret), incarnation=self.instance)
-        if declare and cfg.elects:
-            self._meet_earlier_job(backend)
-            job = plain.first(JOB_AUTH, mine)
-        elif declare:
-            plain.write(JOB_AUTH, mine)
-            job = mine
-        else:
-            job = poll_until(lambda: plain.read(JOB_AUTH), cfg.rdzv_timeout, 0.05,
-                             sleep=self._sleep, timeout_error=lambda: ControlPlaneError(
-                                 f"the control store at {cfg.master_addr}:{cfg.master_port} never "
-                                 f"said how the job signs within {cfg.rdzv_timeout:g}s: is it an "
-                                 "unbroken job's node 0?"))
-        self._declared = job
-        why = mismatch(job, mine)
-        if why is not None:
-            self.events.emit(ev.AgentRejected(reason=why, host=os.uname().nodename))
-            try:
-                plain.append(AUTH_REJECTIONS, AuthRejection(
-                    node=cfg.node_rank, host=os.uname().nodename, reason=why))
-            except ControlPlaneError:
-                pass  # the job is out of reach: this agent's own line is what matters
-            raise ConfigError(why)
-        if not mine.signed:
-            self.events.emit(ev.ControlUnsigned())
-            self.say(UNSIGNED_NOTICE)
-
-    def _meet_earlier_job(self, backend: Backend) -> None:
-        """With etcd, before declaring: keys already under this id are a live job's (join it)
-        or a dead one's (`dead_job`): refused with one line, or, with --continue-dead-job,
-        cleared by exactly one agent so that the job starts afresh under the same id."""
-        cfg = self.cfg
-        found = backend.get(JOB_AUTH.key)
-        if found is None:
-            return
-        if not dead_job.is_reset(found):
-            silent = dead_job.judge(backend, dead_job.window(cfg.etcd.leader_timeout), self._sleep)
-            if silent is None:  # alive; or another agent began to clear it meanwhile
-                if dead_job.is_reset(backend.get(JOB_AUTH.key)):
-                    dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
-                return
-            self.events.emit(ev.DeadJobFound(silent=round(silent, 1),
-                             cont=cfg.etcd.continue_dead_job))
-            if not cfg.etcd.continue_dead_job:
-                raise dead_job.DeadJob(cfg.run_id, silent)
-            if dead_job.clear(backend, found, self.instance):
-                self.events.emit(ev.DeadJobCleared())
-                self.say(f"cleared the keys of a dead job under --rdzv-id {cfg.run_id} (silent "
-                         f"{silent:.0f}s): continuing it afresh")
-                return
-        dead_job.wait_cleared(backend, cfg.rdzv_timeout, self._sleep)
-
-    def _host_store(self) -> tuple[Any, int] | None:
-        """With the TCPStore: serve it if this agent is node 0, or, when node ranks are
-        assigned (torchrun's c10d rendezvous), if it can bind the endpoint first; that agent
-        is node 0. None: connect to the store as a client."""
-        cfg = self.cfg
-        if cfg.elects or cfg.standby or not (cfg.is_leader or cfg.assign_rank):
-            return None
-        if not cfg.assign_rank or cfg.is_host:
-            return serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
-        if cfg.is_host is False:
-            cfg.node_rank = -1  # ranked once connected
-            return None
-        try:
-            return serve_store(cfg.master_addr, cfg.master_port, cfg.rdzv_timeout)
-        except (ControlPlaneError, ConfigError):  # another agent serves it, or another host's
-            cfg.node_rank = -1
-            return None
-
-    def _take_node_rank(self, backend: Backend) -> None:
-        """The next node rank in join order: 1, 2, ... behind the TCPStore's host; with
-        etcd 0, 1, ... (the first to claim stands first for leadership). A standby node
-        claims a standby id instead (`schema.standby_id`), which no job node ever has."""
-        if self.cfg.standby:
-            self.cfg.node_rank = standby_id(self.cfg.nnodes, Channel(backend).claim(STANDBY_IDS))
-            self.events.context["node"] = self.cfg.node_rank
-            self.say(f"joined as standby node {self.cfg.node_rank}")
-            return
-        claim = Channel(backend).claim(NODE_RANKS)
-        self.cfg.node_rank = claim if not self.cfg.elects else claim - 1
-        self.events.context["node"] = self.cfg.node_rank
-        self.say(f"joined as node {self.cfg.node_rank}")
-
-    def _first_contact(self, address: ControlAddress) -> Backend:
-        """The first connection: retried until --rdzv-timeout (node 0 may start later)."""
-        last: list[StoreUnavailable] = []
-
-        def contact() -> Backend | None:
-            self._check_signal()
-            try:
-                return open_backend(address, self.cfg.run_id, 2.0)
-            except StoreUnavailable as e:
-                if address.kind == BackendKind.ETCD:
-                    raise  # etcd is up before the job: a wrong endpoint is said at once
-                last[:] = [e]
-                return None
-
-        return poll_until(contact, self.cfg.rdzv_timeout, 0.1, sleep=self._sleep,
-                          timeout_error=lambda: last[0])  # the store's own last word
-
-    def _retrying(self, address: ControlAddress, first: Backend | None = None) -> RetryingBackend:
-        """A client that rides out a blip of the control plane (--control-retry-window)."""
-        return RetryingBackend(lambda: open_backend(address, self.cfg.run_id, 2.0),
-                               window=self.cfg.retry_window, on_lost=self._control_lost,
-                               on_back=self._control_back, sleep=self._sleep, first=first,
-                               same_store=self._same_store)
-
-    def _same_store(self, client: Backend) -> None:
-        """After an outage: the store reached again must hold the declaration this agent
-        agreed to (its incarnation). A TCPStore whose host was replaced (node 0's pod
-        recreated) holds another job's, or none yet: this agent's job ended with the old
-        store, and it leaves (exit 3) so that its node restarts into the new one."""
-        if self._declared is None:
-            return
-        raw = client.get(JOB_AUTH.key)
-        if raw is not None and dead_job.is_reset(raw):
-            return  # another agent clears a dead job: not this one's (it is alive)
-        found = None if raw is None else Channel(client).read(JOB_AUTH)
-        if found is None or found.incarnation != self._declared.incarnation:
-            raise ControlPlaneError(
-                "the control store came back without this job: its host restarted (node 0's "
-                "agent was replaced) and the job now forming there is another; leaving so "
-                "that this node restarts and joins it")
 
     def _control_lost(self, error: str) -> None:
         self.events.emit(ev.ControlPlaneLost(error=error))
