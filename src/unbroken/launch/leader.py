@@ -23,20 +23,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import (
     AttemptPlan,
-    DrainKind,
-    DrainRequest,
     Fault,
     FaultKind,
     LeaderRecord,
     NodeJoin,
     NodeLayout,
-    NodeOrder,
     NodeOut,
     NodeSet,
-    OrderKind,
     Result,
     Status,
 )
@@ -46,7 +41,6 @@ from unbroken.control.schema import (
     RESULT,
     AttemptKeys,
     ack,
-    agent_lease,
 )
 from unbroken.control.tcp import serve_store
 from unbroken.errors import ExitCode
@@ -55,6 +49,7 @@ from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
 from unbroken.launch.election import Elected
 from unbroken.launch.leader_chores import Rejections, start_telemetry, stranded_reason
+from unbroken.launch.leader_followers import Followers
 from unbroken.launch.leader_rendezvous import Rendezvous
 from unbroken.launch.node_life import Strike
 from unbroken.launch.plan_executor import PlanExecutor
@@ -82,14 +77,12 @@ class Leader(Role):
         # elastic: whoever joins the first), with what became of each.
         self.state: PlannerState = job_state(
             cfg.recovery.max_restarts, node_set.initial(0 if cfg.joins_freely else cfg.nnodes))
-        self.leases = LeaseWatch(self.channel.backend, pause_limit=cfg.node_timeout / 2)
+        self.followers = Followers(cfg, self.channel)  # the other agents, their leases
         self.plan: AttemptPlan | None = None
         self._worker_store: Any = None  # the attempt's worker store; dropping it closes it
         self._executor: PlanExecutor | None = None
         self._predecessor: int | None = None  # the silent old leader, for the next look
         self._recorded: LeaderRecord | None = None  # the LeaderRecord last written
-        self._leaving: set[int] = set()  # quarantined nodes ordered to leave
-        self._draining: set[int] = set()  # quarantined nodes whose ranks a drain moves
         self._rejections = Rejections(self.channel, self.events, self.say)
         self._stepping_down = False  # SIGTERM on etcd: leaving without ending the job
         self.rendezvous = Rendezvous(self)
@@ -220,10 +213,8 @@ class Leader(Role):
         return self.plan
 
     def _reset_attempt(self) -> None:
-        self.leases.reset()
+        self.followers.reset()
         self._predecessor = None
-        self._leaving.clear()
-        self._draining.clear()
 
     def _start_planner(self, attempt: int, plan: AttemptPlan, resume: bool) -> None:
         """The attempt's executor, and its state: a new one (the budget and the job's node
@@ -261,7 +252,7 @@ class Leader(Role):
         if self.election is not None:
             self.election.check_held()
         self._rejections.record()
-        silences, released = self._silences(attempt)
+        silences, released = self.followers.silences(attempt, self.plan, self.state.nodes)
         inbox = Inbox(now=time.monotonic(), wall=time.time(), in_place=watch.resilient,
                       silences=silences, released=released, predecessor=self._predecessor)
         self.state, end = self._executor.look(self.state, inbox, watch.sup.max_step)
@@ -271,7 +262,7 @@ class Leader(Role):
         if end is not None:
             return Outcome(Ending.FAULT, watch.publish_fault(end.fault, attempt), end)
         if watch.resilient and not self.state.busy:  # not while a recovery counts on the node
-            self._send_off(attempt)
+            self.followers.send_off(attempt, self.plan, self.state.nodes)
         back = self.rendezvous.node_back(attempt)
         if back is not None:  # in the order again: the next attempt waits for it
             self.nodes, _ = node_set.admit(self.nodes, back)
@@ -286,24 +277,6 @@ class Leader(Role):
             return Outcome(Ending.DONE)
         return None
 
-    def _followers(self) -> dict[int, str]:
-        """Every other agent of the attempt (planned nodes and standby nodes): its instance."""
-        nodes = {k: n.instance for k, n in self.plan.nodes.items() if k != self.cfg.node_rank}
-        nodes.update(self.state.nodes.standby)
-        return nodes
-
-    def _silences(self, attempt: int) -> tuple[dict[int, float], list[int]]:
-        """How long each watched agent's lease has not moved, and which of those silent
-        past --node-timeout said they left on purpose (drained)."""
-        nodes = self.state.nodes
-        watched = {k: i for k, i in self._followers().items() if not nodes.gone(k)}
-        silent = self.leases.silent_many([agent_lease(k, i) for k, i in watched.items()],
-                                         time.monotonic())
-        silences = dict(zip(watched, silent, strict=True))
-        released = [k for k, t in silences.items() if t > self.cfg.node_timeout
-                    and self.channel.read(AttemptKeys(attempt).node_released(k))]
-        return silences, released
-
     # ---------------------------------------------------------------- quarantines
     def _strike(self, attempt: int, fault: Fault) -> None:
         """Count the fault that ended an attempt no planner recovered in place against its
@@ -314,24 +287,6 @@ class Leader(Role):
                       strikes=[Strike(fault.node, fault.t or time.time())])
         self.state, _ = self._executor.look(self.state, inbox)
         self.save_record(attempt)
-
-    def _send_off(self, attempt: int) -> None:
-        """Each quarantined node of the attempt, once the planner is idle: its ranks are
-        drained onto ready spares (a standby node's first; if there are too few, the drain
-        is refused and the node keeps them until the next full restart, which leaves it out);
-        once it holds no rank, it is told to leave."""
-        keys = AttemptKeys(attempt)
-        for k in self.state.nodes.quarantined:
-            if k in self._leaving or k == self.cfg.node_rank \
-                    or k in self.state.nodes.lost or k not in self._followers():
-                continue
-            if self.channel.read(keys.hosted(k)):
-                if k not in self._draining:
-                    self._draining.add(k)
-                    self.channel.append(keys.drains, DrainRequest(kind=DrainKind.NODE, target=k))
-                continue
-            self._leaving.add(k)
-            self.channel.append(keys.orders(k), NodeOrder(kind=OrderKind.LEAVE, slot=-1))
 
     def _all_done(self, keys: AttemptKeys) -> bool:
         """Done only when every rank of the world has trained to the end: every member of
@@ -379,13 +334,13 @@ class Leader(Role):
     def _wait_stopped(self, attempt: int) -> None:
         """Wait until every live follower has stopped its workers of this attempt."""
         keys = AttemptKeys(attempt)
-        pending = set(self._followers()) - set(self.state.nodes.released)
+        pending = set(self.followers.of(self.plan, self.state.nodes)) - set(self.state.nodes.released)
 
         def all_stopped() -> bool | None:
             nonlocal pending
             pending = {k for k in pending if not self.channel.read(keys.node_stopped(k))}
             # No planner looks now: the lease silences go into the state here.
-            silences, released = self._silences(attempt)
+            silences, released = self.followers.silences(attempt, self.plan, self.state.nodes)
             self.state.nodes, said, _ = node_life.silences(
                 self.state.nodes, silences, released, self.cfg.node_timeout, attempt)
             self._executor.carry_out(said)
@@ -419,7 +374,7 @@ class Leader(Role):
         result (the TCPStore goes away with this agent)."""
         nodes = self.state.nodes
         followers = set() if self.plan is None else \
-            set(self._followers()) - set(nodes.released) - set(nodes.lost)
+            set(self.followers.of(self.plan, nodes)) - set(nodes.released) - set(nodes.lost)
 
         def all_read() -> bool | None:
             nonlocal followers

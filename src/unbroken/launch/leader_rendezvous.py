@@ -84,7 +84,7 @@ class Rendezvous:
             return
         waited = {k: n.instance for k, n in self.lead.plan.nodes.items()
                   if k in self.lead.nodes.order and k not in self.lead.nodes.out and k not in joined}
-        silences = self.lead.leases.silent_many([agent_lease(k, i) for k, i in waited.items()],
+        silences = self.lead.followers.leases.silent_many([agent_lease(k, i) for k, i in waited.items()],
                                            time.monotonic())
         for k, silent in zip(waited, silences, strict=True):
             if silent > self.lead.cfg.node_timeout:
