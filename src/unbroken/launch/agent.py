@@ -39,8 +39,9 @@ from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
-from unbroken.launch.supervisor import NodeSupervisor, launcher_defaults
+from unbroken.launch.supervisor import NodeSupervisor
 from unbroken.launch.warm_pool import WarmPool
+from unbroken.launch.worker_spawn import launcher_defaults
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 

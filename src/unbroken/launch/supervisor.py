@@ -1,7 +1,8 @@
 """The node supervisor: spawns, watches, reaps and stops this node's workers and spares.
 
-It never touches the control store: the roles (`attempt`, `leader`, `follower`) tell it what
-to start and what to promote, and publish what it observes. Its observations are typed
+The processes themselves are started by `worker_spawn.WorkerSpawner` (environment, command,
+logs, warm interpreters). It never touches the control store: the roles (`attempt`,
+`leader`, `follower`) tell it what to start and what to promote, and publish what it observes. Its observations are typed
 (`Fault`), its processes are watched through pidfds, and none of them outlives it (the
 orphan guard holds their process groups).
 """
@@ -21,26 +22,21 @@ from pathlib import Path
 from unbroken.control.address import ControlAddress
 from unbroken.control.heartbeat_page import PHASE_DONE, PHASE_RECOVERY, PHASE_SPARE_READY, STEPPING
 from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarget
-from unbroken.control.worker_env import Role, WorkerEnv, node_dir
+from unbroken.control.worker_env import node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
-from unbroken.launch.hang_detector import HangDetector
 from unbroken.launch.hang_watch import HangWatch
-from unbroken.launch.heartbeat_reader import HeartbeatReader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
-from unbroken.launch.worker_logs import AttemptLogs, Tailer, WorkerStreams
+from unbroken.launch.worker_logs import AttemptLogs, Tailer
 from unbroken.launch.worker_process import (
     WorkerProcess,
     describe_exit,
-    open_pidfd,
     read_error,
-    script_argv,
     signal_group,
-    spawn,
     stop_workers,
-    worker_command,
 )
+from unbroken.launch.worker_spawn import WorkerSpawner
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
@@ -70,7 +66,6 @@ class NodeSupervisor:
         self.control = control  # where the workers reach the control plane
         self.secret = secret  # handed to the workers: they sign and check control messages
         self.node_dir = node_dir(Path(cfg.run_dir).resolve(), cfg.node_rank)
-        self._shadow_steps = WorkerEnv.from_environ().shadow_steps  # a user's setting is kept
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm, unassigned
         self.selector = selectors.DefaultSelector()
@@ -86,6 +81,8 @@ class NodeSupervisor:
         self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
         self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
+        self.spawner = WorkerSpawner(cfg, guard, pool, control, secret, self.node_dir, self.logs,
+                                     self.tailer)
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = (cfg.nproc_per_node if cfg.spares_when_standing_by
                              else cfg.recovery.spares)
@@ -126,92 +123,28 @@ class NodeSupervisor:
                          duration=round(time.monotonic() - t0, 6)))
         return new
 
-    def _env(self, rank: int, local_rank: int, base: Path, error_file: str | None = None,
-             **fields) -> dict[str, str]:  # noqa: ANN003
-        """`error_file`: torchrun's error.json in the log layout; None: one in the node dir."""
-        cfg, plan = self.cfg, self._plan
-        contract = WorkerEnv(
-            rank=rank, world_size=plan.world_size, local_rank=local_rank,
-            local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank, nnodes=len(plan.nodes),
-            group_rank=list(plan.nodes).index(cfg.node_rank) if cfg.node_rank in plan.nodes
-            else None,
-            attempt=self._attempt, max_restarts=cfg.recovery.max_restarts, run_id=cfg.run_id,
-            master_addr=plan.worker_addr or cfg.master_addr, master_port=plan.worker_port,
-            run_dir=str(Path(cfg.run_dir).resolve()), heartbeat_file=str(base.with_suffix(".hb")),
-            error_file=str(base.with_suffix(".error.json")),
-            torchelastic_error_file=error_file or str(base.with_suffix(".torchelastic.json")),
-            role_name=cfg.role, device=self._device(local_rank),
-            record_imports=self.pool is not None,
-            agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
-            shadow_steps=self._shadow_steps,
-            secret=self.secret.hex() if self.secret else None,
-            faults=cfg.faults, in_place=cfg.recovery.on_fault != "restart",
-            recovery_timeout=2 * cfg.recovery.recovery_timeout + cfg.recovery.join_timeout,
-            agent_store=True,
-            **fields)
-        env = dict(os.environ)
-        env.update(contract.to_environ())
-        env.update(self.control.credentials.to_environ())
-        return launcher_defaults(env, cfg)
-
-    def _watch(self, proc: subprocess.Popen, rank: int, local_rank: int, base: Path,
-               wid: str, register: bool = True) -> WorkerProcess:
-        w = WorkerProcess(rank=rank, local_rank=local_rank, proc=proc,
-                          heartbeat=HeartbeatReader(base.with_suffix(".hb")),
-                          hang=self._hang_detector(),
-                          error_file=base.with_suffix(".error.json"), wid=wid)
-        w.pidfd = open_pidfd(proc.pid)
-        if w.pidfd is not None and register:
-            self.selector.register(w.pidfd, selectors.EVENT_READ, w)
-        return w
-
     def _spawn_worker(self, rank: int, local_rank: int, wid: str, joining: bool) -> WorkerProcess:
-        """Start one worker (from a warm interpreter when there is one) and watch it."""
-        cfg = self.cfg
-        incarnation = wid.split(".")[1]
-        name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
-        base = self.node_dir / f"attempt_{self._attempt}" / name
-        streams = self.logs.streams(self._attempt, rank, local_rank)
-        if streams.error_file:  # a replacement's file: its predecessor's error is not its own
-            Path(streams.error_file).unlink(missing_ok=True)
-        env = self._env(rank, local_rank, base, slot=rank, worker_id=wid, joining=joining,
-                        error_file=streams.error_file)
-        argv = script_argv(cfg.script, cfg.script_args, cfg.module)
-        proc = self.pool.take(env, argv, streams) if self.pool is not None else None
-        if proc is None:
-            proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python),
-                         env, streams)
-            self.guard.watch(proc.pid)  # its process group: the worker and its children
-        self.tailer.follow(streams)
-        worker = self._watch(proc, rank, local_rank, base, wid)
-        worker.torchelastic_error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+        """Start one worker (`worker_spawn`) and watch it."""
+        worker = self.spawner.worker(self._plan, self._attempt, rank, local_rank, wid, joining)
+        if worker.pidfd is not None:
+            self.selector.register(worker.pidfd, selectors.EVENT_READ, worker)
         self.workers.append(worker)
         return worker
 
     # ---------------------------------------------------------------- spares
     def _spawn_spare(self) -> WorkerProcess:
-        """A hot spare: the user's script in the spare role, warming up at idle priority."""
-        cfg = self.cfg
+        """A hot spare (`worker_spawn`), watched once promoted."""
         self._spares_started += 1
-        wid = f"spare{cfg.node_rank}-{self._spares_started}"
-        base = self.node_dir / f"attempt_{self._attempt}" / wid
+        wid = f"spare{self.cfg.node_rank}-{self._spares_started}"
         # Each spare gets a device of its own, not used by a live worker or spare: on a
         # standby node the node's devices, elsewhere those beyond the workers' (LOCAL_RANK
         # nproc, nproc + 1, ...). On a GPU node without one, the spare refuses to start
         # (`Run`, one line); it keeps its device when promoted.
         taken = {p.local_rank for p in (*self.spares, *self.workers) if p.proc.poll() is None}
         local_rank = next(i for i in itertools.count() if i not in taken)
-        env = self._env(-1, local_rank, base, slot=-1, worker_id=wid, joining=True,
-                        role=Role.SPARE)
-        # A spare is no rank yet: its output goes to its own file once worker logs go to files.
-        log = str(base.with_suffix(".log")) if cfg.logs.uses_dir else None
-        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env,
-                     WorkerStreams(stdout=log, stderr=log))
-        self.guard.watch(proc.pid)
-        _idle_priority(proc.pid)
-        spare = self._watch(proc, -1, local_rank, base, wid, register=False)  # until promoted
+        spare = self.spawner.spare(self._plan, self._attempt, local_rank, wid)
         self.spares.append(spare)
-        self.events.emit(ev.SpareStarted(wid=wid, pid=proc.pid))
+        self.events.emit(ev.SpareStarted(wid=wid, pid=spare.pid))
         return spare
 
     def tend_spares(self, training: bool) -> None:
@@ -246,16 +179,12 @@ class NodeSupervisor:
         self.spares.remove(spare)
         normal_priority(spare.pid)
         spare.rank = slot
-        spare.hang = self._hang_detector()
+        spare.hang = self.spawner.hang_detector()
         spare.heartbeat.promote(slot)
         self.workers.append(spare)
         if spare.pidfd is not None:
             self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
         self.events.emit(ev.SparePromoted(wid=spare.wid, slot=slot, pid=spare.pid, by=by))
-
-    def _hang_detector(self) -> HangDetector:
-        return HangDetector(self.cfg.hangs.hang_timeout, self.cfg.hangs.startup_timeout,
-                            floor=self.cfg.hangs.hang_floor)
 
     def fill_pool(self, spawned_at: float) -> None:
         """Warm the next attempt's workers once this attempt is training, not in its start-up."""
@@ -404,34 +333,6 @@ class NodeSupervisor:
         self.stop_all()
         self.tailer.close()
         self.selector.close()
-
-    def _device(self, local_rank: int) -> str | None:
-        """`--virtual-local-rank`: the one device this worker sees (its local rank's)."""
-        if not self.cfg.virtual_local_rank:
-            return None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(self.cfg.nproc_per_node)]
-        return devices[local_rank] if local_rank < len(devices) else str(local_rank)
-
-
-def launcher_defaults(env: dict[str, str], cfg: LaunchConfig) -> dict[str, str]:
-    """The variables a launcher sets unless the user did, as torchrun does: one thread per
-    worker when several share a node, and NCCL's error handling. In place, a communicator
-    error must abort the communicators without killing the process (2, CleanUpOnly): the
-    survivor leaves by the error and keeps its process. Otherwise torchrun's 1 (TearDown)."""
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if cfg.in_place else "1")
-    if cfg.nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # no oversubscription
-    return env
-
-
-def _idle_priority(pid: int) -> None:
-    """A spare warms up on CPU that training leaves idle (SCHED_IDLE; needs root)."""
-    try:
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # not permitted: it warms up at normal priority
-
 
 def exit_cause(w: WorkerProcess) -> ExitCause:
     """Why a failed worker exited, as far as its exit code and its error record tell."""
