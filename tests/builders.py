@@ -1,11 +1,14 @@
 """What several test modules build in process: a tiny model with its optimizer and its
-state, checkpoint files with the reports ranks make of them, report timestamps."""
+state, checkpoint files with the reports ranks make of them, report timestamps, an event
+log kept in memory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from unbroken.telemetry.events import EventLog
 
 
 def tiny_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -73,3 +76,19 @@ T0 = 1_700_000_000.0
 def plots_in(page: Path) -> int:
     """How many plots an HTML report embeds."""
     return page.read_text().count('<img class="plot"')
+
+
+class Recorder(EventLog):
+    """The event log, kept in memory: what was emitted, in order, as the log would hold it."""
+
+    def __init__(self) -> None:
+        super().__init__(None, source="worker", node=0, rank=0, attempt=0)
+        self.records: list[dict] = []
+
+    def emit(self, event, **fields):  # noqa: ANN001, ANN003, ANN201
+        record = super().emit(event, **fields)
+        self.records.append(record)
+        return record
+
+    def named(self, name: str) -> list[dict]:
+        return [r for r in self.records if r["event"] == name]

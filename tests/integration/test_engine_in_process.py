@@ -16,6 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from builders import Recorder
 
 from unbroken.control.channel import Channel
 from unbroken.control.messages import GenPlan, LeaveReason
@@ -29,25 +30,8 @@ from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.tracked import TrackedState
-from unbroken.telemetry.events import EventLog
 
 WID = "0.0"
-
-
-class Recorder(EventLog):
-    """The event log, kept in memory: what the engine said, in order."""
-
-    def __init__(self) -> None:
-        super().__init__(None, source="worker", node=0, rank=0, attempt=0)
-        self.records: list[dict] = []
-
-    def emit(self, event, **fields):  # noqa: ANN001, ANN003, ANN201
-        record = super().emit(event, **fields)
-        self.records.append(record)
-        return record
-
-    def names(self) -> list[str]:
-        return [r["event"] for r in self.records]
 
 
 class FakeLeader(threading.Thread):
@@ -133,7 +117,7 @@ def test_a_fault_leaves_switches_and_resumes_at_the_step_it_broke(world):
     assert engine.position == Position(rank=0, world_size=1, step=6, gen=1, holds_state=True)
     assert [d.reason for d in leader.departures] == [LeaveReason.EXCEPTION]
     assert leader.departures[0].step == 3 and leader.departures[0].holds_state
-    names = events.names()
+    names = [r["event"] for r in events.records]
     assert names.index("step_failed") < names.index("gen_leave") < names.index("gen_switch")
     switch = next(r for r in events.records if r["event"] == "gen_switch")
     assert (switch["gen"], switch["step"], switch["rolled_back"]) == (1, 3, 0)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from builders import Recorder
 from torch.distributed import HashStore
 
 from unbroken.control.messages import LeaveReason
@@ -29,25 +30,8 @@ from unbroken.runtime.position import Position
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.state_sync import NoStateError, SyncResult
 from unbroken.runtime.tracked import TrackedState
-from unbroken.telemetry.events import EventLog
 
 WID = "0.0"
-
-
-class Recorder(EventLog):
-    """The event log, in memory: what the engine said, in order."""
-
-    def __init__(self) -> None:
-        super().__init__(None, source="worker", node=0, rank=0, attempt=0)
-        self.records: list[dict] = []
-
-    def emit(self, event, **fields):  # noqa: ANN001, ANN003, ANN201
-        record = super().emit(event, **fields)
-        self.records.append(record)
-        return record
-
-    def named(self, name: str) -> list[dict]:
-        return [r for r in self.records if r["event"] == name]
 
 
 class FakeMembership:
