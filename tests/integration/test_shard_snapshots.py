@@ -1,5 +1,5 @@
 """In-memory snapshots between two real processes: FSDP2 over gloo, the snapshot thread,
-and a buddy SIGKILLed in the middle of a round."""
+their pacer, and a buddy SIGKILLed in the middle of a round."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from unbroken.runtime.shards import LocalShards
-    from unbroken.runtime.snapshots import PeerSnapshots
+    from unbroken.runtime.snapshots import PeerSnapshots, SnapshotPacer
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))
@@ -32,6 +32,9 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
     shards = LocalShards(model, [opt], {})
     snaps = PeerSnapshots(shards, replicas=1, every=5, record=lambda *a, **k: None)
     snaps.use_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=20)), rank, 2, 1)
+    said: list = []
+    # Made before the first update, as the engine makes it: AdamW's state does not exist yet.
+    pacer = SnapshotPacer(snaps, available=2**40, record=said.append, say=lambda line: None)
     at_5 = None
     for step in range(1, 11):
         model(torch.randn(2, 4)).sum().backward()
@@ -41,15 +44,17 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
             at_5 = [t.clone() for t in shards.tensors()]
         if step == 10 and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the buddy dies as the round starts
-        if snaps.due(step):
-            snaps.take(step)
-            snaps.wait()
+        pacer.after_commit(step, last_step=100, step_seconds=0.1)  # step 5: agree, then take
+        snaps.wait()
     # Rank 0: the round of step 10 failed; its own copy of 10 is whole (copied before the
     # exchange), but of shard 1 only the whole copy of step 5 is held. Load our snapshot of
     # step 5 back: it must equal the state we had then.
     snaps.restore(5)
     same = all(torch.equal(a, b) for a, b in zip(at_5, shards.tensors(), strict=True))
-    out.put({"holdings": sorted(snaps.holdings()), "failed": snaps.failed, "same": same})
+    config = [e for e in said if type(e).__name__ == "SnapshotConfig"]
+    out.put({"holdings": sorted(snaps.holdings()), "failed": snaps.failed, "same": same,
+             "config_bytes": [(c.shard_bytes, c.host_bytes) for c in config],
+             "shard_bytes": shards.nbytes()})
 
 
 def test_a_buddy_killed_mid_round_leaves_the_previous_whole_snapshot_in_force():
@@ -70,3 +75,6 @@ def test_a_buddy_killed_mid_round_leaves_the_previous_whole_snapshot_in_force():
     assert result["failed"], "the round with a dead buddy must fail"
     assert result["holdings"] == [(0, 5), (0, 10), (1, 5)], result
     assert result["same"]
+    # The pacer said the size of the shards with the optimizer's state (3 x the parameters'
+    # for AdamW), read when it decided, not when it was made.
+    assert result["config_bytes"] == [(result["shard_bytes"], 2 * result["shard_bytes"] * 2)]

@@ -179,8 +179,9 @@ class Run:
     def save_checkpoint(self) -> bool:
         """Start a checkpoint of the committed state now (collective: every rank calls it).
 
-        It is snapshotted while the next step runs and persisted in the background. False if
-        it was deferred because the previous save is still being written."""
+        It is staged (copied to host memory) while the next step runs and persisted in the
+        background. False if it was deferred because the previous save is still being
+        written."""
         engine = self._engine
         return engine.checkpoints.save(engine.need_tracked("checkpointing"), self.step,
                                        engine.step_time)
@@ -288,7 +289,7 @@ def init(
     """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
     script already did, and set up heartbeat, events, faults and checkpoints.
 
-    Checkpoints (async: snapshot while the next step runs, persist in the background) are
+    Checkpoints (async: staged while the next step runs, persisted in the background) are
     taken every `checkpoint_every` steps, or every `checkpoint_every_seconds`, or at the
     Young/Daly interval for the measured checkpoint cost and an expected mean time between
     failures of `checkpoint_mtbf_hours`; and at the end. The newest `keep_checkpoints` are

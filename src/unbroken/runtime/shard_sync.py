@@ -192,5 +192,5 @@ def build_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer
         snapshots = PeerSnapshots(shards, snapshot_replicas, snapshot_every, record)
     sync = ShardedSync(shards, snapshots, groups, local_world, timeout, record)
     if snapshots is not None:
-        sync.pacer = SnapshotPacer(snapshots, shards.nbytes(), available, record, say)
+        sync.pacer = SnapshotPacer(snapshots, available, record, say)
     return sync

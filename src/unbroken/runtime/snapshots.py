@@ -309,14 +309,19 @@ class SnapshotPacer:
     host memory; with `every=None` the first two rounds are timed and the ranks then agree
     on the interval (the largest proposal), so that rounds pair up."""
 
-    def __init__(self, snaps: PeerSnapshots, shard_bytes: int, available: int,
-                 record: Callable[..., None], say: Callable[[str], None]) -> None:
+    def __init__(self, snaps: PeerSnapshots, available: int, record: Callable[..., None],
+                 say: Callable[[str], None]) -> None:
         """`available`: host memory per rank, in bytes; `say`: a line for the user (rank 0
-        prints it)."""
-        self.snaps, self.shard_bytes, self.available = snaps, shard_bytes, available
+        prints it). The shards' size is read at each decision: the optimizer's state exists
+        only after its first step."""
+        self.snaps, self.available = snaps, available
         self.record, self.say = record, say
         self.refused = False
         """The ranks agreed that snapshots do not fit: none is taken any more."""
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.snaps.shards.nbytes()
 
     def after_commit(self, step: int, last_step: int, step_seconds: float | None) -> None:
         """After committed step `step` (the next to run) of a run to `last_step`: start a
