@@ -67,6 +67,11 @@ class Follower(Role):
         except ControlPlaneError:
             pass  # the leader has already gone; the result is what counts
         if result.status == Status.SUCCESS:
+            if self.channel.read(node_out(self.cfg.node_rank)) == NodeOut.QUARANTINED:
+                # Quarantined with no rank left to drain, and the job ended before the
+                # leader's order to leave came: still out of the job, not a node that
+                # trained to the end.
+                return self._released()
             self.say("job finished")
             return ExitCode.SUCCESS
         if result.status == Status.INTERRUPTED:
