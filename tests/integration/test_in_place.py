@@ -13,6 +13,7 @@ import signal
 
 import torch
 from conftest import (
+    SCRIPTS,
     TINY,
     assert_resumed_from_the_last_checkpoint,
     events_of,
@@ -211,3 +212,19 @@ def test_in_place_recoveries_spend_the_restart_budget(tmp_path):
     assert "InjectedFault" in result.output
     assert [f["kind"] for f in result.events("fault") if f.get("in_place")] == ["exception"] * 2
     assert len(result.events("gen_up")) == 1  # the first was recovered in place
+
+
+def test_a_group_the_script_forms_itself_is_the_launchers_and_recovers_in_place(tmp_path):
+    """Accelerate, Lightning and torchtitan call `init_process_group` themselves: under
+    `unbroken run` that call forms a group the engine can abort, so a SIGKILL is recovered
+    in place (the replacement's own call forms the stand-in world, not a second job)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2", "--on-fault", "wait",
+                 script=SCRIPTS / "ckpt_train.py",
+                 args=["--steps", str(STEPS), "--own-group", "--step-sleep", "0.05"])
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
+    wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120, "step 5")
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    result = finish(proc, run_dir)
+    assert not result.events("in_place_unavailable"), result.events("in_place_unavailable")
+    _assert_in_place(result, [("crash", 1)], replaced={1})

@@ -30,11 +30,16 @@ p.add_argument("--full-state", default=None)
 p.add_argument("--exact", action="store_true", help="sum gradients in rank order (bit-identical)")
 p.add_argument("--exit-code-after-training", type=int, default=0,
                help="rank 1 exits with this code after training (a crash in teardown)")
+p.add_argument("--own-group", action="store_true",
+               help="form the process group itself before unbroken.init(), as Accelerate, "
+                    "Lightning and torchtitan do")
 p.add_argument("--replacements-crash", action="store_true",
                help="a replacement worker raises before it can join (a crash loop)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
+if args.own_group:
+    dist.init_process_group("gloo")
 run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     checkpoint_timeout=args.checkpoint_timeout)
 if args.replacements_crash and run.joining and not run.spare:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from unbroken.control.worker_env import WARM_FLAG, Role, WorkerEnv
 from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
+from unbroken.runtime import script_group
 from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
 from unbroken.telemetry import schema as ev
 
@@ -198,6 +199,7 @@ def main() -> None:
     target = args[0]
     sys.argv = args
     _record_imports(None if as_module else target)
+    script_group.install(WorkerEnv.from_environ())  # the script's own group is the launcher's
     try:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -24,7 +24,8 @@ from unbroken.runtime.process_group import (
     bound_device,
     checkpoint_groups,
 )
-from unbroken.runtime.shards import fake_world
+from unbroken.runtime.script_group import formed_by_launcher
+from unbroken.runtime.shards import fake_world, is_fake_world
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class FirstGroup:
     seconds: float
     """How long forming took."""
     formed_by_script: bool
-    """The script formed the group before `init()`: it cannot be aborted from the inside."""
+    """The script formed the group before `init()`, not through the launcher's call (not
+    under `unbroken run`): it cannot be aborted from the inside."""
 
 
 def torchrun_rendezvous(env: WorkerEnv, timeout: float) -> dict[str, Any]:
@@ -64,7 +66,8 @@ def form_first_group(env: WorkerEnv, backend: str, timeout: float, groups: Abort
 
     Raises `UserError` if a spare on NCCL has no GPU of its own."""
     t0 = time.monotonic()
-    formed_by_script = dist.is_initialized()
+    # A group the script formed through the launcher's call (`script_group`) is ours.
+    formed_by_script = dist.is_initialized() and not formed_by_launcher()
     if backend == "nccl":
         if spare and env.local_rank >= torch.cuda.device_count():
             raise UserError(
@@ -80,8 +83,10 @@ def form_first_group(env: WorkerEnv, backend: str, timeout: float, groups: Abort
                                     **torchrun_rendezvous(env, timeout), **bound_device(backend))
             groups.backend = backend
             owned = True
-        # Checkpoint collectives get groups of their own, never the training one.
-        ckpt = checkpoint_groups(timeout, timeout) if dist.is_initialized() else None
+        # Checkpoint collectives get groups of their own, never the training one (a joiner
+        # in the stand-in world forms them when it joins).
+        ckpt = (checkpoint_groups(timeout, timeout)
+                if dist.is_initialized() and not is_fake_world() else None)
     if in_place and joining and env.world_size > 1 and not dist.is_initialized():
         # A joiner shards its model (if the script does) exactly as its rank will, in a
         # stand-in world that communicates nothing; the real one replaces it at join.

@@ -113,6 +113,15 @@ class AbortableGroups:
         self.backend = None
 
 
+_THIS_PROCESS = AbortableGroups()
+
+
+def this_process() -> AbortableGroups:
+    """The groups of this process's current generation, whoever formed them: the script
+    (`script_group`), `unbroken.init()`, or the engine at a switch."""
+    return _THIS_PROCESS
+
+
 def _abort_nccl_groups() -> None:
     """Abort every process group's communicators, as `_abort_process_group()` does, but
     leave torch's registry of groups alone: the main thread, blocked in a collective, must

@@ -43,7 +43,7 @@ from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAININ
 from unbroken.runtime.host import available_memory, process_start_time
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups, default_backend
+from unbroken.runtime.process_group import default_backend, this_process
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.tracked import TrackedState
 from unbroken.telemetry import schema as ev
@@ -71,7 +71,7 @@ class Run:
             node=env.node_rank, rank=env.rank, attempt=env.attempt)
         events.context["slot"] = slot
         heartbeat = HeartbeatWriter(env.heartbeat_file) if env.heartbeat_file else None
-        groups = AbortableGroups()
+        groups = this_process()
         first = form_first_group(env, self.backend, config.timeout, groups,
                                  joining=env.joining or spare, spare=spare,
                                  in_place=env.in_place)

@@ -1,0 +1,49 @@
+"""`when_imported`: a callback runs right after a module's first import, or at once."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from unbroken.runtime.import_hooks import when_imported
+
+
+def _module(tmp_path, name: str, body: str) -> None:
+    (tmp_path / f"{name}.py").write_text(body)
+
+
+def test_the_callback_runs_after_the_module_and_before_the_importer_sees_it(tmp_path, monkeypatch):
+    _module(tmp_path, "ub_hooked_a", "value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def patch(module):
+        seen.append(module.value)
+        module.value = 2
+
+    when_imported("ub_hooked_a", patch)
+    try:
+        assert seen == []  # nothing imported by the hook itself
+        module = importlib.import_module("ub_hooked_a")
+        assert seen == [1] and module.value == 2
+        importlib.reload(module)  # once: a reload is not a first import
+        assert seen == [1]
+        assert module.__spec__.loader.__class__.__name__ != "_Loader"  # its real loader
+    finally:
+        sys.modules.pop("ub_hooked_a", None)
+
+
+def test_a_module_already_imported_gets_the_callback_at_once():
+    got = []
+    when_imported("json", got.append)
+    assert got == [sys.modules["json"]]
+
+
+def test_an_unwatched_import_is_not_touched(tmp_path, monkeypatch):
+    _module(tmp_path, "ub_hooked_b", "value = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    when_imported("ub_hooked_never", lambda m: None)
+    try:
+        assert importlib.import_module("ub_hooked_b").value == 3
+    finally:
+        sys.modules.pop("ub_hooked_b", None)
