@@ -3,6 +3,7 @@ generated from them; records encode and decode, old and unknown ones included.""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -104,3 +105,31 @@ def test_a_published_fault_fits_the_fault_events():
     assert record == {"kind": "crash", "detail": "killed", "rank": 1, "node": 0, "pid": 7,
                       "attempt": 0}
     assert json.loads(json.dumps(record)) == record
+
+
+def test_the_package_says_which_module_declares_each_class():
+    """`schema.CLASSES` is how `schema.X` finds X's module without importing the others: a
+    class added to a module of events is added there too."""
+    for module in schema.SECTIONS:
+        declared = [name for name, value in vars(module).items() if isinstance(value, type)
+                    and value.__module__ == module.__name__ and not name.startswith("_")]
+        short = module.__name__.rsplit(".", 1)[1]
+        assert schema.CLASSES[short] == tuple(declared), (
+            f"schema.CLASSES[{short!r}] must list {module.__name__}'s classes, in order")
+    assert [m.__name__.rsplit(".", 1)[1] for m in schema.SECTIONS] == list(schema.CLASSES)
+    for names in schema.CLASSES.values():
+        for name in names:
+            assert getattr(schema, name).__name__ == name
+
+
+def test_importing_the_package_imports_no_module_of_event_classes():
+    """Workers and agents import the package; each builds only the classes it names."""
+    tree = ast.parse((SRC / "telemetry" / "schema" / "__init__.py").read_text())
+    imported = [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in tree.body if isinstance(node, ast.Import)
+                 for alias in node.names]
+    ours = {m for m in imported if m and m.startswith("unbroken.")}
+    assert ours == {"unbroken.telemetry.schema", "unbroken.telemetry.schema.base"}
+    from_package = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                    and node.module == "unbroken.telemetry.schema" for alias in node.names]
+    assert from_package == ["base"]

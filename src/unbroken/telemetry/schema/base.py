@@ -82,7 +82,8 @@ class EventBody:
 
 E = TypeVar("E", bound=type[EventBody])
 EVENT_TYPES: dict[str, type[EventBody]] = {}
-"""Every event class, by its name on disk: each `Event` has exactly one."""
+"""Every event class, by its name on disk: each `Event` has exactly one. A class is here once
+its module is imported; `schema.EVENT_TYPES`, this dict, imports them all first."""
 
 
 def event(name: Event) -> Any:
@@ -147,7 +148,7 @@ def decode(record: Mapping[str, Any]) -> EventBody:
     """The record as its event class (see the module's contract). Never raises for a
     record's content: an unknown name is an `UnknownEvent`."""
     name = record.get("event")
-    cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
+    cls = _class_of(name) if isinstance(name, str) else None
     keys = _keys(cls or UnknownEvent)
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
@@ -162,6 +163,19 @@ def decode(record: Mapping[str, Any]) -> EventBody:
         if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
             kwargs[f.name] = None  # an older writer did not write it
     return cls(extra=extra, **kwargs)
+
+
+def _class_of(name: str) -> type[EventBody] | None:
+    """The class of the event `name`; None if none declares it (a newer writer's event). The
+    package imports its modules of classes on first use: if no class imported so far declares
+    the name, they are all imported first."""
+    cls = EVENT_TYPES.get(name)
+    if cls is None:
+        from unbroken.telemetry.schema import load_all  # the package, which imports this module
+
+        load_all()
+        cls = EVENT_TYPES.get(name)
+    return cls
 
 
 def version(record: Mapping[str, Any]) -> int:
