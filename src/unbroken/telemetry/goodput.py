@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -363,6 +362,10 @@ def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | Non
         world = sum(len(e.pids or {}) for e in events
                     if isinstance(e, ev.WorkersStarted) and _attempt(e) == 0)
     faults = distinct_faults(events)
+    # Imported here: `statistics` brings `fractions` and `decimal` (~10 ms), and every agent
+    # imports this module (the leader's live telemetry) while only a leader accounts.
+    import statistics
+
     median = statistics.median(s.end - s.start for s in steps) if steps else None
     opens, shrunk = _windows(events, faults, world, t_end)
     checkpoints = any(isinstance(e, ev.CheckpointSaved) for e in events)
