@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from unbroken.runtime.import_hooks import when_imported
+from unbroken.import_hooks import when_imported
 
 
 def _module(tmp_path, name: str, body: str) -> None:

@@ -73,15 +73,17 @@ class WorkerEnv:
     """A replacement: it registers as a joiner instead of starting the job."""
     role: Role = Role.WORKER
     shadow_steps: int = 3
+    """A spare's warm-up iterations."""
     retry_window: float = 30.0
     """How long a lost control plane is retried before it is an error (`--control-retry-window`)."""
-    """A spare's warm-up iterations."""
     secret: str | None = None
     """The job's secret, in hex: signs and checks control messages."""
     agent_store: bool = False
     """torchrun's TORCHELASTIC_USE_AGENT_STORE: workers rendezvous in the agent's store."""
     role_name: str = "default"
     """torchrun's `--role` (ROLE_NAME)."""
+    integrations: bool = True
+    """The framework integrations protect what the script trains (`--no-integrations`)."""
     record_imports: bool = False
     """The node keeps warm interpreters: list this worker's modules for them (`warm_imports`)."""
     device: str | None = None
@@ -119,6 +121,7 @@ class WorkerEnv:
             "UNBROKEN_SHADOW_STEPS": self.shadow_steps, "UNBROKEN_SECRET": self.secret,
             "UNBROKEN_RETRY_WINDOW": self.retry_window,
             "UNBROKEN_RECORD_IMPORTS": "1" if self.record_imports else "0",
+            "UNBROKEN_INTEGRATIONS": "1" if self.integrations else "0",
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -165,4 +168,5 @@ class WorkerEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             secret=env.get("UNBROKEN_SECRET"), role_name=env.get("ROLE_NAME", "default"),
             record_imports=env.get("UNBROKEN_RECORD_IMPORTS") == "1",
+            integrations=env.get("UNBROKEN_INTEGRATIONS", "1") == "1",
         )

@@ -48,7 +48,7 @@ class WorkerProcess:
         self.heartbeat.close()
 
 
-BOOTSTRAP = [sys.executable, "-u", "-m", "unbroken.runtime.bootstrap"]
+BOOTSTRAP = [sys.executable, "-u", "-m", "unbroken.worker"]
 
 
 def script_argv(script: str, args: list[str], module: bool) -> list[str]:

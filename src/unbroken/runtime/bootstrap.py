@@ -56,9 +56,10 @@ def _user_frames(tb):  # noqa: ANN001, ANN202 - a traceback object
     """The traceback from the script's first frame on, as `python script.py` would show it:
     the bootstrap's and runpy's frames above the script are ours, not the user's."""
     first = tb
+    ours = {__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "worker.py")}
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if name != __file__ and "runpy" not in name:
+        if name not in ours and "runpy" not in name:
             return tb
         tb = tb.tb_next
     return first

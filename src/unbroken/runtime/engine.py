@@ -134,15 +134,18 @@ class Engine:
 
     # ------------------------------------------------------------------ the transaction
     def start(self, last_step: int, build: Callable[[], Any] | None,
-              shadow_step: Callable[[int, Any], Any]) -> None:
+              shadow_step: Callable[[int, Any], Any], resumed_at: int = 0) -> None:
         """Enter the job for a resilient loop up to `last_step` (collective): resume from the
         checkpoint, or (a spare) warm up, wait for promotion and join, or (a replacement)
         join. `build()` makes the view a step runs on (once per generation); `shadow_step`
-        is the loop's step, which a spare runs in its sandbox. May exit the process (0): a
-        spare or replacement that the job never needed."""
+        is the loop's step, which a spare runs in its sandbox. `resumed_at`: the committed
+        step a loop that resumed itself (a framework from its own checkpoint) stands at;
+        a joiner's comes from its peers instead. May exit the process (0): a spare or
+        replacement that the job never needed."""
         tracked = self.need_tracked("run.train()")
         self._build, self._last_step, self._resilient = build, last_step, True
-        self._move(self._position.moved(holds_state=not self.joining))
+        self._move(self._position.moved(holds_state=not self.joining,
+                                        step=self._position.step if self.joining else resumed_at))
         if self.in_place and is_sharded(tracked.model):
             local = max(1, self.settings.local_world)
             why = self.switcher.prepare_sharded(tracked, self._position, self.joining,

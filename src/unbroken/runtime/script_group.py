@@ -24,9 +24,10 @@ from types import ModuleType
 from typing import Any
 
 from unbroken.control.worker_env import Role, WorkerEnv
-from unbroken.runtime.import_hooks import when_imported
+from unbroken.import_hooks import when_imported
 
 _formed_here = False  # this process's first group was formed through `install`'s call
+_first_done = False  # a group was formed in this process: later calls pass through
 
 
 def formed_by_launcher() -> bool:
@@ -47,10 +48,13 @@ def _replace(dist: ModuleType, env: WorkerEnv) -> None:
 
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized() or _formed_here or backend == "fake":
+        global _first_done
+        if dist.is_initialized() or _first_done or backend == "fake":
             # A group exists (torch's own error), the engine's later groups, or the
-            # stand-in world: untouched.
+            # stand-in world (`unbroken.init()`'s, for a joiner): untouched.
+            _first_done = True
             return original(backend, *args, **kwargs)
+        _first_done = True
         return _form(original, env, backend, args, kwargs)
 
     init_process_group._unbroken = True  # type: ignore[attr-defined]

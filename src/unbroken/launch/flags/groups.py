@@ -227,6 +227,9 @@ class Recovery:
     warm_restarts: bool = flag("--no-warm-restarts", kind=Kind.OFF_SWITCH, default=True,
                                help="do not keep warm interpreters (torch and the script's imports "
                                     "done) for restarts (see README)")
+    integrations: bool = flag("--no-integrations", kind=Kind.OFF_SWITCH, default=True,
+                              help="do not recover a Hugging Face Trainer's steps in place "
+                                   "(docs/integrations.md); its faults then restart every worker")
     quarantine_after: int = flag("--quarantine-after", parse=int, default=3, metavar="N",
                                  help="quarantine a node after N faults within "
                                       "--quarantine-window (0: never)")

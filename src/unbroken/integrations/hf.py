@@ -1,0 +1,329 @@
+"""The Hugging Face `Trainer`, recovered in place: `protect(trainer)`, or automatically for
+every Trainer a script trains under `unbroken run` (`unbroken.integrations.automatic`).
+
+What holds (docs/integrations.md):
+- Each optimizer step is a committed step. The engine's `begin` comes at `on_step_begin`,
+  its `enter` inside the update's first micro-batch, `updating` spans `optimizer.step()`,
+  and `commit` comes at `on_step_end` (after the scheduler and `global_step += 1`).
+- Survivors never leave `train()`. A collective that fails because a peer died, inside
+  `training_step` (DDP's all-reduce in backward) or in the count of the update's tokens
+  (`_get_num_items_in_batch`), leaves the generation and joins the next one. Then the
+  engine brings the committed state, DDP is rebuilt on the new group, the update's earlier
+  micro-batches are replayed on the same inputs (a half-accumulated update is dropped, never
+  committed), and the failed one is redone.
+- A joiner (a spare, or a replacement running the same script) calls `train()` like
+  everyone. At `on_train_begin` it joins, takes the state from a peer (model, optimizer,
+  scheduler, `TrainerState` with the stateful callbacks' state), and its first epoch skips
+  the batches already trained, with the Trainer's own skip. Nothing is read from storage; a
+  `resume_from_checkpoint` the script passes is not used by a joiner.
+- The world size never changes (the sampler and `max_steps` depend on it): run the job
+  with `--on-fault wait`, or with spares.
+
+A peer's fault met in the log, save and evaluation after a step is recovered in place too
+(what was left of them at that step is skipped). Faults met elsewhere (evaluation, the Trainer's own checkpoint save) are not
+recovered in place: the worker fails, and the job recovers as it would without the
+integration. The private Trainer methods used are those of the transformers versions in
+`TESTED`; any other version trains unprotected, saying so in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import transformers
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from unbroken.errors import is_peer_error
+from unbroken.runtime.engine import Engine
+from unbroken.runtime.run import Run, init
+
+TESTED = ("5.24",)
+"""transformers minor versions whose private Trainer methods the integration relies on
+(`_run_epoch`, `_get_num_items_in_batch`, `_load_rng_state`, `_save_checkpoint`, and the
+counters `_globalstep_last_logged`, `_initial_global_step`)."""
+
+_PEER = "unbroken:peer"
+"""The `resume_from_checkpoint` a joiner's first epoch passes to the Trainer's skip: its
+state came from a peer, and no file is read."""
+
+
+def supported(version: str = transformers.__version__) -> bool:
+    return ".".join(version.split(".")[:2]) in TESTED
+
+
+def protect(trainer: Trainer, run: Run | None = None) -> Trainer:
+    """Recover `trainer`'s training in place (see the module's docstring); returns it.
+
+    Called before `trainer.train()`. `run`: an `unbroken.init()` of the script's own
+    (default: one made here, without checkpoints of unbroken's: the Trainer keeps its own).
+    Idempotent."""
+    if getattr(trainer, "_unbroken", None) is not None:
+        return trainer
+    if not supported():
+        print(f"unbroken: transformers {transformers.__version__} is not one the Trainer "
+              f"integration is tested with ({', '.join(TESTED)}): this Trainer trains "
+              "unprotected, and a fault restarts every worker", file=sys.stderr, flush=True)
+        trainer._unbroken = False
+        return trainer
+    trainer._unbroken = TrainerSteps(trainer, run or init())
+    return trainer
+
+
+_OWN_FIELDS = ("is_local_process_zero", "is_world_process_zero")
+"""`TrainerState` fields that say which process this is: never taken from a peer."""
+
+
+class _StateOfTrainer:
+    """The `TrainerState` as a tracked object, with the stateful callbacks' state (early
+    stopping's patience, for one): `state_dict` is their JSON, read fresh; `load_state_dict`
+    updates the live state and callbacks in place (the Trainer's loop and the callbacks hold
+    them), and the Trainer's counters that derive from the step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def _stateful(self) -> list[Any]:
+        return [c for c in self.trainer.callback_handler.callbacks if isinstance(c, ExportableState)]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dataclasses.asdict(self.trainer.state)
+        state["stateful_callbacks"] = {type(c).__name__: c.state() for c in self._stateful()}
+        return {"json": json.dumps(state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer, loaded = self.trainer, json.loads(state["json"])
+        callbacks = loaded.pop("stateful_callbacks")
+        for own in _OWN_FIELDS:  # this process's, not the peer's
+            loaded.pop(own, None)
+        trainer.state.__dict__.update(loaded)
+        for callback in self._stateful():
+            for name, value in callbacks.get(type(callback).__name__, {}).get("attributes", {}).items():
+                setattr(callback, name, value)
+        trainer._globalstep_last_logged = trainer._initial_global_step = trainer.state.global_step
+
+
+class TrainerSteps:
+    """A Trainer's optimizer steps on the engine's step transaction. One per Trainer."""
+
+    def __init__(self, trainer: Trainer, run: Run) -> None:
+        self.trainer, self.run = trainer, run
+        self.engine: Engine = run.engine
+        self._training_step = trainer.training_step  # bound: a subclass's override included
+        self._num_items = trainer._get_num_items_in_batch
+        self._run_epoch = trainer._run_epoch
+        trainer.training_step = self.training_step
+        trainer._get_num_items_in_batch = self.num_items
+        trainer._run_epoch = self.run_epoch
+        trainer._maybe_log_save_evaluate = self._between_steps(trainer._maybe_log_save_evaluate)
+        trainer._load_rng_state = self._load_rng_state(trainer._load_rng_state)
+        trainer.train = self._train(trainer.train)
+        trainer.evaluate = self._long("evaluate", trainer.evaluate)
+        trainer._save_checkpoint = self._long("save", trainer._save_checkpoint)
+        trainer.add_callback(_Callback(self))
+        self._micro: list[tuple[Any, Any]] = []  # this update's micro-batches so far
+        self._update = ExitStack()
+        self._loss = 0.0
+        self._reuse_view = True  # generation 0's DDP is the Trainer's own
+        self._skip_to: int | None = None  # a joiner's first epoch starts at this step
+        self._skip_update = False  # the peers' state already holds this update
+        self._scheduler_state: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ callbacks
+    def train_begin(self) -> None:
+        """Track the state and enter the job (collective); a joiner joins here."""
+        trainer, run = self.trainer, self.run
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
+                  trainer_state=_StateOfTrainer(trainer))
+        trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
+        joining = run.joining
+        self._reuse_view = not joining
+        self.engine.start(trainer.state.max_steps, self.build, self.shadow_step,
+                          resumed_at=trainer.state.global_step)
+        if joining:
+            self._skip_to = self.engine.position.step
+
+    def step_begin(self) -> None:
+        self._micro, self._loss, self._skip_update = [], 0.0, False
+        step = self.engine.begin()
+        if step is None:  # the engine is done (its last step committed): so is the Trainer
+            self.trainer.control.should_training_stop = True
+
+    def pre_optimizer_step(self) -> None:
+        if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
+            self._scheduler_state = self.trainer.lr_scheduler.state_dict()
+        self._update.enter_context(self.engine.updating())
+
+    def optimizer_step(self) -> None:
+        self._update.close()
+
+    def step_end(self) -> None:
+        if self._skip_update:
+            self.trainer.lr_scheduler.load_state_dict(self._scheduler_state)
+        step = self.trainer.state.global_step - 1
+        if step >= self.engine.position.step:
+            self.engine.commit(step, {"loss": self._loss})
+
+    def train_end(self) -> None:
+        self.engine.finish()
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model: Any, inputs: Any, num_items: Any = None) -> torch.Tensor:
+        """The Trainer's `training_step`, on the current generation's model, recovered in
+        place: see the module's docstring."""
+        if self._skip_update:
+            return torch.zeros((), device=self.trainer.args.device)
+        self._micro.append((inputs, num_items))
+        step = self.engine.position.step
+        while True:
+            try:
+                if len(self._micro) == 1:
+                    self.engine.enter(step)
+                loss = self._training_step(self._view(model), inputs, num_items)
+                self._loss += float(loss.detach())
+                return loss
+            except Exception as exc:  # a peer's fault is recovered; anything else re-raised
+                self.engine.fail(step, exc)
+            if self._recovered(step):
+                return torch.zeros((), device=self.trainer.args.device)
+
+    def num_items(self, batches: list, device: Any) -> Any:
+        """The Trainer's count of the update's items (a gather across ranks), recovered."""
+        step = self.engine.position.step
+        while True:
+            try:
+                return self._num_items(batches, device)
+            except Exception as exc:
+                self.engine.fail(step, exc)
+            self._recovered(step, replay=False)
+
+    def _recovered(self, step: int, replay: bool = True) -> bool:
+        """After `engine.fail`: the new generation stands at the committed step. True if its
+        state already holds this update (a peer committed it first): the rest of the update
+        is skipped. Else the update's earlier micro-batches are replayed."""
+        if self.engine.position.step > step:
+            self._skip_update = True
+            return True
+        self._loss = 0.0
+        if replay:
+            view = self.engine.view
+            for inputs, num_items in self._micro[:-1]:
+                with view.no_sync() if isinstance(view, DistributedDataParallel) else ExitStack():
+                    self._loss += float(self._training_step(view, inputs, num_items).detach())
+        return False
+
+    def _view(self, model: Any) -> Any:
+        """The current generation's model (the Trainer's own DDP, on the new group)."""
+        view = self.engine.view
+        return model if view is None else view
+
+    def run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's epoch; a joiner's first one starts at the peers' step, with the
+        Trainer's own skip of the batches already trained."""
+        if self._skip_to is None or self._skip_to == 0:
+            self._skip_to = None
+            return self._run_epoch(*args, **kwargs)
+        per_epoch = kwargs["num_update_steps_per_epoch"]
+        epoch, offset = divmod(self._skip_to, per_epoch)
+        if kwargs["epoch"] < epoch:
+            return None  # trained by the peers before this one joined
+        self._skip_to = None
+        kwargs.update(epochs_trained=epoch, resume_from_checkpoint=_PEER,
+                      steps_trained_in_current_epoch=offset * self.trainer.args.gradient_accumulation_steps)
+        return self._run_epoch(*args, **kwargs)
+
+    def _between_steps(self, original: Any) -> Any:
+        """The Trainer's log, save and evaluation after a step: a peer's fault met in their
+        collectives (logging's loss gather) is recovered in place like one in a step, and
+        what was left of them at that step is skipped (retried, a collective would meet a
+        joiner's first one, not its own). Any other error propagates."""
+        def between(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:
+                if not is_peer_error(exc):
+                    raise
+                self.engine.fail(self.engine.position.step, exc)
+                return None
+        return between
+
+    def _train(self, original: Any) -> Any:
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self.run.joining:  # its state comes from a peer, never from that checkpoint
+                resume_from_checkpoint = None
+            return original(resume_from_checkpoint, *args, **kwargs)
+        return train
+
+    def _long(self, name: str, original: Any) -> Any:
+        """Evaluation and the Trainer's own saves: long phases (no hang timeout, no blame),
+        with the heartbeat's clock restarted after them (`Run.phase`)."""
+        def long(*args: Any, **kwargs: Any) -> Any:
+            with self.run.phase(name):
+                return original(*args, **kwargs)
+        return long
+
+    def _unless_skipped(self, original: Any) -> Any:
+        """The update's optimizer step, unless the peers' state holds it (an instance
+        attribute of the Accelerator's wrapper, which no checkpoint pickles)."""
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return None if self._skip_update else original(*args, **kwargs)
+        return step
+
+    @staticmethod
+    def _load_rng_state(original: Any) -> Any:
+        def load(checkpoint: Any) -> None:
+            if checkpoint != _PEER:  # a peer's RNG: the engine seeds each step
+                original(checkpoint)
+        return load
+
+    # ------------------------------------------------------------------ the engine's
+    def build(self) -> Any:
+        """The model a generation trains: the Trainer's own DDP, moved onto the new group
+        after a switch (DDP's `_update_process_group`: no collective, and the one object the
+        Trainer's loop holds stays the one that trains; a second DDP would leave the first's
+        gradient hooks armed)."""
+        ddp = self.trainer.model_wrapped
+        if self._reuse_view or not isinstance(ddp, DistributedDataParallel):
+            self._reuse_view = False
+            return ddp
+        ddp._update_process_group(torch.distributed.distributed_c10d._get_default_group())
+        return ddp
+
+    def shadow_step(self, step: int, view: Any) -> None:
+        """A spare's warm-up step, in its sandbox: a forward and backward on a first batch."""
+        trainer = self.trainer
+        if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by the epoch
+            trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+        self._training_step(view, next(iter(trainer.callback_handler.train_dataloader)), None)
+
+
+class _Callback(TrainerCallback):
+    """The Trainer's events, forwarded to its `TrainerSteps`."""
+
+    def __init__(self, steps: TrainerSteps) -> None:
+        self.steps = steps
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.train_begin()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.step_begin()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.pre_optimizer_step()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.optimizer_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.step_end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps.train_end()

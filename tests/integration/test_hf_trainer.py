@@ -1,0 +1,108 @@
+"""A Hugging Face Trainer job, unmodified (tests/scripts/hf_train.py), recovered in place by
+the integration under `unbroken run`: real worker processes, a real gloo group, SIGKILL.
+
+Each faulted run deletes the Trainer's output directory just before the kill, so that a
+worker that read a checkpoint from storage would fail: the state can only come from a peer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+from conftest import SCRIPTS, events_of, finish, launch, start, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+pytest.importorskip("transformers")
+
+SCRIPT = SCRIPTS / "hf_train.py"
+STEPS = 24
+
+
+def _args(out, *extra: str) -> list[str]:
+    return ["--output-dir", str(out), "--steps", str(STEPS), "--save-steps", "5", *extra]
+
+
+def _kill_rank_1_after(run_dir, out, step: int) -> int:
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    wait_for(lambda: any(e["step"] >= step for e in events_of(run_dir, "step")), 120,
+             f"step {step}", explain=run_dir)
+    shutil.rmtree(out, ignore_errors=True)  # no checkpoint on storage to recover from
+    victim = started[0]["pids"]["1"]
+    os.kill(victim, signal.SIGKILL)
+    return started[0]["pids"]["0"]
+
+
+def _assert_recovered_in_place(result, survivor: int) -> None:
+    assert result.code == 0, result.output
+    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
+    assert not result.events("restart"), "fell back to a full restart"
+    assert result.events("gen_up"), "no generation formed in place"
+    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
+    assert done[0] == survivor, "the survivor changed process"
+    # Each committed step once on the survivor: none computed twice, none missing.
+    assert [e["step"] for e in result.events("step") if e["slot"] == 0] == list(range(STEPS))
+    joined = [e for e in result.events("gen_switch") if e["slot"] == 1]
+    assert joined and joined[-1]["state_from"] == 0 and joined[-1]["received_bytes"] > 0
+    assert summarize(result.run_dir)["steps"] == STEPS
+
+
+def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(tmp_path):
+    """Two workers, gradient accumulation of 2 (a survivor's fault lands in the update's
+    last micro-batch, whose earlier ones it replays), `--on-fault wait`: the replacement
+    takes the dead rank's slot with its state from the survivor, and the final parameters
+    equal those of a run without the fault, bit for bit (two ranks' sums are exact)."""
+    flags = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2")
+    clean = launch(tmp_path / "clean", *flags, script=SCRIPT, timeout=300,
+                   args=_args(tmp_path / "out-clean", "--accum", "2", "--final",
+                              str(tmp_path / "clean.pt")))
+    assert clean.code == 0, clean.output
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = start(run_dir, *flags, script=SCRIPT,
+                 args=_args(out, "--accum", "2", "--step-sleep", "0.1",
+                            "--final", str(tmp_path / "faulted.pt")))
+    survivor = _kill_rank_1_after(run_dir, out, 6)
+    result = finish(proc, run_dir, timeout=300)
+    _assert_recovered_in_place(result, survivor)
+    reference = torch.load(tmp_path / "clean.pt", weights_only=True)
+    final = torch.load(tmp_path / "faulted.pt", weights_only=True)
+    assert reference.keys() == final.keys()
+    differ = [k for k in reference if not torch.equal(reference[k], final[k])]
+    assert not differ, f"parameters differ from the fault-free run: {differ}"
+
+
+def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    fast = tmp_path / "fast"  # steps sleep as GPU time would, until the spare has served
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "2",
+                 script=SCRIPT, args=_args(out, "--step-sleep", "1", "--sleep-until", str(fast)))
+    wait_for(lambda: [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"],
+             180, "the spare to warm up", explain=run_dir)
+    survivor = _kill_rank_1_after(run_dir, out, 1)
+    wait_for(lambda: events_of(run_dir, "gen_up"), 120, "the recovery", explain=run_dir)
+    fast.touch()
+    result = finish(proc, run_dir, timeout=300)
+    _assert_recovered_in_place(result, survivor)
+    promoted = [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"]
+    assert promoted == [1]
+
+
+def test_no_integrations_leaves_the_trainer_alone(tmp_path):
+    """`--no-integrations`: the same fault restarts every worker (the script resumes from
+    its own checkpoint), as under torchrun."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", "--no-integrations",
+                 script=SCRIPT, args=_args(out, "--resume", "--step-sleep", "0.1"))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start")
+    wait_for(lambda: (out / "checkpoint-5").is_dir(), 120, "the Trainer's first checkpoint",
+             explain=run_dir)
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    result = finish(proc, run_dir, timeout=300)
+    assert result.code == 0, result.output
+    assert len(result.events("restart")) == 1, result.output
+    assert not result.events("gen_up") and not result.events("step")  # no Run: unprotected
