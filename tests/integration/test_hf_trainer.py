@@ -13,13 +13,13 @@ import signal
 
 import pytest
 import torch
-from conftest import SCRIPTS, events_of, finish, launch, start, wait_for
+from conftest import REPO, events_of, finish, launch, start, wait_for
 
 from unbroken.telemetry.summary import summarize
 
 pytest.importorskip("transformers")
 
-SCRIPT = SCRIPTS / "hf_train.py"
+SCRIPT = REPO / "examples" / "hf_trainer" / "train.py"
 STEPS = 24
 
 

@@ -1,6 +1,8 @@
-"""An unmodified Hugging Face Trainer job: a tiny GPT-2 the script builds (no download), a
-synthetic dataset, `Trainer.train()`. Nothing of unbroken in it: under `unbroken run` the
-integration protects it (`--no-integrations` turns that off).
+"""A Hugging Face Trainer job with nothing of unbroken in it: a tiny GPT-2 the script builds
+(no download), a synthetic dataset, `Trainer.train()`. Under `unbroken run` the integration
+recovers its steps in place (docs/integrations.md; `--no-integrations` turns that off):
+
+    unbroken run --nproc-per-node 2 --on-fault wait examples/hf_trainer/train.py --output-dir out
 
 `--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
