@@ -20,6 +20,7 @@ from unbroken.import_hooks import when_imported
 def arm() -> None:
     """Protect every Hugging Face `Trainer` (and subclass: TRL's) when it trains."""
     when_imported("transformers.trainer", _wrap_trainer_train)
+    when_imported("lightning.pytorch.strategies", _replace_lightning_ddp)
 
 
 def wanted() -> bool:
@@ -44,3 +45,27 @@ def _wrap_trainer_train(module: ModuleType) -> None:
 
     train._unbroken = True  # type: ignore[attr-defined]
     trainer_class.train = train
+
+
+def _replace_lightning_ddp(module: ModuleType) -> None:
+    """Lightning's `strategy="ddp"` (and `"auto"`, which picks it for several processes)
+    builds `unbroken_ddp` (`unbroken.integrations.lightning`) when the Trainer is built,
+    if `wanted()`. Left alone: a `DDPStrategy(...)` the script builds itself, the other DDP
+    names (`ddp_spawn`, `ddp_fork`, `ddp_notebook`, `ddp_find_unused_parameters_*`), `fsdp`,
+    `deepspeed`, and the standalone `pytorch_lightning` package."""
+    registry = module.StrategyRegistry
+    entry = registry["ddp"]  # a dict: the class, its description and init params
+    original = entry["strategy"]
+    if getattr(original, "_unbroken", False):
+        return
+
+    def ddp(**kwargs: Any) -> Any:
+        if wanted():
+            from unbroken.integrations.lightning import UnbrokenDDPStrategy
+
+            return UnbrokenDDPStrategy(**kwargs)
+        return original(**kwargs)
+
+    ddp._unbroken = True  # type: ignore[attr-defined]
+    registry.register("ddp", ddp, description=entry["description"], override=True,
+                      **entry["init_params"])
