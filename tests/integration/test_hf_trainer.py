@@ -76,6 +76,21 @@ def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_
     assert not differ, f"parameters differ from the fault-free run: {differ}"
 
 
+def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update(tmp_path):
+    """Rank 1 is SIGKILLed as its update's first micro-batch starts (`--fault`): the
+    survivor has accumulated its earlier micro-batches (no all-reduce until the last), meets
+    the fault in the last one's, and redoes the whole update on the same inputs in the new
+    generation; nothing half-accumulated is committed."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, "--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2",
+                    "--fault", "crash:rank=1,step=6", script=SCRIPT, timeout=300,
+                    args=_args(out, "--accum", "4", "--save-steps", "100"))
+    survivor = result.events("workers_started")[0]["pids"]["0"]
+    _assert_recovered_in_place(result, survivor)
+    replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
+    assert replayed == [(6, 3)], replayed  # the survivor's three earlier micro-batches
+
+
 def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     fast = tmp_path / "fast"  # steps sleep as GPU time would, until the spare has served

@@ -2,8 +2,9 @@
 every Trainer a script trains under `unbroken run` (`unbroken.integrations.automatic`).
 
 What holds (docs/integrations.md):
-- Each optimizer step is a committed step. The engine's `begin` comes at `on_step_begin`,
-  its `enter` inside the update's first micro-batch, `updating` spans `optimizer.step()`,
+- Each optimizer step is a committed step. The engine's `begin` comes as the update starts
+  (at the count of its items, which every rank gathers), its `enter` inside the update's
+  first micro-batch, `updating` spans `optimizer.step()`,
   and `commit` comes at `on_step_end` (after the scheduler and `global_step += 1`).
 - Survivors never leave `train()`. A collective that fails because a peer died, inside
   `training_step` (DDP's all-reduce in backward) or in the count of the update's tokens
@@ -43,6 +44,7 @@ from transformers.trainer_callback import ExportableState
 from unbroken.errors import is_peer_error
 from unbroken.runtime.engine import Engine
 from unbroken.runtime.run import Run, init
+from unbroken.telemetry import schema as ev
 
 TESTED = ("5.24",)
 """transformers minor versions whose private Trainer methods the integration relies on
@@ -127,7 +129,9 @@ class TrainerSteps:
         trainer.evaluate = self._long("evaluate", trainer.evaluate)
         trainer._save_checkpoint = self._long("save", trainer._save_checkpoint)
         trainer.add_callback(_Callback(self))
-        self._micro: list[tuple[Any, Any]] = []  # this update's micro-batches so far
+        self._micro: list[Any] = []  # this update's micro-batches so far (their inputs)
+        self._fetched: tuple[list, Any] = ([], None)  # the update's batches and device
+        self._count: Any = None  # the update's item count, as gathered in this generation
         self._update = ExitStack()
         self._loss = 0.0
         self._reuse_view = True  # generation 0's DDP is the Trainer's own
@@ -150,12 +154,6 @@ class TrainerSteps:
         if joining:
             self._skip_to = self.engine.position.step
 
-    def step_begin(self) -> None:
-        self._micro, self._loss, self._skip_update = [], 0.0, False
-        step = self.engine.begin()
-        if step is None:  # the engine is done (its last step committed): so is the Trainer
-            self.trainer.control.should_training_stop = True
-
     def pre_optimizer_step(self) -> None:
         if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
             self._scheduler_state = self.trainer.lr_scheduler.state_dict()
@@ -175,48 +173,73 @@ class TrainerSteps:
         self.engine.finish()
 
     # ------------------------------------------------------------------ the step
+    def num_items(self, batches: list, device: Any) -> Any:
+        """The Trainer's count of the update's items, first thing in each update (after its
+        micro-batches are fetched, before any is run): the step boundary. The engine's
+        `begin` runs here (a switch the leader asked for happens first, so that every member
+        of the new generation meets at this count's gather); then the count, recovered."""
+        self._micro, self._loss, self._skip_update = [], 0.0, False
+        self._fetched = (batches, device)
+        step = self.engine.begin()
+        if step is None:  # the engine is done (its last step committed): so is the Trainer
+            self.trainer.control.should_training_stop = True
+            step = self.engine.position.step
+        while True:
+            try:
+                self._count = self._num_items(batches, device)
+                return self._count
+            except Exception as exc:  # a peer's fault is recovered; anything else re-raised
+                self.engine.fail(step, exc)
+            if self.engine.position.step > step:
+                self._skip_update = True
+                return None
+
     def training_step(self, model: Any, inputs: Any, num_items: Any = None) -> torch.Tensor:
         """The Trainer's `training_step`, on the current generation's model, recovered in
         place: see the module's docstring."""
         if self._skip_update:
             return torch.zeros((), device=self.trainer.args.device)
-        self._micro.append((inputs, num_items))
+        self._micro.append(inputs)
         step = self.engine.position.step
         while True:
             try:
                 if len(self._micro) == 1:
                     self.engine.enter(step)
-                loss = self._training_step(self._view(model), inputs, num_items)
+                loss = self._training_step(self._view(model), inputs, self._count)
                 self._loss += float(loss.detach())
                 return loss
             except Exception as exc:  # a peer's fault is recovered; anything else re-raised
                 self.engine.fail(step, exc)
-            if self._recovered(step):
+            if self._redo(step):
                 return torch.zeros((), device=self.trainer.args.device)
 
-    def num_items(self, batches: list, device: Any) -> Any:
-        """The Trainer's count of the update's items (a gather across ranks), recovered."""
-        step = self.engine.position.step
-        while True:
-            try:
-                return self._num_items(batches, device)
-            except Exception as exc:
-                self.engine.fail(step, exc)
-            self._recovered(step, replay=False)
-
-    def _recovered(self, step: int, replay: bool = True) -> bool:
-        """After `engine.fail`: the new generation stands at the committed step. True if its
-        state already holds this update (a peer committed it first): the rest of the update
-        is skipped. Else the update's earlier micro-batches are replayed."""
+    def _redo(self, step: int) -> bool:
+        """After `engine.fail` inside an update: the new generation stands at the committed
+        step. True if its state already holds this update (a peer committed it first): the
+        rest of the update is skipped. Else the update starts over in the new generation as
+        it did in the old: the count's gather (which a joiner meets with its own first
+        collective), then the earlier micro-batches, on the same inputs."""
         if self.engine.position.step > step:
             self._skip_update = True
             return True
+        while True:
+            try:
+                self._count = self._num_items(*self._fetched)
+                break
+            except Exception as exc:
+                self.engine.fail(step, exc)
+            if self.engine.position.step > step:
+                self._skip_update = True
+                return True
         self._loss = 0.0
-        if replay:
-            view = self.engine.view
-            for inputs, num_items in self._micro[:-1]:
-                with view.no_sync() if isinstance(view, DistributedDataParallel) else ExitStack():
-                    self._loss += float(self._training_step(view, inputs, num_items).detach())
+        earlier = self._micro[:-1]
+        view = self.engine.view
+        for inputs in earlier:
+            with view.no_sync() if isinstance(view, DistributedDataParallel) else ExitStack():
+                self._loss += float(self._training_step(view, inputs, self._count).detach())
+        if earlier:
+            self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=self.engine.position.gen,
+                                                         micro_batches=len(earlier)))
         return False
 
     def _view(self, model: Any) -> Any:
@@ -312,9 +335,6 @@ class _Callback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.steps.train_begin()
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.steps.step_begin()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.steps.pre_optimizer_step()

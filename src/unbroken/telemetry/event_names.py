@@ -81,6 +81,7 @@ class Event(StrEnum):
     STANDBY_TAKEN = "standby_taken"
     STEP = "step"
     STEP_DROPPED = "step_dropped"
+    MICRO_BATCHES_REPLAYED = "micro_batches_replayed"
     STEP_FAILED = "step_failed"
     SWITCH_FAILED = "switch_failed"
     TRAINING_DONE = "training_done"

@@ -61,7 +61,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "WorkerStart", "Resume", "Step", "StepFailed", "GenLeave", "SwitchFailed", "GenSwitch",
         "InPlaceUnavailable", "JoinerUnused", "SpareReady", "ShardSync", "SnapshotConfig",
         "SnapshotsRefused", "AbortOnNotice", "Phase", "FaultInjected", "TrainingDone",
-        "StepDropped", "RolledBack"),
+        "StepDropped", "MicroBatchesReplayed", "RolledBack"),
     "checkpoint": (
         "CheckpointInterval", "CheckpointSaved", "CheckpointFailed", "CheckpointDirNotShared",
         "CheckpointDeferred", "CheckpointStuck", "CheckpointLoaded", "CheckpointInvalid"),

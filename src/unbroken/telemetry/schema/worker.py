@@ -218,6 +218,17 @@ class StepDropped(EventBody):
     reason: str = doc("why, as the loop said it")
 
 
+@event(Event.MICRO_BATCHES_REPLAYED)
+class MicroBatchesReplayed(EventBody):
+    """After an in-place recovery inside a gradient-accumulation update, a framework
+    integration ran the update's earlier micro-batches again on the same inputs: the
+    half-accumulated update was dropped, never committed."""
+
+    step: int = doc("the step whose update was redone")
+    gen: int = doc("the generation it was redone in")
+    micro_batches: int = doc("the earlier micro-batches run again")
+
+
 @event(Event.ROLLED_BACK)
 class RolledBack(EventBody):
     """The loop rolled back to the newest checkpoint (`Engine.rollback`, collective)."""
