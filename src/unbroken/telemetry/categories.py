@@ -31,6 +31,9 @@ class Category(StrEnum):
     """From a fault to the next step: detection, reconfiguration, state sync, `build()`."""
     CAPACITY_LOST = "capacity_lost"
     """A rank missing while the job runs shrunk."""
+    UNTRACKED = "untracked"
+    """A script that reports no steps: the time its processes ran, training included, which
+    unbroken cannot tell apart (docs/goodput.md, "Scripts that report no steps")."""
     IDLE = "idle"
     """Anything else: waiting at start or at the end, time no event accounts for."""
 

@@ -10,7 +10,8 @@ instant no label covers is `idle`. So the categories of each rank sum to the wal
 construction, and the figures are checked against the events, not against themselves.
 
 What each category means is in `telemetry.categories`; the rules that decide it are the
-`_PRIORITY` table and `_labels_for_slot` below, and docs/goodput.md states them for users.
+`_PRIORITY` table and `_labels_for_slot` below (`_plain_segments` for a script that reports
+no steps: its running time is `untracked`), and docs/goodput.md states them for users.
 
 A rank here is a *slot*: the rank a worker holds in the job's full world. A spare's warm-up
 is not charged to any slot (it is extra capacity), but once promoted it carries its slot.
@@ -44,7 +45,7 @@ DATA_PHASES = ("data_loading", "data")
 _PRIORITY: dict[str, int] = {
     "restore": 100, "startup": 95, "rendezvous": 90, "stall": 85, "data": 80,
     "redone": 70, "straggler": 65, "step": 60, "between_steps": 55, "setup": 50,
-    "flush": 45, "cut_short": 40, "shrunk": 35, "recovery": 30, "spawn": 10,
+    "flush": 45, "cut_short": 40, "shrunk": 35, "recovery": 30, "untracked": 20, "spawn": 10,
 }
 _CATEGORY: dict[str, Category] = {
     "restore": Category.CHECKPOINT_RESTORE, "startup": Category.PROGRAM_STARTUP,
@@ -54,7 +55,7 @@ _CATEGORY: dict[str, Category] = {
     "between_steps": Category.PRODUCTIVE_STEP, "setup": Category.INIT_RENDEZVOUS,
     "flush": Category.CHECKPOINT_SAVE, "cut_short": Category.WASTED_PROGRESS,
     "recovery": Category.INFRASTRUCTURE_RECOVERY, "shrunk": Category.CAPACITY_LOST,
-    "spawn": Category.PROGRAM_STARTUP,
+    "untracked": Category.UNTRACKED, "spawn": Category.PROGRAM_STARTUP,
 }
 
 
@@ -392,12 +393,36 @@ def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | Non
 
 def _plain_segments(events: list[EventBody], slots: list[int], faults: list[SeenFault],
                     t0: float, t_end: float) -> list[Segment]:
-    """A script that reports nothing to unbroken: what is known is when its processes were
-    started, and that the time from each fault to the next start was recovery."""
-    restarts = sorted(e.t for e in events if isinstance(e, ev.WorkersStarted))
+    """A script that reports no steps to unbroken (no `step` event in the whole run): what is
+    known is when the agents started its processes, when they ended, and its faults. Per slot:
+
+    - `spawn`: from the job's start to the first `workers_started`;
+    - `untracked`: the slot's process of each attempt, from its node's `workers_started` whose
+      `pids` name the slot (all slots if it has no `pids`) to the first of: the attempt's
+      first fault's start (in a script that reports nothing, any fault ends the attempt),
+      the node's `workers_done` or `workers_stopped` of that attempt, the node's next
+      `workers_started`, the job's end;
+    - `recovery`: from each fault's start to the next `workers_started` after it.
+
+    The rule is per run, not per attempt: in a run that reports steps, an attempt that died
+    before its first step keeps the step rules (its time is startup, set-up, recovery),
+    since the script does report progress and simply made none."""
+    started = sorted((e for e in events if isinstance(e, ev.WorkersStarted)),
+                     key=lambda e: e.t)
+    restarts = [e.t for e in started]
+    ends = [(e.t, e.node, _attempt(e)) for e in events
+            if isinstance(e, ev.WorkersDone | ev.WorkersStopped)]
+    ran: list[tuple[float, float, set[str] | None]] = []  # (start, end, its ranks; None: all)
+    for i, e in enumerate(started):
+        end = min([t_end, *(n.t for n in started[i + 1:] if n.node == e.node),
+                   *(t for t, node, a in ends if (node, a) == (e.node, _attempt(e))),
+                   *(f.began for f in faults if _attempt(f.event) == _attempt(e))])
+        ran.append((e.t, end, None if e.pids is None else {str(r) for r in e.pids}))
     segments = []
     for slot in slots:
         labels = [Label(t0, restarts[0], "spawn")] if restarts else []
+        labels += [Label(a, b, "untracked") for a, b, ranks in ran
+                   if ranks is None or str(slot) in ranks]
         for f in faults:
             nxt = next((t for t in restarts if t > f.t), None)
             if nxt is not None:

@@ -29,6 +29,7 @@ COLORS: Mapping[str, str] = MappingProxyType({
     Category.WASTED_PROGRESS: "#d62728",
     Category.INFRASTRUCTURE_RECOVERY: "#9467bd",
     Category.CAPACITY_LOST: "#8c564b",
+    Category.UNTRACKED: "#dbdb8d",
     Category.IDLE: "#c7c7c7",
 })
 """The colour of each category, in every plot and table of the page."""

@@ -128,7 +128,8 @@ def format_goodput(report: dict[str, Any]) -> str:
     wall = report["wall_s"]
     lines = []
     if report["goodput"] is None:
-        lines.append("  goodput         unknown: the script reports no steps to unbroken")
+        lines.append("  goodput         unknown: the script reports no steps to unbroken "
+                     "(the time its processes ran is untracked)")
     else:
         lines.append(f"  goodput         {100 * report['goodput']:.1f}% of {wall:.1f}s x "
                      f"{report['world_size']} rank(s)")
