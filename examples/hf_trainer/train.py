@@ -6,6 +6,8 @@ recovers its steps in place (docs/integrations.md; `--no-integrations` turns tha
 
 `--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
+`--step-log PATH`: rank 0 appends "<global_step> <wall time>" to PATH at each step's end
+(benchmarks/frameworks.py reads it under every launcher, torchrun's included).
 """
 
 import argparse
@@ -25,6 +27,8 @@ p.add_argument("--sleep-until", default=None, metavar="PATH",
                help="sleep --step-sleep per step only until PATH exists")
 p.add_argument("--samples", type=int, default=64)
 p.add_argument("--final", default=None)
+p.add_argument("--step-log", default=None, metavar="PATH",
+               help="rank 0 appends '<global_step> <time>' to PATH at each step's end")
 p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True) if "
                "the output dir holds a checkpoint, as restart-tolerant scripts do")
 args = p.parse_args()
@@ -46,11 +50,14 @@ class Tokens(torch.utils.data.Dataset):
 
 class GpuTime(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+        if STEP_LOG and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            with open(STEP_LOG, "a") as log:
+                log.write(f"{state.global_step} {time.time():.6f}\n")
         if STEP_SLEEP and not (SLEEP_UNTIL and os.path.exists(SLEEP_UNTIL)):
             time.sleep(STEP_SLEEP)
 
 
-STEP_SLEEP, SLEEP_UNTIL = args.step_sleep, args.sleep_until
+STEP_SLEEP, SLEEP_UNTIL, STEP_LOG = args.step_sleep, args.sleep_until, args.step_log
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
                                    n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
