@@ -1,7 +1,7 @@
 """unbroken: fault-tolerant distributed training for PyTorch.
 
 The worker API (`init`, `Run`) is imported lazily: every worker starts through
-`unbroken.runtime.bootstrap`, and importing torch before the user's script would break
+`unbroken.worker`, and importing torch before the user's script would break
 scripts that set environment variables (CUDA_VISIBLE_DEVICES, ...) before `import torch`.
 """
 

@@ -53,11 +53,12 @@ def _assert_recovered_in_place(result, survivor: int) -> None:
 
 
 def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(tmp_path):
-    """Two workers, gradient accumulation of 2 (a survivor's fault lands in the update's
-    last micro-batch, whose earlier ones it replays), `--on-fault wait`: the replacement
-    takes the dead rank's slot with its state from the survivor, and the final parameters
-    equal those of a run without the fault, bit for bit (two ranks' sums are exact)."""
-    flags = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2")
+    """Two workers, gradient accumulation of 2, `--on-fault wait` and `--exact-reduction`
+    (the Trainer's DDP sums in rank order): the replacement takes the dead rank's slot with
+    its state from the survivor, and the final parameters equal those of a run without the
+    fault, bit for bit."""
+    flags = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2",
+             "--exact-reduction")
     clean = launch(tmp_path / "clean", *flags, script=SCRIPT, timeout=300,
                    args=_args(tmp_path / "out-clean", "--accum", "2", "--final",
                               str(tmp_path / "clean.pt")))

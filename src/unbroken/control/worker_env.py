@@ -84,6 +84,8 @@ class WorkerEnv:
     """torchrun's `--role` (ROLE_NAME)."""
     integrations: bool = True
     """The framework integrations protect what the script trains (`--no-integrations`)."""
+    exact_reduction: bool = False
+    """A framework integration sums gradients in rank order (`--exact-reduction`)."""
     record_imports: bool = False
     """The node keeps warm interpreters: list this worker's modules for them (`warm_imports`)."""
     device: str | None = None
@@ -122,6 +124,7 @@ class WorkerEnv:
             "UNBROKEN_RETRY_WINDOW": self.retry_window,
             "UNBROKEN_RECORD_IMPORTS": "1" if self.record_imports else "0",
             "UNBROKEN_INTEGRATIONS": "1" if self.integrations else "0",
+            "UNBROKEN_EXACT_REDUCTION": "1" if self.exact_reduction else "0",
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -169,4 +172,5 @@ class WorkerEnv:
             secret=env.get("UNBROKEN_SECRET"), role_name=env.get("ROLE_NAME", "default"),
             record_imports=env.get("UNBROKEN_RECORD_IMPORTS") == "1",
             integrations=env.get("UNBROKEN_INTEGRATIONS", "1") == "1",
+            exact_reduction=env.get("UNBROKEN_EXACT_REDUCTION") == "1",
         )

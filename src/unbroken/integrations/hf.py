@@ -41,6 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+import unbroken
+from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import is_peer_error
 from unbroken.runtime.engine import Engine
 from unbroken.runtime.run import Run, init
@@ -56,7 +58,9 @@ _PEER = "unbroken:peer"
 state came from a peer, and no file is read."""
 
 
-def supported(version: str = transformers.__version__) -> bool:
+def supported(version: str | None = None) -> bool:
+    """`version` (default: the installed one) is one the integration is tested with."""
+    version = version or transformers.__version__
     return ".".join(version.split(".")[:2]) in TESTED
 
 
@@ -147,6 +151,9 @@ class TrainerSteps:
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
                   trainer_state=_StateOfTrainer(trainer))
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
+        if WorkerEnv.from_environ().exact_reduction and \
+                isinstance(trainer.model_wrapped, DistributedDataParallel):
+            trainer.model_wrapped.register_comm_hook(None, unbroken.exact_allreduce)
         joining = run.joining
         self._reuse_view = not joining
         self.engine.start(trainer.state.max_steps, self.build, self.shadow_step,

@@ -116,6 +116,7 @@ class WorkerSpawner:
             torchelastic_error_file=error_file or str(base.with_suffix(".torchelastic.json")),
             role_name=cfg.role, device=self._device(local_rank),
             record_imports=self.pool is not None, integrations=cfg.recovery.integrations,
+            exact_reduction=cfg.recovery.exact_reduction,
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,

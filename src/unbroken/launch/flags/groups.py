@@ -227,6 +227,10 @@ class Recovery:
     warm_restarts: bool = flag("--no-warm-restarts", kind=Kind.OFF_SWITCH, default=True,
                                help="do not keep warm interpreters (torch and the script's imports "
                                     "done) for restarts (see README)")
+    exact_reduction: bool = flag(
+        "--exact-reduction", kind=Kind.SWITCH, default=False,
+        help="a framework integration registers unbroken.exact_allreduce on the framework's "
+             "DDP (gradients summed in rank order: bit-identical whatever the faults)")
     integrations: bool = flag("--no-integrations", kind=Kind.OFF_SWITCH, default=True,
                               help="do not recover a Hugging Face Trainer's steps in place "
                                    "(docs/integrations.md); its faults then restart every worker")
