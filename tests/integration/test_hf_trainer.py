@@ -52,17 +52,33 @@ def _assert_recovered_in_place(result, survivor: int) -> None:
     assert summarize(result.run_dir)["steps"] == STEPS
 
 
-def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(tmp_path):
-    """Two workers, gradient accumulation of 2, `--on-fault wait` and `--exact-reduction`
-    (the Trainer's DDP sums in rank order): the replacement takes the dead rank's slot with
-    its state from the survivor, and the final parameters equal those of a run without the
-    fault, bit for bit."""
-    flags = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2",
-             "--exact-reduction")
-    clean = launch(tmp_path / "clean", *flags, script=SCRIPT, timeout=300,
-                   args=_args(tmp_path / "out-clean", "--accum", "2", "--final",
-                              str(tmp_path / "clean.pt")))
+FLAGS = ("--nproc-per-node", "2", "--max-restarts", "2", "--exact-reduction")
+"""`--exact-reduction`: the Trainer's DDP sums in rank order, so runs compare bit for bit."""
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """The final parameters of the job run without a fault (gradient accumulation of 2)."""
+    tmp = tmp_path_factory.mktemp("fault-free")
+    clean = launch(tmp / "run", *FLAGS, script=SCRIPT, timeout=300,
+                   args=_args(tmp / "out", "--accum", "2", "--final", str(tmp / "final.pt")))
     assert clean.code == 0, clean.output
+    return torch.load(tmp / "final.pt", weights_only=True)
+
+
+def _assert_identical(reference: dict, path) -> None:
+    final = torch.load(path, weights_only=True)
+    assert reference.keys() == final.keys()
+    differ = [k for k in reference if not torch.equal(reference[k], final[k])]
+    assert not differ, f"parameters differ from the fault-free run: {differ}"
+
+
+def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(
+        tmp_path, fault_free):
+    """Two workers, gradient accumulation of 2, `--on-fault wait`: the replacement takes the
+    dead rank's slot with its state from the survivor, and the final parameters equal those
+    of a run without the fault, bit for bit."""
+    flags = (*FLAGS, "--on-fault", "wait")
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = start(run_dir, *flags, script=SCRIPT,
                  args=_args(out, "--accum", "2", "--step-sleep", "0.1",
@@ -70,11 +86,7 @@ def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_
     survivor = _kill_rank_1_after(run_dir, out, 6)
     result = finish(proc, run_dir, timeout=300)
     _assert_recovered_in_place(result, survivor)
-    reference = torch.load(tmp_path / "clean.pt", weights_only=True)
-    final = torch.load(tmp_path / "faulted.pt", weights_only=True)
-    assert reference.keys() == final.keys()
-    differ = [k for k in reference if not torch.equal(reference[k], final[k])]
-    assert not differ, f"parameters differ from the fault-free run: {differ}"
+    _assert_identical(fault_free, tmp_path / "faulted.pt")
 
 
 def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update(tmp_path):
@@ -92,11 +104,14 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
     assert replayed == [(6, 3)], replayed  # the survivor's three earlier micro-batches
 
 
-def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path):
+def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
+    """The spare built its Trainer as rank 0 of a stand-in world; promoted, it trains slot
+    1's data shard: the final parameters equal the fault-free run's."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     fast = tmp_path / "fast"  # steps sleep as GPU time would, until the spare has served
-    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "2",
-                 script=SCRIPT, args=_args(out, "--step-sleep", "1", "--sleep-until", str(fast)))
+    proc = start(run_dir, *FLAGS, "--spares", "1", script=SCRIPT,
+                 args=_args(out, "--accum", "2", "--step-sleep", "1", "--sleep-until", str(fast),
+                            "--final", str(tmp_path / "faulted.pt")))
     wait_for(lambda: [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"],
              180, "the spare to warm up", explain=run_dir)
     survivor = _kill_rank_1_after(run_dir, out, 1)
@@ -106,6 +121,7 @@ def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path):
     _assert_recovered_in_place(result, survivor)
     promoted = [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"]
     assert promoted == [1]
+    _assert_identical(fault_free, tmp_path / "faulted.pt")
 
 
 def test_no_integrations_leaves_the_trainer_alone(tmp_path):

@@ -160,6 +160,8 @@ class TrainerSteps:
                           resumed_at=trainer.state.global_step)
         if joining:
             self._skip_to = self.engine.position.step
+        if run.spare:
+            self._take_slot(self.engine.slot)
 
     def pre_optimizer_step(self) -> None:
         if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
@@ -178,6 +180,21 @@ class TrainerSteps:
 
     def train_end(self) -> None:
         self.engine.finish()
+
+    def _take_slot(self, slot: int) -> None:
+        """A promoted spare built its Trainer as rank 0 of the stand-in world: it takes its
+        slot's identity, where Accelerate and the Trainer keep it (the process index, the
+        data shard's, the state's process-zero flag), before its first batch is drawn."""
+        from accelerate.state import AcceleratorState, PartialState
+
+        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+            if "process_index" in shared:
+                shared["process_index"] = slot
+        loader = self.trainer.callback_handler.train_dataloader
+        sampler = getattr(loader, "batch_sampler", None)
+        if hasattr(sampler, "process_index"):
+            sampler.process_index = slot
+        self.trainer.state.is_world_process_zero = slot == 0
 
     # ------------------------------------------------------------------ the step
     def num_items(self, batches: list, device: Any) -> Any:
