@@ -1,0 +1,78 @@
+"""A Lightning job with nothing of unbroken in it: a tiny model, a synthetic dataset,
+`Trainer(strategy="ddp").fit()` on CPU. Under `unbroken run` the integration recovers its
+steps in place (docs/integrations.md; `--no-integrations` turns that off):
+
+    unbroken run --nproc-per-node 2 --on-fault wait examples/lightning/train.py
+
+`--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
+leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
+`--val-every N`: validate every N batches, with a `sync_dist` metric.
+"""
+
+import argparse
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=30)
+p.add_argument("--samples", type=int, default=96)
+p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--sleep-until", default=None, metavar="PATH",
+               help="sleep --step-sleep per step only until PATH exists")
+p.add_argument("--val-every", type=int, default=0)
+p.add_argument("--final", default=None)
+p.add_argument("--strategy", default="ddp")
+args = p.parse_args()
+
+torch.set_num_threads(1)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)}
+
+
+class GpuTime(pl.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001
+        if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
+            time.sleep(args.step_sleep)
+
+
+def data(n: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+
+
+pl.seed_everything(0)
+model = Tiny()
+trainer = pl.Trainer(
+    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), strategy=args.strategy,
+    max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False, num_sanity_val_steps=0,
+    val_check_interval=args.val_every or None, limit_val_batches=2 if args.val_every else 0,
+    callbacks=[GpuTime()])
+trainer.fit(model, data(args.samples, 1), data(16, 2) if args.val_every else None)
+if args.final and trainer.global_rank == 0:
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.final)

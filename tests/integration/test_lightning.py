@@ -1,0 +1,70 @@
+"""A Lightning job, unmodified (examples/lightning/train.py, `strategy="ddp"`), recovered in
+place by the integration under `unbroken run`: real worker processes, a real gloo group,
+SIGKILL. The job saves no checkpoint: the replacement's state can only come from a peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import REPO, events_of, finish, launch, start, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+pytest.importorskip("lightning")
+
+SCRIPT = REPO / "examples" / "lightning" / "train.py"
+STEPS = 30  # 12 batches an epoch: the fault lands in the first, the job ends in the third
+FLAGS = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2")
+
+
+def _kill_rank_1_after(run_dir, step: int) -> int:
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    wait_for(lambda: any(e["step"] >= step for e in events_of(run_dir, "step")), 120,
+             f"step {step}", explain=run_dir)
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    return started[0]["pids"]["0"]
+
+
+def _assert_recovered_in_place(result, survivor: int) -> None:
+    assert result.code == 0, result.output
+    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
+    assert not result.events("restart"), "fell back to a full restart"
+    assert result.events("gen_up"), "no generation formed in place"
+    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
+    assert done[0] == survivor, "the survivor changed process"
+    # Each committed step once on the survivor: none computed twice, none missing.
+    assert [e["step"] for e in result.events("step") if e["slot"] == 0] == list(range(STEPS))
+    joined = [e for e in result.events("gen_switch") if e["slot"] == 1]
+    assert joined and joined[-1]["state_from"] == 0 and joined[-1]["received_bytes"] > 0
+    assert summarize(result.run_dir)["steps"] == STEPS
+
+
+def _assert_same_params(reference_path, final_path) -> None:
+    reference = torch.load(reference_path, weights_only=True)
+    final = torch.load(final_path, weights_only=True)
+    assert reference.keys() == final.keys()
+    differ = [k for k in reference if not torch.equal(reference[k], final[k])]
+    assert not differ, f"parameters differ from the fault-free run: {differ}"
+
+
+def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(tmp_path):
+    """Two workers, rank 1 SIGKILLed mid-epoch, `--on-fault wait`: the survivor stays in
+    `fit()`, the replacement takes the model, optimizer (momentum), LR scheduler and loops
+    from it, skips the batches already trained, and the final parameters equal those of a run
+    without the fault, bit for bit (two ranks' sums are exact)."""
+    clean = launch(tmp_path / "clean", *FLAGS, script=SCRIPT, timeout=300,
+                   args=["--steps", str(STEPS), "--final", str(tmp_path / "clean.pt")])
+    assert clean.code == 0, clean.output
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *FLAGS, script=SCRIPT,
+                 args=["--steps", str(STEPS), "--step-sleep", "0.2",
+                       "--final", str(tmp_path / "faulted.pt")])
+    survivor = _kill_rank_1_after(run_dir, 5)
+    result = finish(proc, run_dir, timeout=300)
+    _assert_recovered_in_place(result, survivor)
+    _assert_same_params(tmp_path / "clean.pt", tmp_path / "faulted.pt")
