@@ -6,7 +6,9 @@ steps in place (docs/integrations.md; `--no-integrations` turns that off):
 
 `--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
-`--val-every N`: validate every N batches, with a `sync_dist` metric.
+`--val-every N`: validate every N batches, with a `sync_dist` metric; `--val-sleep S`: each
+validation batch sleeps S seconds. `--raise-at N`: rank 1's callback raises once
+`global_step` is N (a bug in the script, for the tests).
 """
 
 import argparse
@@ -24,6 +26,8 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--sleep-until", default=None, metavar="PATH",
                help="sleep --step-sleep per step only until PATH exists")
 p.add_argument("--val-every", type=int, default=0)
+p.add_argument("--val-sleep", type=float, default=0.0)
+p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--final", default=None)
 p.add_argument("--strategy", default="ddp")
 args = p.parse_args()
@@ -43,6 +47,7 @@ class Tiny(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         x, y = batch
+        time.sleep(args.val_sleep)
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):  # noqa: ANN201
@@ -55,6 +60,8 @@ class GpuTime(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001
         if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
             time.sleep(args.step_sleep)
+        if trainer.global_step == args.raise_at and trainer.global_rank == 1:
+            raise RuntimeError(f"a bug in a callback, at step {args.raise_at}")
 
 
 def data(n: int, seed: int) -> DataLoader:

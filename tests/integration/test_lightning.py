@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -30,9 +31,10 @@ def _kill_rank_1_after(run_dir, step: int) -> int:
     return started[0]["pids"]["0"]
 
 
-def _assert_recovered_in_place(result, survivor: int) -> None:
+def _assert_recovered_in_place(result, survivor: int, kind: str | None = "crash") -> None:
     assert result.code == 0, result.output
-    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
+    if kind is not None:
+        assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [(kind, 1)]
     assert not result.events("restart"), "fell back to a full restart"
     assert result.events("gen_up"), "no generation formed in place"
     done = {e["slot"]: e["pid"] for e in result.events("training_done")}
@@ -52,19 +54,62 @@ def _assert_same_params(reference_path, final_path) -> None:
     assert not differ, f"parameters differ from the fault-free run: {differ}"
 
 
-def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(tmp_path):
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """The final parameters of the job without a fault, validating every 5 batches."""
+    tmp = tmp_path_factory.mktemp("clean")
+    clean = launch(tmp / "run", *FLAGS, script=SCRIPT, timeout=300,
+                   args=["--steps", str(STEPS), "--val-every", "5",
+                         "--final", str(tmp / "clean.pt")])
+    assert clean.code == 0, clean.output
+    return tmp / "clean.pt"
+
+
+def _faulted(tmp_path, *extra: str):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *FLAGS, script=SCRIPT,
+                 args=["--steps", str(STEPS), "--val-every", "5",
+                       "--final", str(tmp_path / "faulted.pt"), *extra])
+    return run_dir, proc
+
+
+def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(
+        tmp_path, fault_free):
     """Two workers, rank 1 SIGKILLed mid-epoch, `--on-fault wait`: the survivor stays in
     `fit()`, the replacement takes the model, optimizer (momentum), LR scheduler and loops
     from it, skips the batches already trained, and the final parameters equal those of a run
     without the fault, bit for bit (two ranks' sums are exact)."""
-    clean = launch(tmp_path / "clean", *FLAGS, script=SCRIPT, timeout=300,
-                   args=["--steps", str(STEPS), "--final", str(tmp_path / "clean.pt")])
-    assert clean.code == 0, clean.output
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, *FLAGS, script=SCRIPT,
-                 args=["--steps", str(STEPS), "--step-sleep", "0.2",
-                       "--final", str(tmp_path / "faulted.pt")])
-    survivor = _kill_rank_1_after(run_dir, 5)
+    run_dir, proc = _faulted(tmp_path, "--step-sleep", "0.2")
+    survivor = _kill_rank_1_after(run_dir, 6)
     result = finish(proc, run_dir, timeout=300)
     _assert_recovered_in_place(result, survivor)
-    _assert_same_params(tmp_path / "clean.pt", tmp_path / "faulted.pt")
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_fault_during_validation_is_recovered_at_the_next_step(tmp_path, fault_free):
+    """Rank 1 dies while both validate (after step 4): the survivor's epoch-end `sync_dist`
+    reduce fails, gives its local value, and the next step recovers in place."""
+    run_dir, proc = _faulted(tmp_path, "--val-sleep", "1")
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    wait_for(lambda: any(e["step"] >= 4 for e in events_of(run_dir, "step")), 120, "step 4",
+             explain=run_dir)
+    time.sleep(0.5)  # inside the first validation batch (1 s)
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    result = finish(proc, run_dir, timeout=300)
+    _assert_recovered_in_place(result, started[0]["pids"]["0"])
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_an_exception_in_a_callback_replaces_that_worker_only(tmp_path, fault_free):
+    """Rank 1's callback raises after step 8 (`on_train_batch_end`, outside the step): the
+    exception leaves its `fit()` as Lightning raises it and that worker exits; the survivor
+    meets it as a peer's fault at the next step and recovers in place with a replacement."""
+    run_dir, proc = _faulted(tmp_path, "--raise-at", "8")
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    result = finish(proc, run_dir, timeout=300)
+    assert "a bug in a callback, at step 8" in result.output
+    assert [f["rank"] for f in result.events("fault")] == [1]
+    _assert_recovered_in_place(result, started[0]["pids"]["0"], kind=None)
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
