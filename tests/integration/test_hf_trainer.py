@@ -131,8 +131,9 @@ def test_no_integrations_leaves_the_trainer_alone(tmp_path):
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", "--no-integrations",
                  script=SCRIPT, args=_args(out, "--resume", "--step-sleep", "0.1"))
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start")
-    wait_for(lambda: (out / "checkpoint-5").is_dir(), 120, "the Trainer's first checkpoint",
-             explain=run_dir)
+    # trainer_state.json is the save's last file: the Trainer's saves are not atomic.
+    wait_for(lambda: (out / "checkpoint-5" / "trainer_state.json").is_file(), 120,
+             "the Trainer's first checkpoint", explain=run_dir)
     os.kill(started[0]["pids"]["1"], signal.SIGKILL)
     result = finish(proc, run_dir, timeout=300)
     assert result.code == 0, result.output
