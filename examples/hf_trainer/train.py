@@ -2,7 +2,7 @@
 (no download), a synthetic dataset, `Trainer.train()`. Under `unbroken run` the integration
 recovers its steps in place (docs/integrations.md; `--no-integrations` turns that off):
 
-    unbroken run --nproc-per-node 2 --on-fault wait examples/hf_trainer/train.py --output-dir out
+    unbroken run --nproc-per-node 2 --on-fault wait --max-restarts 3 examples/hf_trainer/train.py --output-dir out
 
 `--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
