@@ -6,8 +6,8 @@ steps in place (docs/integrations.md; `--no-integrations` turns that off):
 
 `--step-sleep S`: each optimizer step sleeps S seconds in a callback, as GPU time would
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
-`--val-every N`: validate every N batches, with a `sync_dist` metric; `--val-sleep S`: each
-validation batch sleeps S seconds. `--raise-at N`: rank 1's callback raises once
+`--val-every N`: validate every N batches, with a `sync_dist` metric; `--val-sleep S`: the first
+validation's batches sleep S seconds each. `--raise-at N`: rank 1's callback raises once
 `global_step` is N (a bug in the script, for the tests).
 """
 
@@ -47,7 +47,8 @@ class Tiny(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         x, y = batch
-        time.sleep(args.val_sleep)
+        if self.trainer.global_step <= args.val_every:
+            time.sleep(args.val_sleep)
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):  # noqa: ANN201

@@ -89,14 +89,15 @@ def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_fre
 def test_a_fault_during_validation_is_recovered_at_the_next_step(tmp_path, fault_free):
     """Rank 1 dies while both validate (after step 4): the survivor's epoch-end `sync_dist`
     reduce fails, gives its local value, and the next step recovers in place."""
-    run_dir, proc = _faulted(tmp_path, "--val-sleep", "1")
+    run_dir, proc = _faulted(tmp_path, "--val-sleep", "0.6")
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
                        explain=run_dir)
     wait_for(lambda: any(e["step"] >= 4 for e in events_of(run_dir, "step")), 120, "step 4",
              explain=run_dir)
-    time.sleep(0.5)  # inside the first validation batch (1 s)
+    time.sleep(0.3)  # inside the first validation's first batch
     os.kill(started[0]["pids"]["1"], signal.SIGKILL)
     result = finish(proc, run_dir, timeout=300)
+    assert "a Lightning collective outside a step" in result.output
     _assert_recovered_in_place(result, started[0]["pids"]["0"])
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
 
@@ -112,4 +113,24 @@ def test_an_exception_in_a_callback_replaces_that_worker_only(tmp_path, fault_fr
     assert "a bug in a callback, at step 8" in result.output
     assert [f["rank"] for f in result.events("fault")] == [1]
     _assert_recovered_in_place(result, started[0]["pids"]["0"], kind=None)
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_lightning_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
+    """`--spares 1`: the spare runs the script up to `fit()`, warms up in its sandbox, and on
+    rank 1's death takes its slot (its rank, its sampler shard) with the survivor's state."""
+    run_dir = tmp_path / "run"
+    fast = tmp_path / "fast"  # steps sleep as GPU time would, until the spare has served
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "2",
+                 script=SCRIPT, args=["--steps", str(STEPS), "--val-every", "5",
+                                      "--step-sleep", "1", "--sleep-until", str(fast),
+                                      "--final", str(tmp_path / "faulted.pt")])
+    wait_for(lambda: [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"],
+             120, "the spare to warm up", explain=run_dir)
+    survivor = _kill_rank_1_after(run_dir, 1)
+    wait_for(lambda: events_of(run_dir, "gen_up"), 120, "the recovery", explain=run_dir)
+    fast.touch()
+    result = finish(proc, run_dir, timeout=300)
+    _assert_recovered_in_place(result, survivor)
+    assert [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"] == [1]
     _assert_same_params(fault_free, tmp_path / "faulted.pt")

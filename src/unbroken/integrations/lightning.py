@@ -104,6 +104,24 @@ class UnbrokenDDPStrategy(DDPStrategy):
             self.steps = FitSteps(trainer, self, init())
 
     @property
+    def root_device(self) -> torch.device:
+        """A spare's device: its own, past the workers' (`LOCAL_RANK` counts the spares)."""
+        devices = self.parallel_devices
+        if devices and self.local_rank >= len(devices):
+            first = devices[0]
+            return first if first.type == "cpu" else torch.device(first.type, self.local_rank)
+        return super().root_device
+
+    @property
+    def global_rank(self) -> int:
+        """The rank in the job: the engine's once it entered (a promoted spare's slot; its
+        `RANK` says -1), else the cluster environment's."""
+        steps = self.steps
+        if steps is not None and steps.started:
+            return steps.engine.position.rank
+        return super().global_rank
+
+    @property
     def lightning_restore_optimizer(self) -> bool:
         """A joiner's optimizers come from a peer (tracked), not from Lightning's restore."""
         return not (self.steps is not None and self.steps.from_peer)
@@ -174,6 +192,10 @@ class UnbrokenDDPStrategy(DDPStrategy):
         except Exception as exc:
             if not is_peer_error(exc):
                 raise
+            if steps.pending is None:
+                print("unbroken: a peer's fault met in a Lightning collective outside a step: "
+                      "it gives the local value, and the next step recovers in place",
+                      file=sys.stderr, flush=True)
             steps.pending = exc
             return local
 
@@ -243,8 +265,13 @@ class FitSteps:
 
     def _start(self) -> None:
         trainer = self.trainer
-        last = trainer.estimated_stepping_batches
-        last = int(last) if last != float("inf") else sys.maxsize
+        if trainer.max_steps > 0 or self.run.spare:
+            # A spare's data is set up once it has a rank, after this; without max_steps
+            # Lightning's own epochs end its fit.
+            last = trainer.max_steps if trainer.max_steps > 0 else sys.maxsize
+        else:
+            last = trainer.estimated_stepping_batches
+            last = int(last) if last != float("inf") else sys.maxsize
         self.started = True
         self.engine.start(last, self.build, self.shadow_step, resumed_at=trainer.global_step)
 
@@ -332,8 +359,8 @@ class FitSteps:
     def shadow_step(self, step: int, view: Any) -> None:
         """A spare's warm-up step, in its sandbox: a forward and backward on a first batch."""
         trainer = self.trainer
-        trainer.fit_loop.setup_data()
-        batch = next(iter(trainer.train_dataloader))
+        loader = trainer.fit_loop._data_source.dataloader()  # the script's, unsharded
+        batch = next(iter(loader))
         out = trainer.lightning_module.training_step(batch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         loss.backward()
