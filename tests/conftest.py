@@ -110,6 +110,27 @@ def assert_gave_up(result: Launched, restarts: int, error: str, faults: int) -> 
     assert len(result.events("fault")) == faults
 
 
+def assert_recovered_in_place(result: Launched, survivor: int, steps: int,
+                              fault: tuple[str, int] | None = ("crash", 1)) -> None:
+    """A framework job with slot 0 surviving and slot 1 replaced (or taken by a spare), in
+    place: it finished; `fault` (kind, rank) was its one fault (None: not checked); no full
+    restart; slot 0 kept its process `survivor` and committed each of `steps` once; slot 1's
+    last switch brought it state from slot 0."""
+    from unbroken.telemetry.summary import summarize
+
+    assert result.code == 0, result.output
+    if fault is not None:
+        assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [fault]
+    assert not result.events("restart"), "fell back to a full restart"
+    assert result.events("gen_up"), "no generation formed in place"
+    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
+    assert done[0] == survivor, "the survivor changed process"
+    assert [e["step"] for e in result.events("step") if e["slot"] == 0] == list(range(steps))
+    joined = [e for e in result.events("gen_switch") if e["slot"] == 1]
+    assert joined and joined[-1]["state_from"] == 0 and joined[-1]["received_bytes"] > 0
+    assert summarize(result.run_dir)["steps"] == steps
+
+
 def launch(run_dir: Path, *flags: str, timeout: float = 240, **kw) -> Launched:
     return finish(start(run_dir, *flags, **kw), run_dir, timeout)
 

@@ -13,9 +13,7 @@ import signal
 
 import pytest
 import torch
-from conftest import REPO, events_of, finish, launch, start, wait_for
-
-from unbroken.telemetry.summary import summarize
+from conftest import REPO, assert_recovered_in_place, events_of, finish, launch, start, wait_for
 
 pytest.importorskip("transformers")
 
@@ -36,20 +34,6 @@ def _kill_rank_1_after(run_dir, out, step: int) -> int:
     victim = started[0]["pids"]["1"]
     os.kill(victim, signal.SIGKILL)
     return started[0]["pids"]["0"]
-
-
-def _assert_recovered_in_place(result, survivor: int) -> None:
-    assert result.code == 0, result.output
-    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
-    assert not result.events("restart"), "fell back to a full restart"
-    assert result.events("gen_up"), "no generation formed in place"
-    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
-    assert done[0] == survivor, "the survivor changed process"
-    # Each committed step once on the survivor: none computed twice, none missing.
-    assert [e["step"] for e in result.events("step") if e["slot"] == 0] == list(range(STEPS))
-    joined = [e for e in result.events("gen_switch") if e["slot"] == 1]
-    assert joined and joined[-1]["state_from"] == 0 and joined[-1]["received_bytes"] > 0
-    assert summarize(result.run_dir)["steps"] == STEPS
 
 
 FLAGS = ("--nproc-per-node", "2", "--max-restarts", "2", "--exact-reduction")
@@ -85,7 +69,7 @@ def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_
                             "--final", str(tmp_path / "faulted.pt")))
     survivor = _kill_rank_1_after(run_dir, out, 6)
     result = finish(proc, run_dir, timeout=300)
-    _assert_recovered_in_place(result, survivor)
+    assert_recovered_in_place(result, survivor, STEPS)
     _assert_identical(fault_free, tmp_path / "faulted.pt")
 
 
@@ -99,7 +83,7 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
                     "--fault", "crash:rank=1,step=6", script=SCRIPT, timeout=300,
                     args=_args(out, "--accum", "4", "--save-steps", "100"))
     survivor = result.events("workers_started")[0]["pids"]["0"]
-    _assert_recovered_in_place(result, survivor)
+    assert_recovered_in_place(result, survivor, STEPS)
     replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
     assert replayed == [(6, 3)], replayed  # the survivor's three earlier micro-batches
 
@@ -118,7 +102,7 @@ def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
     wait_for(lambda: events_of(run_dir, "gen_up"), 120, "the recovery", explain=run_dir)
     fast.touch()
     result = finish(proc, run_dir, timeout=300)
-    _assert_recovered_in_place(result, survivor)
+    assert_recovered_in_place(result, survivor, STEPS)
     promoted = [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"]
     assert promoted == [1]
     _assert_identical(fault_free, tmp_path / "faulted.pt")

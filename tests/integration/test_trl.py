@@ -15,9 +15,7 @@ import os
 import signal
 
 import pytest
-from conftest import SCRIPTS, Launched, events_of, finish, launch, start, wait_for
-
-from unbroken.telemetry.summary import summarize
+from conftest import SCRIPTS, assert_recovered_in_place, events_of, finish, launch, start, wait_for
 
 pytest.importorskip("trl")
 
@@ -28,20 +26,6 @@ FLAGS = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2")
 
 def _args(tmp_path, *extra: str) -> list[str]:
     return ["--output-dir", str(tmp_path / "out"), "--steps", str(STEPS), *extra]
-
-
-def _assert_recovered_in_place(result: Launched, survivor: int) -> None:
-    assert result.code == 0, result.output
-    assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
-    assert not result.events("restart"), "fell back to a full restart"
-    assert result.events("gen_up"), "no generation formed in place"
-    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
-    assert done[0] == survivor, "the survivor changed process"
-    # Each committed step once on the survivor: none computed twice, none missing.
-    assert [e["step"] for e in result.events("step") if e["slot"] == 0] == list(range(STEPS))
-    joined = [e for e in result.events("gen_switch") if e["slot"] == 1]
-    assert joined and joined[-1]["state_from"] == 0 and joined[-1]["received_bytes"] > 0
-    assert summarize(result.run_dir)["steps"] == STEPS
 
 
 def test_an_sft_trainer_job_recovers_in_place(tmp_path):
@@ -55,7 +39,7 @@ def test_an_sft_trainer_job_recovers_in_place(tmp_path):
     wait_for(lambda: any(e["step"] >= 4 for e in events_of(run_dir, "step")), 120, "step 4",
              explain=run_dir)
     os.kill(started[0]["pids"]["1"], signal.SIGKILL)
-    _assert_recovered_in_place(finish(proc, run_dir, timeout=240), started[0]["pids"]["0"])
+    assert_recovered_in_place(finish(proc, run_dir, timeout=240), started[0]["pids"]["0"], STEPS)
 
 
 def test_a_fault_met_in_sft_trainers_metric_gathers_is_recovered(tmp_path):
@@ -64,4 +48,4 @@ def test_a_fault_met_in_sft_trainers_metric_gathers_is_recovered(tmp_path):
     before backward), and redoes the step in the new generation."""
     result = launch(tmp_path / "run", *FLAGS, "--fault", "crash:rank=1,step=6", script=SCRIPT,
                     timeout=240, args=_args(tmp_path))
-    _assert_recovered_in_place(result, result.events("workers_started")[0]["pids"]["0"])
+    assert_recovered_in_place(result, result.events("workers_started")[0]["pids"]["0"], STEPS)
