@@ -234,6 +234,9 @@ class _LightningState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = self.steps
+        if not steps.engine.joining:  # its loops ran on: they cannot be set back in place
+            raise RuntimeError("unbroken: a worker already in fit() was sent a peer's "
+                               "Lightning state; it cannot take it in place")
         ckpt = pickle.loads(state["pickle"].numpy().tobytes())
         connector = steps.trainer._checkpoint_connector
         connector._loaded_checkpoint = ckpt  # loops, schedulers, precision: at fit's restore
