@@ -142,6 +142,7 @@ class TrainerSteps:
         self._skip_to: int | None = None  # a joiner's first epoch starts at this step
         self._skip_update = False  # the peers' state already holds this update
         self._scheduler_state: dict[str, Any] = {}
+        self._exact = False  # --exact-reduction: every DDP built gets exact_allreduce
 
     # ------------------------------------------------------------------ callbacks
     def train_begin(self) -> None:
@@ -151,8 +152,8 @@ class TrainerSteps:
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
                   trainer_state=_StateOfTrainer(trainer))
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
-        if WorkerEnv.from_environ().exact_reduction and \
-                isinstance(trainer.model_wrapped, DistributedDataParallel):
+        self._exact = WorkerEnv.from_environ().exact_reduction
+        if self._exact and isinstance(trainer.model_wrapped, DistributedDataParallel):
             trainer.model_wrapped.register_comm_hook(None, unbroken.exact_allreduce)
         joining = run.joining
         self._reuse_view = not joining
@@ -267,9 +268,15 @@ class TrainerSteps:
         return False
 
     def _view(self, model: Any) -> Any:
-        """The current generation's model (the Trainer's own DDP, on the new group)."""
+        """The current generation's model; the Trainer's `no_sync` on the one its loop holds
+        (the first DDP, inert after a switch) carries over."""
         view = self.engine.view
-        return model if view is None else view
+        if view is None:
+            return model
+        if view is not model and isinstance(view, DistributedDataParallel) \
+                and isinstance(model, DistributedDataParallel):
+            view.require_backward_grad_sync = model.require_backward_grad_sync
+        return view
 
     def run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's epoch; a joiner's first one starts at the peers' step, with the
@@ -332,16 +339,28 @@ class TrainerSteps:
 
     # ------------------------------------------------------------------ the engine's
     def build(self) -> Any:
-        """The model a generation trains: the Trainer's own DDP, moved onto the new group
-        after a switch (DDP's `_update_process_group`: no collective, and the one object the
-        Trainer's loop holds stays the one that trains; a second DDP would leave the first's
-        gradient hooks armed)."""
-        ddp = self.trainer.model_wrapped
-        if self._reuse_view or not isinstance(ddp, DistributedDataParallel):
+        """The model a generation trains: after a switch, every member builds a fresh DDP
+        on the new group with the Trainer's settings (the same collectives on every member:
+        parameter shapes and a broadcast), and the old one's gradient hooks are removed.
+        Re-pointing the old DDP at the new group is not enough: a survivor's buckets keep
+        the order it rebuilt after its first step, a joiner's have the initial order, and
+        their all-reduce would sum mismatched gradients."""
+        trainer = self.trainer
+        old = trainer.model_wrapped
+        if self._reuse_view or not isinstance(old, DistributedDataParallel):
             self._reuse_view = False
-            return ddp
-        ddp._update_process_group(torch.distributed.distributed_c10d._get_default_group())
-        return ddp
+            return old
+        old._remove_autograd_hooks()
+        kept = {"broadcast_buffers": False} if not old.broadcast_buffers else {}
+        new = DistributedDataParallel(
+            trainer.model, device_ids=old.device_ids, find_unused_parameters=old.find_unused_parameters,
+            bucket_cap_mb=old.bucket_bytes_cap / (1024 * 1024),
+            gradient_as_bucket_view=old.gradient_as_bucket_view, static_graph=old.static_graph,
+            **kept)
+        if self._exact:
+            new.register_comm_hook(None, unbroken.exact_allreduce)
+        trainer.model_wrapped = new
+        return new
 
     def shadow_step(self, step: int, view: Any) -> None:
         """A spare's warm-up step, in its sandbox: a forward and backward on a first batch."""
