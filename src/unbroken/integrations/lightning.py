@@ -9,9 +9,9 @@ What holds (docs/integrations.md):
   spans the update, and `commit` follows it.
 - Survivors never leave `fit()`. A collective that fails because a peer died, inside the
   closure, leaves the generation and joins the next one in the strategy's `optimizer_step`:
-  the engine brings the committed state, DDP is moved onto the new group
-  (`_update_process_group`, no collective), and the step is redone. A peer's fault met in
-  the strategy's own collectives outside a step (validation's `sync_dist`, callbacks'
+  the engine brings the committed state, every member builds a fresh DDP on the new group
+  (`FitSteps.build` says why not the old one re-pointed), and the step is redone. A peer's
+  fault met in the strategy's own collectives outside a step (validation's `sync_dist`, callbacks'
   broadcasts) returns the local value and is recovered at the next step.
 - A joiner (a spare, or a replacement running the same script) calls `fit()` like everyone.
   In the strategy's `setup` it joins and takes the state from a peer: the LightningModule,
@@ -34,7 +34,6 @@ version trains unprotected, saying so in one line.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from contextlib import ExitStack
 from typing import Any
@@ -212,10 +211,17 @@ def _unprotected(trainer: Any) -> str | None:
     return None
 
 
+_OWN_KEYS = ("hyper_parameters", "hparams_name", "hparams_type",
+             "datamodule_hyper_parameters", "datamodule_hparams_name")
+"""Checkpoint entries a joiner's script makes itself: they may hold any Python object, and
+state from a peer travels as tensors and plain data only (never unpickled)."""
+
+
 class _LightningState:
     """What Lightning's checkpoint carries besides the model and optimizers (tracked
     themselves): loops, callbacks, LR schedulers, precision, datamodule, as one tracked
-    object. `state_dict` dumps it fresh (the committed step's, taken inside the next step
+    object, in plain data and tensors (the state step packs it; nothing is pickled).
+    `state_dict` dumps it fresh (the committed step's, taken inside the next step
     or between steps); `load_state_dict` hands it to Lightning's own restore."""
 
     def __init__(self, steps: FitSteps) -> None:
@@ -230,14 +236,16 @@ class _LightningState:
         total = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
         total.update(ready=total["completed"], started=total["completed"],
                      processed=total["completed"])
-        return {"pickle": torch.frombuffer(bytearray(pickle.dumps(ckpt)), dtype=torch.uint8)}
+        for key in _OWN_KEYS:  # the joiner's script builds its own
+            ckpt.pop(key, None)
+        return ckpt
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = self.steps
         if not steps.engine.joining:  # its loops ran on: they cannot be set back in place
             raise RuntimeError("unbroken: a worker already in fit() was sent a peer's "
                                "Lightning state; it cannot take it in place")
-        ckpt = pickle.loads(state["pickle"].numpy().tobytes())
+        ckpt = dict(state)
         connector = steps.trainer._checkpoint_connector
         connector._loaded_checkpoint = ckpt  # loops, schedulers, precision: at fit's restore
         connector.restore_datamodule()
