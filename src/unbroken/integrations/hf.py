@@ -177,7 +177,7 @@ class TrainerSteps:
             self.trainer.lr_scheduler.load_state_dict(self._scheduler_state)
         step = self.trainer.state.global_step - 1
         if step >= self.engine.position.step:
-            self.engine.commit(step, {"loss": self._loss})
+            self.engine.commit(step, {"loss": float(self._loss)})  # one sync per step
 
     def train_end(self) -> None:
         self.engine.finish()
@@ -231,7 +231,7 @@ class TrainerSteps:
                 if len(self._micro) == 1:
                     self.engine.enter(step)
                 loss = self._training_step(self._view(model), inputs, self._count)
-                self._loss += float(loss.detach())
+                self._loss = self._loss + loss.detach()  # on the device: no sync here
                 return loss
             except Exception as exc:  # a peer's fault is recovered; anything else re-raised
                 self.engine.fail(step, exc)
@@ -261,7 +261,7 @@ class TrainerSteps:
         view = self.engine.view
         for inputs in earlier:
             with view.no_sync() if isinstance(view, DistributedDataParallel) else ExitStack():
-                self._loss += float(self._training_step(view, inputs, self._count).detach())
+                self._loss = self._loss + self._training_step(view, inputs, self._count).detach()
         if earlier:
             self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=self.engine.position.gen,
                                                          micro_batches=len(earlier)))
