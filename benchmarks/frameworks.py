@@ -7,7 +7,9 @@ each step waits 50 ms in a callback, as GPU time would leave the CPU idle (and a
 warms up on idle CPU only). Arms:
 
 - `torchrun`: `python -m torch.distributed.run --nproc-per-node 2 --max-restarts 3
-  --standalone`, the script with `--resume` (it resumes from its newest checkpoint);
+  --standalone`, the script with `--resume` (it resumes from its newest checkpoint); by
+  default with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (`--torchrun-store worker`), without
+  which its restarts of a gloo job mostly fail (`--torchrun-store agent` shows that);
 - `restart`: `unbroken run --nproc-per-node 2 --max-restarts 3 --no-integrations`, with
   `--resume`: every worker restarted, the script starting over;
 - `in_place`: `unbroken run --nproc-per-node 2 --spares 1 --max-restarts 3`: the Trainer
@@ -190,10 +192,21 @@ def _wait(until: Callable[[], object], proc: subprocess.Popen, timeout: float,
     return None
 
 
-def one_try(arm: str, root: Path, index: int, hang_after: float) -> FrameworkTry:
+def environment(arm: str, torchrun_store: str) -> dict[str, str]:
+    """The arm's extra environment. torchrun's workers host their own store under
+    `torchrun_store="worker"` (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with the agent's shared
+    store, its restarts of a gloo job mostly fail (benchmarks/README.md, restart.py)."""
+    env = dict(ENV)
+    if arm == "torchrun" and torchrun_store == "worker":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def one_try(arm: str, root: Path, index: int, hang_after: float,
+            torchrun_store: str = "worker") -> FrameworkTry:
     run_dir = root / f"{arm}-{index}"
     log, tail = run_dir / "steps.log", EventTail(run_dir)
-    proc = launch(command(arm, run_dir), run_dir, env=ENV)
+    proc = launch(command(arm, run_dir), run_dir, env=environment(arm, torchrun_store))
     try:
         def ready() -> bool:
             tail.poll()
@@ -247,13 +260,18 @@ def main() -> None:
     p.add_argument("--hang-after", type=float, default=90.0,
                    help="seconds after the kill with no resumed step: a hang")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--torchrun-store", choices=["worker", "agent"], default="worker",
+                   help="worker (default): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0 hosts "
+                        "the store, as torchrun's restarts of a gloo job need; agent: torchrun's "
+                        "shared store, as documented")
     args = p.parse_args()
     root = temp_root("unbroken-bench-frameworks-", keep=args.keep)
 
     def show(i: int, arm: str, r: FrameworkTry) -> None:
         print(f"try {i + 1:2d} {arm:9s} kill-to-resumed-step {r.shown()}", flush=True)
 
-    results = alternate(ARMS, args.tries, lambda arm, i: one_try(arm, root, i, args.hang_after),
+    results = alternate(ARMS, args.tries, lambda arm, i: one_try(arm, root, i, args.hang_after,
+                                                           args.torchrun_store),
                         report=show)
     summary = {arm: summary_of(rs) for arm, rs in results.items()}
     t, r, u = (summary[arm]["median_s"] for arm in ARMS)
@@ -267,7 +285,8 @@ def main() -> None:
     if args.keep:
         print(f"run directories kept in {root}")
     emit({"benchmark": "frameworks", "workers": 2, "spares_in_place": 1, "kill_at_step": KILL_AT,
-          "save_steps": SAVE_STEPS, "step_sleep_s": float(STEP_SLEEP), **summary,
+          "save_steps": SAVE_STEPS, "step_sleep_s": float(STEP_SLEEP),
+          "torchrun_store": args.torchrun_store, **summary,
           "ratio_median_torchrun_over_in_place": ratio(t, u),
           "ratio_median_restart_over_in_place": ratio(r, u),
           "ratio_median_torchrun_over_restart": ratio(t, r, 2)})
