@@ -123,3 +123,22 @@ def test_no_integrations_leaves_the_trainer_alone(tmp_path):
     assert result.code == 0, result.output
     assert len(result.events("restart")) == 1, result.output
     assert not result.events("gen_up") and not result.events("step")  # no Run: unprotected
+
+
+SAVE_FAULT = REPO / "tests" / "scripts" / "hf_save_fault.py"
+
+
+def test_a_fault_in_the_trainers_own_checkpoint_save_is_recovered_in_place(tmp_path, fault_free):
+    """Rank 1 is SIGKILLed inside the Trainer's checkpoint save at step 10 (as it saves the
+    optimizer and scheduler). The survivor finishes its save (a DDP save has no collective),
+    meets the fault in the next update's first collective and recovers there; the
+    replacement takes its state from the survivor, and the final parameters equal the
+    fault-free run's."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, *FLAGS, "--on-fault", "wait", script=SAVE_FAULT, timeout=300,
+                    args=["--kill-in-save", "10",
+                          *_args(out, "--accum", "2", "--final", str(tmp_path / "faulted.pt"))])
+    survivor = result.events("workers_started")[0]["pids"]["0"]
+    assert_recovered_in_place(result, survivor, STEPS)
+    assert [f["step"] for f in result.events("fault")] == [10]
+    _assert_identical(fault_free, tmp_path / "faulted.pt")
