@@ -1,6 +1,7 @@
-"""A Lightning job, unmodified (examples/lightning/train.py, `strategy="ddp"`), recovered in
-place by the integration under `unbroken run`: real worker processes, a real gloo group,
-SIGKILL. The job saves no checkpoint: the replacement's state can only come from a peer.
+"""A Lightning job, unmodified (examples/lightning/train.py, `strategy="ddp"`, gradient
+accumulation over 2 batches), recovered in place by the integration under `unbroken run`:
+real worker processes, a real gloo group, SIGKILL. The replacement's state can only come
+from a peer: the job saves no checkpoint, or (the save's test) none the replacement reads.
 """
 
 from __future__ import annotations
@@ -11,13 +12,24 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, assert_recovered_in_place, events_of, finish, launch, start, wait_for
+from conftest import (
+    REPO,
+    SCRIPTS,
+    assert_recovered_in_place,
+    events_of,
+    finish,
+    launch,
+    start,
+    wait_for,
+)
 
 pytest.importorskip("lightning")
 
 SCRIPT = REPO / "examples" / "lightning" / "train.py"
-STEPS = 30  # 12 batches an epoch: the fault lands in the first, the job ends in the third
+STEPS = 18  # 12 batches, 6 steps an epoch: the faults land in the first two, the job ends in the third
 FLAGS = ("--nproc-per-node", "2", "--on-fault", "wait", "--max-restarts", "2")
+JOB = ("--steps", str(STEPS), "--accum", "2", "--val-every", "5")
+"""Every run's job: validation every 5 batches (in the middle of an update, every other time)."""
 
 
 def _kill_rank_1_after(run_dir, step: int) -> int:
@@ -39,20 +51,18 @@ def _assert_same_params(reference_path, final_path) -> None:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    """The final parameters of the job without a fault, validating every 5 batches."""
+    """The final parameters of the job without a fault."""
     tmp = tmp_path_factory.mktemp("clean")
     clean = launch(tmp / "run", *FLAGS, script=SCRIPT, timeout=300,
-                   args=["--steps", str(STEPS), "--val-every", "5",
-                         "--final", str(tmp / "clean.pt")])
+                   args=[*JOB, "--final", str(tmp / "clean.pt")])
     assert clean.code == 0, clean.output
     return tmp / "clean.pt"
 
 
-def _faulted(tmp_path, *extra: str):
+def _faulted(tmp_path, *extra: str, flags=(), script=SCRIPT, before=()):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *FLAGS, script=SCRIPT,
-                 args=["--steps", str(STEPS), "--val-every", "5",
-                       "--final", str(tmp_path / "faulted.pt"), *extra])
+    proc = start(run_dir, *FLAGS, *flags, script=script,
+                 args=[*before, *JOB, "--final", str(tmp_path / "faulted.pt"), *extra])
     return run_dir, proc
 
 
@@ -62,26 +72,67 @@ def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_fre
     `fit()`, the replacement takes the model, optimizer (momentum), LR scheduler and loops
     from it, skips the batches already trained, and the final parameters equal those of a run
     without the fault, bit for bit (two ranks' sums are exact)."""
-    run_dir, proc = _faulted(tmp_path, "--step-sleep", "0.2")
-    survivor = _kill_rank_1_after(run_dir, 6)
+    run_dir, proc = _faulted(tmp_path, "--step-sleep", "0.1")
+    survivor = _kill_rank_1_after(run_dir, 3)
     result = finish(proc, run_dir, timeout=300)
     assert_recovered_in_place(result, survivor, STEPS)
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
 
 
 def test_a_fault_during_validation_is_recovered_at_the_next_step(tmp_path, fault_free):
-    """Rank 1 dies while both validate (after step 4): the survivor's epoch-end `sync_dist`
-    reduce fails, gives its local value, and the next step recovers in place."""
+    """Rank 1 dies while both validate, after batch 5, in the middle of step 2's update: the
+    survivor's epoch-end `sync_dist` reduce fails and gives its local value; at the update's
+    last batch the survivor recovers in place and runs batch 5 again (the half-accumulated
+    update is dropped), from the RNG state it had (the validation drew from it); the
+    replacement runs batch 5 and its validation with local collectives."""
     run_dir, proc = _faulted(tmp_path, "--val-sleep", "0.6")
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
                        explain=run_dir)
-    wait_for(lambda: any(e["step"] >= 4 for e in events_of(run_dir, "step")), 120, "step 4",
+    wait_for(lambda: any(e["step"] >= 1 for e in events_of(run_dir, "step")), 120, "step 1",
              explain=run_dir)
     time.sleep(0.3)  # inside the first validation's first batch
     os.kill(started[0]["pids"]["1"], signal.SIGKILL)
     result = finish(proc, run_dir, timeout=300)
     assert "a Lightning collective outside a step" in result.output
     assert_recovered_in_place(result, started[0]["pids"]["0"], STEPS)
+    replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
+    assert replayed == [(2, 1)], replayed
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update(
+        tmp_path, fault_free):
+    """Rank 1 is SIGKILLed as step 4's update starts (`--fault`): the survivor accumulates
+    its first batch (no all-reduce), meets the fault in the last one's, and redoes the whole
+    update in the new generation on the same inputs; nothing half-accumulated is committed,
+    and the final parameters equal the fault-free run's."""
+    run_dir, proc = _faulted(tmp_path, flags=("--fault", "crash:rank=1,step=4"))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    result = finish(proc, run_dir, timeout=300)
+    assert_recovered_in_place(result, started[0]["pids"]["0"], STEPS)
+    replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
+    assert replayed == [(4, 1)], replayed  # the survivor's earlier batch
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_fault_inside_lightnings_own_checkpoint_save_is_recovered_at_the_next_step(
+        tmp_path, fault_free):
+    """`ModelCheckpoint` every 3 steps; rank 1 SIGKILLed inside the save at step 9, after
+    its dump (tests/scripts/lightning_save_fault.py): the survivor writes the checkpoint,
+    its save's barrier fails and gives way, and the next step recovers in place. The
+    replacement reads no checkpoint; the saves go on to the last step."""
+    ckpt = tmp_path / "ckpt"
+    run_dir, proc = _faulted(tmp_path, "--checkpoint-every", "3", "--checkpoint-dir", str(ckpt),
+                             script=SCRIPTS / "lightning_save_fault.py",
+                             before=("--kill-in-save", "9"))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    result = finish(proc, run_dir, timeout=300)
+    assert "rank 1 killed inside the checkpoint save at step 9" in result.output
+    assert "a Lightning collective outside a step" in result.output
+    assert_recovered_in_place(result, started[0]["pids"]["0"], STEPS)
+    assert [p.name for p in ckpt.iterdir()] == [f"epoch=2-step={STEPS}.ckpt"]
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
 
 
@@ -104,8 +155,7 @@ def test_a_lightning_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
     run_dir = tmp_path / "run"
     fast = tmp_path / "fast"  # steps sleep as GPU time would, until the spare has served
     proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "2",
-                 script=SCRIPT, args=["--steps", str(STEPS), "--val-every", "5",
-                                      "--step-sleep", "1", "--sleep-until", str(fast),
+                 script=SCRIPT, args=[*JOB, "--step-sleep", "1", "--sleep-until", str(fast),
                                       "--final", str(tmp_path / "faulted.pt")])
     wait_for(lambda: [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"],
              120, "the spare to warm up", explain=run_dir)
