@@ -9,9 +9,12 @@ What holds (docs/integrations.md):
 - Survivors never leave `train()`. A collective that fails because a peer died, inside
   `training_step` (DDP's all-reduce in backward) or in the count of the update's tokens
   (`_get_num_items_in_batch`), leaves the generation and joins the next one. Then the
-  engine brings the committed state, DDP is rebuilt on the new group, the update's earlier
-  micro-batches are replayed on the same inputs (a half-accumulated update is dropped, never
-  committed), and the failed one is redone.
+  engine brings the committed state, DDP is rebuilt on the new group (an FSDP2 model, the
+  Trainer's own through Accelerate, stays the same module: the engine rebinds its mesh on
+  the new group and brings each rank its shard), the update's earlier micro-batches are
+  replayed on the same inputs (a half-accumulated update is dropped, never committed), and
+  the failed one is redone. The gradient norm before the optimizer step (a collective
+  under FSDP2) is recovered the same way: the whole update is replayed, then the norm.
 - A joiner (a spare, or a replacement running the same script) calls `train()` like
   everyone. At `on_train_begin` it joins, takes the state from a peer (model, optimizer,
   scheduler, `TrainerState` with the stateful callbacks' state), and its first epoch skips
@@ -21,9 +24,14 @@ What holds (docs/integrations.md):
   with `--on-fault wait`, or with spares.
 
 A peer's fault met in the log, save and evaluation after a step is recovered in place too
-(what was left of them at that step is skipped). Faults met elsewhere (evaluation, the Trainer's own checkpoint save) are not
-recovered in place: the worker fails, and the job recovers as it would without the
-integration. The private Trainer methods used are those of the transformers versions in
+(what was left of them at that step is skipped), as is a peer's death inside the Trainer's
+own checkpoint save (the survivors meet it in their next collective). A switch may take
+the state back: a sharded job's dead rank's shard comes from an in-memory snapshot, older
+than the committed step. Then the Trainer's epoch is left and run again from the engine's
+step, with the Trainer's own batch skip, still inside `train()`. Faults met elsewhere (the
+evaluation of `eval_on_start`, an `evaluate()` or `save_model()` the script calls outside
+`train()`) are not recovered in place: the worker fails, and the job recovers as it would
+without the integration. The private Trainer methods used are those of the transformers versions in
 `TESTED`; any other version trains unprotected, saying so in one line.
 """
 
@@ -50,8 +58,9 @@ from unbroken.telemetry import schema as ev
 
 TESTED = ("5.24",)
 """transformers minor versions whose private Trainer methods the integration relies on
-(`_run_epoch`, `_get_num_items_in_batch`, `_load_rng_state`, `_save_checkpoint`, and the
-counters `_globalstep_last_logged`, `_initial_global_step`)."""
+(`_run_epoch`, `_get_num_items_in_batch`, `_clip_grad_norm`, `_get_grad_norm`,
+`_load_rng_state`, `_save_checkpoint`, and the counters `_globalstep_last_logged`,
+`_initial_global_step`)."""
 
 _PEER = "unbroken:peer"
 """The `resume_from_checkpoint` a joiner's first epoch passes to the Trainer's skip: its
@@ -115,6 +124,12 @@ class _StateOfTrainer:
         trainer._globalstep_last_logged = trainer._initial_global_step = trainer.state.global_step
 
 
+class _Rewind(Exception):  # noqa: N818
+    """A switch took the state back to an older step than the Trainer's loop stands at (a
+    sharded job's dead rank's shard came from an in-memory snapshot): the epoch is left and
+    run again from the engine's step (`TrainerSteps.run_epoch`)."""
+
+
 class TrainerSteps:
     """A Trainer's optimizer steps on the engine's step transaction. One per Trainer."""
 
@@ -126,6 +141,8 @@ class TrainerSteps:
         self._run_epoch = trainer._run_epoch
         trainer.training_step = self.training_step
         trainer._get_num_items_in_batch = self.num_items
+        trainer._clip_grad_norm = self._norm(trainer._clip_grad_norm)
+        trainer._get_grad_norm = self._norm(trainer._get_grad_norm)
         trainer._run_epoch = self.run_epoch
         trainer._maybe_log_save_evaluate = self._between_steps(trainer._maybe_log_save_evaluate)
         trainer._load_rng_state = self._load_rng_state(trainer._load_rng_state)
@@ -140,6 +157,7 @@ class TrainerSteps:
         self._loss = 0.0
         self._reuse_view = True  # generation 0's DDP is the Trainer's own
         self._skip_to: int | None = None  # a joiner's first epoch starts at this step
+        self._drawn = 0  # the step of the update the Trainer's loop draws next
         self._skip_update = False  # the peers' state already holds this update
         self._scheduler_state: dict[str, Any] = {}
         self._exact = False  # --exact-reduction: every DDP built gets exact_allreduce
@@ -161,6 +179,7 @@ class TrainerSteps:
                           resumed_at=trainer.state.global_step)
         if joining:
             self._skip_to = self.engine.position.step
+        self._drawn = self.engine.position.step
         if run.spare:
             self._take_slot(self.engine.slot)
 
@@ -205,19 +224,16 @@ class TrainerSteps:
         of the new generation meets at this count's gather); then the count, recovered."""
         self._micro, self._loss, self._skip_update = [], 0.0, False
         self._fetched = (batches, device)
+        drawn, self._drawn = self._drawn, self._drawn + 1
         step = self.engine.begin()
         if step is None:  # the engine is done (its last step committed): so is the Trainer
             self.trainer.control.should_training_stop = True
             step = self.engine.position.step
-        while True:
-            try:
-                self._count = self._num_items(batches, device)
-                return self._count
-            except Exception as exc:  # a peer's fault is recovered; anything else re-raised
-                self.engine.fail(step, exc)
-            if self.engine.position.step > step:
-                self._skip_update = True
-                return None
+        elif step < drawn:  # a switch in `begin` took the state back
+            raise _Rewind
+        if self._recount(step):
+            return None
+        return self._count
 
     def training_step(self, model: Any, inputs: Any, num_items: Any = None) -> torch.Tensor:
         """The Trainer's `training_step`, on the current generation's model, recovered in
@@ -244,28 +260,61 @@ class TrainerSteps:
         rest of the update is skipped. Else the update starts over in the new generation as
         it did in the old: the count's gather (which a joiner meets with its own first
         collective), then the earlier micro-batches, on the same inputs."""
-        if self.engine.position.step > step:
-            self._skip_update = True
+        if self._recount(step):
             return True
+        self._replay(self._micro[:-1], step)
+        return False
+
+    def _recount(self, step: int) -> bool:
+        """The update's count (again, after a switch), recovered; True if the peers' state
+        already holds this update (it is skipped). Raises `_Rewind` if the state went back."""
         while True:
-            try:
-                self._count = self._num_items(*self._fetched)
-                break
-            except Exception as exc:
-                self.engine.fail(step, exc)
+            if self.engine.position.step < step:
+                raise _Rewind
             if self.engine.position.step > step:
                 self._skip_update = True
                 return True
+            try:
+                self._count = self._num_items(*self._fetched)
+                return False
+            except Exception as exc:  # a peer's fault is recovered; anything else re-raised
+                self.engine.fail(step, exc)
+
+    def _replay(self, micro: list, step: int, reduce_last: bool = False) -> None:
+        """Run `micro` (this update's inputs) again in the new generation, their gradient
+        reduction deferred as the Trainer defers it (DDP's `no_sync`, FSDP2's
+        `set_requires_gradient_sync(False)`), except the last one's if `reduce_last`."""
         self._loss = 0.0
-        earlier = self._micro[:-1]
         view = self.engine.view
-        for inputs in earlier:
-            with view.no_sync() if isinstance(view, DistributedDataParallel) else ExitStack():
+        for i, inputs in enumerate(micro):
+            deferred = not (reduce_last and i == len(micro) - 1)
+            with _no_sync(view) if deferred else ExitStack():
                 self._loss = self._loss + self._training_step(view, inputs, self._count).detach()
-        if earlier:
+        if micro:
             self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=self.engine.position.gen,
-                                                         micro_batches=len(earlier)))
-        return False
+                                                         micro_batches=len(micro)))
+
+    def _norm(self, original: Any) -> Any:
+        """The Trainer's gradient norm (and clipping) before the optimizer step, recovered in
+        place: under FSDP2 it is a collective (each rank holds a shard of the gradients). A
+        peer's fault met there drops the update's gradients; in the new generation the
+        whole update is run again on the same inputs, its reduction included, and the norm
+        is taken again (or the update is skipped, if the peers' state holds it)."""
+        def norm(model: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._skip_update:
+                return torch.zeros((), device=self.trainer.args.device)
+            step, replay = self.engine.position.step, False
+            while True:
+                try:
+                    if replay:
+                        self._replay(self._micro, step, reduce_last=True)
+                    return original(model, *args, **kwargs)
+                except Exception as exc:  # a peer's fault is recovered; anything else re-raised
+                    self.engine.fail(step, exc)
+                if self._recount(step):
+                    return torch.zeros((), device=self.trainer.args.device)
+                replay = True
+        return norm
 
     def _view(self, model: Any) -> Any:
         """The current generation's model; the Trainer's `no_sync` on the one its loop holds
@@ -279,19 +328,29 @@ class TrainerSteps:
         return view
 
     def run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's epoch; a joiner's first one starts at the peers' step, with the
-        Trainer's own skip of the batches already trained."""
-        if self._skip_to is None or self._skip_to == 0:
-            self._skip_to = None
-            return self._run_epoch(*args, **kwargs)
-        per_epoch = kwargs["num_update_steps_per_epoch"]
-        epoch, offset = divmod(self._skip_to, per_epoch)
-        if kwargs["epoch"] < epoch:
-            return None  # trained by the peers before this one joined
-        self._skip_to = None
-        kwargs.update(epochs_trained=epoch, resume_from_checkpoint=_PEER,
-                      steps_trained_in_current_epoch=offset * self.trainer.args.gradient_accumulation_steps)
-        return self._run_epoch(*args, **kwargs)
+        """The Trainer's epoch. A joiner's first one starts at the peers' step, with the
+        Trainer's own skip of the batches already trained. After a switch that took the
+        state back (`_Rewind`), the epochs from the engine's step up to this one run again
+        the same way, on the same batches (the sampler's order depends on the epoch only)."""
+        start, self._skip_to = self._skip_to, None
+        while True:
+            try:
+                if not start:
+                    return self._run_epoch(*args, **kwargs)
+                per_epoch = kwargs["num_update_steps_per_epoch"]
+                first, offset = divmod(start, per_epoch)
+                if kwargs["epoch"] < first:
+                    self._skip_to = start
+                    return None  # trained by the peers before this one joined
+                accum = self.trainer.args.gradient_accumulation_steps
+                for epoch in range(first, kwargs["epoch"] + 1):
+                    result = self._run_epoch(*args, **{
+                        **kwargs, "epoch": epoch, "epochs_trained": first,
+                        "resume_from_checkpoint": _PEER,
+                        "steps_trained_in_current_epoch": offset * accum})
+                return result
+            except _Rewind:
+                start = self._drawn = self.engine.position.step
 
     def _between_steps(self, original: Any) -> Any:
         """The Trainer's log, save and evaluation after a step: a peer's fault met in their
@@ -305,7 +364,9 @@ class TrainerSteps:
                 if not is_peer_error(exc):
                     raise
                 self.engine.fail(self.engine.position.step, exc)
-                return None
+            if self.engine.position.step < self._drawn:
+                raise _Rewind
+            return None
         return between
 
     def _train(self, original: Any) -> Any:
@@ -344,7 +405,8 @@ class TrainerSteps:
         parameter shapes and a broadcast), and the old one's gradient hooks are removed.
         Re-pointing the old DDP at the new group is not enough: a survivor's buckets keep
         the order it rebuilt after its first step, a joiner's have the initial order, and
-        their all-reduce would sum mismatched gradients."""
+        their all-reduce would sum mismatched gradients. An FSDP2 model (not DDP) is
+        returned as it is: the engine has rebound its mesh on the new group."""
         trainer = self.trainer
         old = trainer.model_wrapped
         if self._reuse_view or not isinstance(old, DistributedDataParallel):
@@ -368,6 +430,18 @@ class TrainerSteps:
         if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by the epoch
             trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
         self._training_step(view, next(iter(trainer.callback_handler.train_dataloader)), None)
+
+
+def _no_sync(view: Any) -> Any:
+    """A context in which `view`'s backward defers its gradient reduction, as the Trainer's
+    `accelerator.no_sync` does for DDP and FSDP2; a plain model has none."""
+    if isinstance(view, DistributedDataParallel):
+        return view.no_sync()
+    stack = ExitStack()
+    if hasattr(view, "set_requires_gradient_sync"):  # FSDP2
+        view.set_requires_gradient_sync(False)
+        stack.callback(view.set_requires_gradient_sync, True)
+    return stack
 
 
 class _Callback(TrainerCallback):
