@@ -27,7 +27,7 @@ p.add_argument("--checkpoint-dir", default=None)
 p.add_argument("--checkpoint-every", type=int, default=10)
 p.add_argument("--out", default=None)
 p.add_argument("--two-meshes", action="store_true",
-               help="shard the layers on two meshes (not recoverable in place)")
+               help="shard the layers on two distinct meshes (not recoverable in place)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -43,8 +43,8 @@ model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(),
                             torch.nn.Linear(args.width, 8))
 for layer in (model[0], model[2]):
     fully_shard(layer, mesh=mesh)
-    if args.two_meshes:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    if args.two_meshes:  # a mesh of another name: equal meshes would count as one
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 run.track(model, optimizer)

@@ -66,12 +66,20 @@ class LocalShards:
                                   for d, pl in enumerate(p.placements) if isinstance(pl, Shard)})
 
     def _the_mesh(self) -> DeviceMesh:
+        """The one mesh the parameters live on. Equal meshes count as one (`fully_shard`
+        without a mesh, as Accelerate calls it, makes a new default mesh per call); every
+        one of their objects is kept in `self.copies`, for `rebind`."""
         meshes = {id(p.device_mesh): p.device_mesh for p in self.model.parameters()
                   if isinstance(p, DTensor)}
-        if len(meshes) != 1:
-            raise TypeError(f"the parameters live on {len(meshes)} device meshes; in-place "
+        distinct = []
+        for mesh in meshes.values():
+            if all(mesh != seen for seen in distinct):
+                distinct.append(mesh)
+        if len(distinct) != 1:
+            raise TypeError(f"the parameters live on {len(distinct)} device meshes; in-place "
                             "recovery of sharded state handles one (FSDP2 or HSDP)")
-        return next(iter(meshes.values()))
+        self.copies = list(meshes.values())
+        return distinct[0]
 
     def unsupported(self, world_size: int) -> str | None:
         """Why this state cannot be snapshotted and recovered in place, or None."""
@@ -82,7 +90,7 @@ class LocalShards:
             return "the device mesh orders its ranks its own way (init_device_mesh's is handled)"
         for name, p in self.model.named_parameters():
             if isinstance(p, DTensor):
-                if p.device_mesh is not self.mesh:
+                if p.device_mesh != self.mesh:
                     return f"parameter {name} is on a second device mesh"
                 bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
                 if bad:
@@ -217,7 +225,8 @@ class LocalShards:
         mesh of the same shape on the new generation's groups. Collective-free."""
         if tuple(fresh.mesh.shape) != self.shape.shape:
             raise ValueError(f"new mesh {tuple(fresh.mesh.shape)} != {self.shape.shape}")
-        self.mesh.__dict__.update(fresh.__dict__)
+        for mesh in self.copies:
+            mesh.__dict__.update(fresh.__dict__)
         for module in self.model.modules():
             state = getattr(module, "_get_fsdp_state", None)
             group = state()._fsdp_param_group if state is not None else None
