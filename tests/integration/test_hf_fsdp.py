@@ -80,3 +80,34 @@ def test_a_trainer_job_under_fsdp2_recovers_in_place(tmp_path, fault_free):
     for rank, (reference, final) in enumerate(zip(fault_free, _shards(tmp_path / "faulted"), strict=True)):
         differ = [k for k in reference if not torch.equal(reference[k], final[k])]
         assert not differ, f"rank {rank}'s shards differ from the fault-free run's: {differ}"
+
+
+def test_a_trainer_job_under_fsdp2_has_its_dead_rank_taken_by_a_spare(tmp_path, fault_free):
+    """The spare built its Trainer and sharded its model as rank 0 of a stand-in world (every
+    rank's shard has the same shapes here); promoted, it takes slot 1 with that slot's shard
+    from the survivor's snapshot, and the final shards equal the fault-free run's."""
+    run_dir, out, fast = tmp_path / "run", tmp_path / "out", tmp_path / "fast"
+    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", "--spares", "1",
+                 script=SCRIPT, args=_args(out, tmp_path / "faulted", "--step-sleep", "0.5",
+                                           "--sleep-until", str(fast)))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    wait_for(lambda: [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"],
+             180, "the spare to warm up", explain=run_dir)
+    wait_for(lambda: events_of(run_dir, "snapshot_config"), 120, "the snapshots' interval",
+             explain=run_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    wait_for(lambda: events_of(run_dir, "gen_up"), 120, "the recovery", explain=run_dir)
+    fast.touch()
+    result = finish(proc, run_dir, timeout=300)
+    assert result.code == 0, result.output
+    assert not result.events("restart"), "fell back to a full restart"
+    done = {e["slot"]: e["pid"] for e in result.events("training_done")}
+    assert done[0] == started[0]["pids"]["0"], "the survivor changed process"
+    assert [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"] == [1]
+    switch = {e["slot"]: e for e in result.events("gen_switch")}
+    assert switch[1]["state_from"] == 0 and switch[1]["received_bytes"] > 0
+    for rank, (reference, final) in enumerate(zip(fault_free, _shards(tmp_path / "faulted"), strict=True)):
+        differ = [k for k in reference if not torch.equal(reference[k], final[k])]
+        assert not differ, f"rank {rank}'s shards differ from the fault-free run's: {differ}"
