@@ -28,7 +28,7 @@ A peer's fault met in the log, save and evaluation after a step is recovered in 
 own checkpoint save (the survivors meet it in their next collective). A switch may take
 the state back: a sharded job's dead rank's shard comes from an in-memory snapshot, older
 than the committed step. Then the Trainer's epoch is left and run again from the engine's
-step, with the Trainer's own batch skip, still inside `train()`. Faults met elsewhere (the
+step, with the Trainer's own batch skip, still inside `train()` (transformers 5.x; under 4.x such a job is restarted, `hf_versions`). Faults met elsewhere (the
 evaluation of `eval_on_start`, an `evaluate()` or `save_model()` the script calls outside
 `train()`) are not recovered in place: the worker fails, and the job recovers as it would
 without the integration. The private Trainer methods used are those of the transformers versions in
@@ -52,19 +52,17 @@ from transformers.trainer_callback import ExportableState
 import unbroken
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import is_peer_error
+from unbroken.integrations.hf_versions import Rewind, epochs_for
 from unbroken.runtime.engine import Engine
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
 
-TESTED = ("5.24",)
+TESTED = ("4.57", "5.24")
 """transformers minor versions whose private Trainer methods the integration relies on
-(`_run_epoch`, `_get_num_items_in_batch`, `_clip_grad_norm`, `_get_grad_norm`,
-`_load_rng_state`, `_save_checkpoint`, and the counters `_globalstep_last_logged`,
-`_initial_global_step`)."""
-
-_PEER = "unbroken:peer"
-"""The `resume_from_checkpoint` a joiner's first epoch passes to the Trainer's skip: its
-state came from a peer, and no file is read."""
+(`_get_num_items_in_batch`, `_maybe_log_save_evaluate`, `_save_checkpoint`, the counter
+`_globalstep_last_logged`; in 5.x also `_clip_grad_norm`, `_get_grad_norm` and
+`_initial_global_step`; where a joiner starts, and a rerun after a rewind, are
+version-specific: `hf_versions`)."""
 
 
 def supported(version: str | None = None) -> bool:
@@ -124,12 +122,6 @@ class _StateOfTrainer:
         trainer._globalstep_last_logged = trainer._initial_global_step = trainer.state.global_step
 
 
-class _Rewind(Exception):  # noqa: N818
-    """A switch took the state back to an older step than the Trainer's loop stands at (a
-    sharded job's dead rank's shard came from an in-memory snapshot): the epoch is left and
-    run again from the engine's step (`TrainerSteps.run_epoch`)."""
-
-
 class TrainerSteps:
     """A Trainer's optimizer steps on the engine's step transaction. One per Trainer."""
 
@@ -138,14 +130,13 @@ class TrainerSteps:
         self.engine: Engine = run.engine
         self._training_step = trainer.training_step  # bound: a subclass's override included
         self._num_items = trainer._get_num_items_in_batch
-        self._run_epoch = trainer._run_epoch
+        self._epochs = epochs_for(transformers.__version__, trainer)  # where a joiner starts
         trainer.training_step = self.training_step
         trainer._get_num_items_in_batch = self.num_items
-        trainer._clip_grad_norm = self._norm(trainer._clip_grad_norm)
-        trainer._get_grad_norm = self._norm(trainer._get_grad_norm)
-        trainer._run_epoch = self.run_epoch
+        for name in ("_clip_grad_norm", "_get_grad_norm"):  # 5.x; 4.x's norm is inline
+            if hasattr(trainer, name):
+                setattr(trainer, name, self._norm(getattr(trainer, name)))
         trainer._maybe_log_save_evaluate = self._between_steps(trainer._maybe_log_save_evaluate)
-        trainer._load_rng_state = self._load_rng_state(trainer._load_rng_state)
         trainer.train = self._train(trainer.train)
         trainer.evaluate = self._long("evaluate", trainer.evaluate)
         trainer._save_checkpoint = self._long("save", trainer._save_checkpoint)
@@ -156,7 +147,6 @@ class TrainerSteps:
         self._update = ExitStack()
         self._loss = 0.0
         self._reuse_view = True  # generation 0's DDP is the Trainer's own
-        self._skip_to: int | None = None  # a joiner's first epoch starts at this step
         self._drawn = 0  # the step of the update the Trainer's loop draws next
         self._skip_update = False  # the peers' state already holds this update
         self._scheduler_state: dict[str, Any] = {}
@@ -175,13 +165,15 @@ class TrainerSteps:
             trainer.model_wrapped.register_comm_hook(None, unbroken.exact_allreduce)
         joining = run.joining
         self._reuse_view = not joining
+        if (why := self._epochs.why_not()) is not None:
+            self.engine.in_place_unavailable(why)
         self.engine.start(trainer.state.max_steps, self.build, self.shadow_step,
                           resumed_at=trainer.state.global_step)
-        if joining:
-            self._skip_to = self.engine.position.step
         self._drawn = self.engine.position.step
         if run.spare:
             self._take_slot(self.engine.slot)
+        if joining:  # after the spare's slot: 4.x's skip wraps the loader's batch sampler
+            self._epochs.start_at(self.engine.position.step)
 
     def pre_optimizer_step(self) -> None:
         if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
@@ -230,7 +222,7 @@ class TrainerSteps:
             self.trainer.control.should_training_stop = True
             step = self.engine.position.step
         elif step < drawn:  # a switch in `begin` took the state back
-            raise _Rewind
+            self._rewind()
         if self._recount(step):
             return None
         return self._count
@@ -267,10 +259,10 @@ class TrainerSteps:
 
     def _recount(self, step: int) -> bool:
         """The update's count (again, after a switch), recovered; True if the peers' state
-        already holds this update (it is skipped). Raises `_Rewind` if the state went back."""
+        already holds this update (it is skipped). Raises `Rewind` if the state went back."""
         while True:
             if self.engine.position.step < step:
-                raise _Rewind
+                self._rewind()
             if self.engine.position.step > step:
                 self._skip_update = True
                 return True
@@ -327,30 +319,11 @@ class TrainerSteps:
             view.require_backward_grad_sync = model.require_backward_grad_sync
         return view
 
-    def run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's epoch. A joiner's first one starts at the peers' step, with the
-        Trainer's own skip of the batches already trained. After a switch that took the
-        state back (`_Rewind`), the epochs from the engine's step up to this one run again
-        the same way, on the same batches (the sampler's order depends on the epoch only)."""
-        start, self._skip_to = self._skip_to, None
-        while True:
-            try:
-                if not start:
-                    return self._run_epoch(*args, **kwargs)
-                per_epoch = kwargs["num_update_steps_per_epoch"]
-                first, offset = divmod(start, per_epoch)
-                if kwargs["epoch"] < first:
-                    self._skip_to = start
-                    return None  # trained by the peers before this one joined
-                accum = self.trainer.args.gradient_accumulation_steps
-                for epoch in range(first, kwargs["epoch"] + 1):
-                    result = self._run_epoch(*args, **{
-                        **kwargs, "epoch": epoch, "epochs_trained": first,
-                        "resume_from_checkpoint": _PEER,
-                        "steps_trained_in_current_epoch": offset * accum})
-                return result
-            except _Rewind:
-                start = self._drawn = self.engine.position.step
+    def _rewind(self) -> None:
+        """A switch took the state back to the engine's step, older than the update the
+        Trainer's loop drew: the loop draws that step's batches next (`Rewind`)."""
+        self._drawn = self.engine.position.step
+        raise Rewind(self._drawn)
 
     def _between_steps(self, original: Any) -> Any:
         """The Trainer's log, save and evaluation after a step: a peer's fault met in their
@@ -365,7 +338,7 @@ class TrainerSteps:
                     raise
                 self.engine.fail(self.engine.position.step, exc)
             if self.engine.position.step < self._drawn:
-                raise _Rewind
+                self._rewind()
             return None
         return between
 
@@ -390,13 +363,6 @@ class TrainerSteps:
         def step(*args: Any, **kwargs: Any) -> Any:
             return None if self._skip_update else original(*args, **kwargs)
         return step
-
-    @staticmethod
-    def _load_rng_state(original: Any) -> Any:
-        def load(checkpoint: Any) -> None:
-            if checkpoint != _PEER:  # a peer's RNG: the engine seeds each step
-                original(checkpoint)
-        return load
 
     # ------------------------------------------------------------------ the engine's
     def build(self) -> Any:
