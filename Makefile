@@ -10,6 +10,15 @@ $(BIN)/unbroken: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)" -e ".[dev]"
 	@touch $@
 
+# transformers 4.57 next to the venv's 5.x: tests/integration/test_hf_trainer_v4.py's workers
+# import it from here (on PYTHONPATH it shadows 5.x), with the hub, tokenizers and datasets
+# releases it needs; the venv itself is unchanged.
+T4 := $(VENV)/transformers-4.57
+$(T4)/.installed: $(BIN)/unbroken
+	$(BIN)/pip install -q --upgrade --no-deps --target $(T4) transformers==4.57.6 \
+	  huggingface_hub==0.36.2 tokenizers==0.22.2 datasets==4.1.1
+	@touch $@
+
 # The etcd backend's tests start an etcd server of their own: Debian's etcd-server. The
 # failover tests make three hosts of network namespaces with `ip` (iproute2; they run as
 # root, and are skipped, saying why, where namespaces cannot be made). The HTML report's
@@ -35,7 +44,7 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
 .PHONY: install demo test test-fast coverage lint
-install: $(BIN)/unbroken $(ETCD) $(IP) $(CHROMIUM)
+install: $(BIN)/unbroken $(T4)/.installed $(ETCD) $(IP) $(CHROMIUM)
 
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
 	$(BIN)/unbroken demo
