@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import os
 import random
 import time
 import zlib
@@ -40,6 +41,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds each step waits, standing in for accelerator time: on a GPU "
                         "host the CPUs are mostly idle (benchmarks/spares.py uses it)")
+    p.add_argument("--sleep-until", default=None, metavar="PATH",
+                   help="sleep --step-sleep per step only until PATH exists (a test that has "
+                        "seen what it waited for lets the job run out its steps at full speed)")
     p.add_argument("--step-jitter", type=float, default=1.0,
                    help="each step's --step-sleep is scaled by a random factor in [1, J], per "
                         "rank and step (a noisy step time; benchmarks/hang.py uses it)")
@@ -79,7 +83,7 @@ def main() -> None:
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten(), reduction="sum")
         (loss * run.world_size / (args.global_batch * args.seq)).backward()
         mean = loss.detach() / y.numel()
-        if args.step_sleep:
+        if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
             jitter = random.Random(step * 1_000_003 + run.rank).uniform(1.0, args.step_jitter)
             time.sleep(args.step_sleep * jitter)
         run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))

@@ -67,6 +67,16 @@ def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180,
     return finish_on(hosts, i, proc, timeout, run_dir)
 
 
+def _paced(hosts) -> tuple[tuple[str, ...], list[Path], Path]:
+    """Steps of 50 ms, so that the job lasts through what the test waits for (a spare's
+    warm-up, a failover, intruders), until the test creates the file returned, having seen
+    it; then the job runs out its steps at full speed. The file is the test's signal, not
+    the job's data: it lies in a dir every host is given (`shared`) for that alone."""
+    pace = hosts.shared_dir("pace")
+    go = pace / "go"
+    return ("--step-sleep", "0.05", "--sleep-until", str(go)), [pace], go
+
+
 def _static(hosts, k: int) -> list[str]:
     return ["--nnodes", "2", "--node-rank", str(k), "--master-addr", hosts.name(0),
             "--master-port", PORT]
@@ -120,9 +130,9 @@ def test_torchruns_two_node_command_lines_run_under_both_launchers(isolated_host
 def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_hosts):
     hosts = isolated_hosts
     job, other = {"UNBROKEN_SECRET": "ab" * 32}, {"UNBROKEN_SECRET": "cd" * 32}
-    slow = ("--step-sleep", "0.05")  # the job runs for 25 s or more: the intruders meet it
-    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=500, env=job, script_args=slow)
-    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=500, env=job, script_args=slow)
+    slow, pace, go = _paced(hosts)  # until the intruders have met the job
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=500, env=job, script_args=slow, shared=pace)
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), steps=500, env=job, script_args=slow, shared=pace)
     wait_for(lambda: _events(hosts, 0, "step"), 120, "training to start")
     # Both at once, from host 2: another secret; none while the job signs.
     t0 = time.monotonic()
@@ -131,6 +141,7 @@ def test_a_node_with_another_secret_leaves_alone_and_the_job_finishes(isolated_h
     intruders = [(_done(hosts, 2, proc, timeout=60, run_dir=f"run{i}"), time.monotonic() - t0)
                  for i, proc in enumerate(procs)]
     assert all(p.poll() is None for p in (a0, a1)), "the job ended before the intruders met it"
+    go.touch()
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
     assert (r0.code, r1.code) == (0, 0), r0.output + r1.output
     for (r, took), said in zip(intruders, ("secret differs from the job's", "has no secret"),
@@ -199,10 +210,11 @@ def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts)
     # No --local-addr: each agent serves, when it leads, on its address toward etcd.
     flags = lambda i, *more: (*etcd, "--nnodes", "2", "--node-rank", str(i),  # noqa: E731
                               "--max-restarts", "3", *more)
-    slow = ("--step-sleep", "0.05")  # long enough for spares to warm up and a failover
-    a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow)
-    a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=600, script_args=slow)
-    standby = _unbroken(hosts, 2, *flags(2, "--standby"), steps=600, script_args=slow)
+    slow, pace, go = _paced(hosts)  # until the spares have warmed up, a failover and a drain
+    a0 = _unbroken(hosts, 0, *flags(0), steps=600, script_args=slow, shared=pace)
+    a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=600, script_args=slow, shared=pace)
+    standby = _unbroken(hosts, 2, *flags(2, "--standby"), steps=600, script_args=slow,
+                        shared=pace)
     ready = lambda: len(_events(hosts, 1, "spare_ready") + _events(hosts, 2, "spare_ready"))  # noqa: E731
     wait_for(lambda: ready() >= 2, 120, "both spares")
     wait_for(lambda: any(e["step"] >= 10 for e in _events(hosts, 0, "step")), 120, "step 10")
@@ -215,6 +227,7 @@ def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts)
     drain = hosts.run(0, unbroken_cmd("drain", *etcd, "--rank", "0", "--timeout", "60"), 90)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     assert "moved rank 0" in drain.stdout
+    go.touch()
     r1, r2 = _done(hosts, 1, a1), _done(hosts, 2, standby)
     # The standby node's only rank was drained away: it left (exit 5: drained, not the end).
     assert (r1.code, r2.code) == (0, 5), r1.output + r2.output
@@ -232,15 +245,18 @@ def test_drain_by_run_dir_on_a_followers_host_and_a_node_local_checkpoint_dir(is
       nothing is committed on either disk, and training goes on to the end."""
     hosts = isolated_hosts
     # Long enough for the spare to warm up; checkpoints every 5 steps to each host's own disk.
-    args = ("--step-sleep", "0.05", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5")
-    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=600, script_args=args)
+    slow, pace, go = _paced(hosts)  # until the drain is done
+    args = (*slow, "--checkpoint-dir", "ckpt", "--checkpoint-every", "5")
+    a0 = _unbroken(hosts, 0, *_static(hosts, 0), steps=600, script_args=args, shared=pace)
     # The spare on node 1 only: rank 1 stays on host 1, away from rank 0's disk.
-    a1 = _unbroken(hosts, 1, *_static(hosts, 1), "--spares", "1", steps=600, script_args=args)
+    a1 = _unbroken(hosts, 1, *_static(hosts, 1), "--spares", "1", steps=600, script_args=args,
+                   shared=pace)
     wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
     wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
     run_dir = Path(hosts.node_dir(1)) / "run"
     drain = hosts.run(1, unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"), 90)
     assert drain.returncode == 0, drain.stdout + drain.stderr
+    go.touch()
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
     assert (r0.code, r1.code) == (0, 0), r0.output + r1.output  # training goes on
     assert [e["request"] for e in r0.events("drain_started")] == [{"slot": 1}]
@@ -260,13 +276,15 @@ def test_sigterm_to_a_standby_node_that_holds_no_rank_restarts_nothing(isolated_
     hosts = isolated_hosts
     flags = lambda k: ("--nnodes", "2", "--node-rank", str(k), "--master-addr",  # noqa: E731
                        hosts.name(0), "--master-port", PORT, "--max-restarts", "2")
-    slow = ("--step-sleep", "0.05")
-    a0 = _unbroken(hosts, 0, *flags(0), steps=300, script_args=slow)
-    a1 = _unbroken(hosts, 1, *flags(1), steps=300, script_args=slow)
-    standby = _unbroken(hosts, 2, *flags(2), "--standby", steps=300, script_args=slow)
+    slow, pace, go = _paced(hosts)  # until the standby has left
+    a0 = _unbroken(hosts, 0, *flags(0), steps=300, script_args=slow, shared=pace)
+    a1 = _unbroken(hosts, 1, *flags(1), steps=300, script_args=slow, shared=pace)
+    standby = _unbroken(hosts, 2, *flags(2), "--standby", steps=300, script_args=slow,
+                        shared=pace)
     wait_for(lambda: _events(hosts, 2, "spare_ready"), 120, "the standby's spare")
     standby.send_signal(signal.SIGTERM)
     r2 = _done(hosts, 2, standby, timeout=60)
+    go.touch()
     r0, r1 = _done(hosts, 0, a0), _done(hosts, 1, a1)
     assert r2.code == 143, r2.output
     assert "standby node holding no rank" in r2.output

@@ -159,19 +159,23 @@ def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
 def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_path):
     """`unbroken drain RUN_DIR --rank 1` while the job trains: the spare takes rank 1 at a
     step boundary, the drained worker exits cleanly (no fault), and the survivors' longest
-    step around the switch is about one step long."""
+    step around the switch is about one step long (against its paced steps before it)."""
     steps = 300
     clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=CKPT_TRAIN,
                    args=_args(steps, str(tmp_path / "clean.pt"), paced=False))
     assert clean.code == 0, clean.output
-    run_dir = tmp_path / "run"
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
     proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",
-                 script=CKPT_TRAIN, args=_args(steps, str(tmp_path / "drained.pt")))
+                 script=CKPT_TRAIN, args=[*_args(steps, str(tmp_path / "drained.pt"), paced=False),
+                                          *_paced(fast)])
     ready = wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to warm up")
     drained_pid = _pid(run_dir, 1)
     cmd = subprocess.run(unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"),
                          capture_output=True, text=True, timeout=90, cwd=REPO)
     assert cmd.returncode == 0, cmd.stderr
+    wait_for(lambda: any(e["step"] >= _switch_step(run_dir) + 3 for e in events_of(run_dir, "step")
+                         if e["rank"] == 0), 60, "3 paced steps after the switch")
+    fast.touch()
     assert f"moved rank 1 from worker 1.0 to spare {ready[0]['wid']}" in cmd.stdout
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
@@ -184,8 +188,9 @@ def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_pa
     times = sorted((e["step"], e["t"]) for e in result.events("step") if e["rank"] == 0
                    and e["slot"] == 0)
     gaps = [b[1] - a[1] for a, b in zip(times, times[1:], strict=False)]
-    median = sorted(gaps)[len(gaps) // 2]
     switch_step = left["step"]
+    paced = sorted(g for (s, _), g in zip(times[1:], gaps, strict=False) if s < switch_step - 2)
+    median = paced[len(paced) // 2]
     around = [g for (s, _), g in zip(times[1:], gaps, strict=False) if abs(s - switch_step) <= 2]
     stall = max(around) - median
     print(f"drain: median step {median * 1000:.0f} ms, stall {stall * 1000:.0f} ms")
@@ -193,6 +198,12 @@ def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_pa
     # Bit-identical to the run without a drain: the spare got the exact state of rank 1.
     _same(torch.load(tmp_path / "drained.pt", weights_only=True),
           torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+def _switch_step(run_dir) -> float:
+    """The step at which the drained worker left (infinity until it has)."""
+    left = [e["step"] for e in events_of(run_dir, "drained") if e["source"] == "worker"]
+    return left[0] if left else float("inf")
 
 
 def _standby_job(hosts, *flags: str, args: list[str]) -> tuple[list, Path]:
