@@ -35,7 +35,7 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 
 
 def _job(endpoint: str, *flags: str, steps: int, ckpt: str, pet_only: bool,
-         step_sleep: float) -> tuple[list[str], dict[str, str]]:
+         step_sleep: float, pace: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
     """The argv after `unbroken run --run-dir ...` of job `el` at `endpoint`, and its PET_*
     variables; with `pet_only`, configured by PET_* variables alone, as Kubeflow's PyTorchJob
     configures torchrun."""
@@ -49,19 +49,26 @@ def _job(endpoint: str, *flags: str, steps: int, ckpt: str, pet_only: bool,
                "PET_MAX_RESTARTS": "2", "PET_RDZV_CONF": "last_call_timeout=3"}
         job = ["--node-timeout", "2"]
     args = ["--steps", str(steps), *TINY, "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "5", "--step-sleep", str(step_sleep)]
+            "--checkpoint-every", "5", "--step-sleep", str(step_sleep), *pace]
     return [*job, *flags, str(EXAMPLE), *args], pet
 
 
 def _agent(hosts, i: int, *flags: str, steps: int = 200, env: dict | None = None,
            pet_only: bool = False, step_sleep: float = 0.0) -> subprocess.Popen:
     """One `unbroken run` agent of job `el` on host i, its run dir on host i's own disk, the
-    checkpoint dir on the shared volume; the endpoint is host 0's name."""
-    ckpt = hosts.shared_dir("ckpt")
+    checkpoint dir on the shared volume; the endpoint is host 0's name. Its steps sleep
+    `step_sleep` until the test creates `_go(hosts)`."""
+    ckpt, go = hosts.shared_dir("ckpt"), _go(hosts)
     argv, pet = _job(f"{hosts.name(0)}:{MASTER_PORT}", *flags, steps=steps, ckpt=str(ckpt),
-                     pet_only=pet_only, step_sleep=step_sleep)
-    return hosts.agent(i, unbroken_cmd("run", "--run-dir", "run", *argv), shared=[ckpt],
-                       env={**pet, **(env or {})})
+                     pet_only=pet_only, step_sleep=step_sleep, pace=("--sleep-until", str(go)))
+    return hosts.agent(i, unbroken_cmd("run", "--run-dir", "run", *argv),
+                       shared=[ckpt, go.parent], env={**pet, **(env or {})})
+
+
+def _go(hosts) -> Path:
+    """Created by a test that has seen what it waited for: the job runs out its steps at full
+    speed. (The test's signal, not the job's data: a dir every host is given for it alone.)"""
+    return hosts.shared_dir("pace") / "go"
 
 
 def _loopback_agent(tmp_path: Path, port: int, *flags: str, steps: int = 200) -> subprocess.Popen:
@@ -129,7 +136,7 @@ def test_with_extra_nodes_standby_min_nodes_train_and_the_third_takes_a_lost_nod
     dirs = [run_dir_on(hosts, i) for i in range(3)]
     leader_dir = dirs[0]  # host 0 serves the store: node 0
     flags = ("--nnodes", "2:3", "--extra-nodes", "standby")
-    a = _agent(hosts, 0, *flags, steps=400, step_sleep=0.05)  # 20 s or more
+    a = _agent(hosts, 0, *flags, steps=400, step_sleep=0.05)  # paced until the promotion
     b = _agent(hosts, 1, *flags, steps=400, step_sleep=0.05)
     wait_for(_steps_past(leader_dir, 3), 120, "two nodes to train", explain=leader_dir)
     c = _agent(hosts, 2, *flags, steps=400, step_sleep=0.05)
@@ -137,6 +144,9 @@ def test_with_extra_nodes_standby_min_nodes_train_and_the_third_takes_a_lost_nod
              explain=dirs[2])
     assert [e["world_size"] for e in events_of(leader_dir, "rendezvous")] == [2]
     os.kill(_agent_of_node(dirs, 1), signal.SIGKILL)
+    wait_for(lambda: [e for e in events_in(dirs, "spare_promoted") if e["source"] == "agent"],
+             120, "the standby node's spare to be promoted", explain=leader_dir)
+    _go(hosts).touch()
     procs = {p.pid: p for p in (a, b, c)}
     leader = procs.pop(_agent_of_node(dirs, 0))
     result = finish(leader, leader_dir, timeout=300)
@@ -175,6 +185,9 @@ def test_a_node_that_joins_a_running_job_stands_by_then_trains_from_the_next_res
              "the late node to stand by", explain=node0)
     victim = next(iter(events_of(node0, "workers_started")[0]["pids"].values()))
     os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: [e for e in events_of(node0, "rendezvous") if e["attempt"] == 1], 120,
+             "the restart's rendezvous", explain=node0)
+    _go(hosts).touch()
     result = finish_on(hosts, 0, a, timeout=300)
     b.wait(timeout=30)
     assert result.code == 0 and b.returncode == 0, result.output
