@@ -28,10 +28,11 @@ A peer's fault met in the log, save and evaluation after a step is recovered in 
 own checkpoint save (the survivors meet it in their next collective). A switch may take
 the state back: a sharded job's dead rank's shard comes from an in-memory snapshot, older
 than the committed step. Then the Trainer's epoch is left and run again from the engine's
-step, with the Trainer's own batch skip, still inside `train()` (transformers 5.x; under 4.x such a job is restarted, `hf_versions`). Faults met elsewhere (the
-evaluation of `eval_on_start`, an `evaluate()` or `save_model()` the script calls outside
-`train()`) are not recovered in place: the worker fails, and the job recovers as it would
-without the integration. The private Trainer methods used are those of the transformers versions in
+step, with the Trainer's own batch skip, still inside `train()` (transformers 5.x; under
+4.x such a job is restarted: `hf_versions`). Faults met elsewhere (the evaluation of
+`eval_on_start`, an `evaluate()` or `save_model()` the script calls outside `train()`) are
+not recovered in place: the worker fails, and the job recovers as it would without the
+integration. The private Trainer methods used are those of the transformers versions in
 `TESTED`; any other version trains unprotected, saying so in one line.
 """
 
