@@ -63,7 +63,10 @@ from harness import (
 WORKER = REPO / "benchmarks" / "fsdp_worker.py"
 sys.path.insert(0, str(REPO / "src"))
 
-KILL_AT = 40  # try i kills at KILL_AT + 3 i: faults land at different points between snapshots
+KILL_AT = 40
+"""Try i of every arm kills at step KILL_AT + (7 i mod 20): the faults of 10 tries (3 of a
+baseline) land across a whole checkpoint period (a checkpoint every 20 steps), so each arm's
+lost steps are sampled from just after a save to just before the next one."""
 STEP_SLEEP = "0.04"
 ARMS = ["torchrun", "restart", "in_memory"]
 
@@ -106,7 +109,7 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
     run_dir = root / f"{arm}-{index}"
     proc = launch(_command(arm, run_dir, workers, 1000, None), run_dir)
     try:
-        fault = inject_fault(arm, proc, EventTail(run_dir), KILL_AT + 3 * index, timeout=400,
+        fault = inject_fault(arm, proc, EventTail(run_dir), KILL_AT + (7 * index) % 20, timeout=400,
                              hang_after=hang_after, ready=_ready(arm),
                              not_reached="never reached the kill step (or the spare never got ready)")
         if not isinstance(fault, Fault):
