@@ -307,6 +307,13 @@ def run_dir_on(hosts, i: int, run_dir: str = "run") -> Path:
     return hosts.node_dir(i) / run_dir
 
 
+def go_file(hosts) -> Path:
+    """The file a multi-host test creates once it has seen what it waited for: a job whose
+    steps sleep with `--sleep-until` it then runs out at full speed. It lies in a dir every
+    host is given for that signal alone (`shared=[go.parent]`), never the job's data."""
+    return hosts.shared_dir("pace") / "go"
+
+
 def start_on(hosts, i: int, *flags: str, script: Path | str = EXAMPLE,
              args: list[str] | None = None, shared=(), env: dict[str, str] | None = None,
              run_dir: str = "run") -> subprocess.Popen:

@@ -24,6 +24,7 @@ from conftest import (
     finish,
     finish_on,
     free_port,
+    go_file,
     run_dir_on,
     unbroken_cmd,
     wait_for,
@@ -57,18 +58,13 @@ def _agent(hosts, i: int, *flags: str, steps: int = 200, env: dict | None = None
            pet_only: bool = False, step_sleep: float = 0.0) -> subprocess.Popen:
     """One `unbroken run` agent of job `el` on host i, its run dir on host i's own disk, the
     checkpoint dir on the shared volume; the endpoint is host 0's name. Its steps sleep
-    `step_sleep` until the test creates `_go(hosts)`."""
-    ckpt, go = hosts.shared_dir("ckpt"), _go(hosts)
+    `step_sleep` until the test creates `go_file(hosts)`."""
+    ckpt, go = hosts.shared_dir("ckpt"), go_file(hosts)
     argv, pet = _job(f"{hosts.name(0)}:{MASTER_PORT}", *flags, steps=steps, ckpt=str(ckpt),
                      pet_only=pet_only, step_sleep=step_sleep, pace=("--sleep-until", str(go)))
     return hosts.agent(i, unbroken_cmd("run", "--run-dir", "run", *argv),
                        shared=[ckpt, go.parent], env={**pet, **(env or {})})
 
-
-def _go(hosts) -> Path:
-    """Created by a test that has seen what it waited for: the job runs out its steps at full
-    speed. (The test's signal, not the job's data: a dir every host is given for it alone.)"""
-    return hosts.shared_dir("pace") / "go"
 
 
 def _loopback_agent(tmp_path: Path, port: int, *flags: str, steps: int = 200) -> subprocess.Popen:
@@ -146,7 +142,7 @@ def test_with_extra_nodes_standby_min_nodes_train_and_the_third_takes_a_lost_nod
     os.kill(_agent_of_node(dirs, 1), signal.SIGKILL)
     wait_for(lambda: [e for e in events_in(dirs, "spare_promoted") if e["source"] == "agent"],
              120, "the standby node's spare to be promoted", explain=leader_dir)
-    _go(hosts).touch()
+    go_file(hosts).touch()
     procs = {p.pid: p for p in (a, b, c)}
     leader = procs.pop(_agent_of_node(dirs, 0))
     result = finish(leader, leader_dir, timeout=300)
@@ -187,7 +183,7 @@ def test_a_node_that_joins_a_running_job_stands_by_then_trains_from_the_next_res
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: [e for e in events_of(node0, "rendezvous") if e["attempt"] == 1], 120,
              "the restart's rendezvous", explain=node0)
-    _go(hosts).touch()
+    go_file(hosts).touch()
     result = finish_on(hosts, 0, a, timeout=300)
     b.wait(timeout=30)
     assert result.code == 0 and b.returncode == 0, result.output

@@ -29,6 +29,7 @@ from conftest import (
     events_of,
     finish,
     finish_on,
+    go_file,
     run_dir_on,
     start_on,
     unbroken_cmd,
@@ -70,11 +71,9 @@ def _done(hosts, i: int, proc: subprocess.Popen, timeout: float = 180,
 def _paced(hosts) -> tuple[tuple[str, ...], list[Path], Path]:
     """Steps of 50 ms, so that the job lasts through what the test waits for (a spare's
     warm-up, a failover, intruders), until the test creates the file returned, having seen
-    it; then the job runs out its steps at full speed. The file is the test's signal, not
-    the job's data: it lies in a dir every host is given (`shared`) for that alone."""
-    pace = hosts.shared_dir("pace")
-    go = pace / "go"
-    return ("--step-sleep", "0.05", "--sleep-until", str(go)), [pace], go
+    it (`go_file`); then the job runs out its steps at full speed."""
+    go = go_file(hosts)
+    return ("--step-sleep", "0.05", "--sleep-until", str(go)), [go.parent], go
 
 
 def _static(hosts, k: int) -> list[str]:

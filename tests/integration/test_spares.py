@@ -25,6 +25,7 @@ from conftest import (
     events_of,
     finish,
     finish_on,
+    go_file,
     launch,
     run_dir_on,
     start,
@@ -209,7 +210,7 @@ def _switch_step(run_dir) -> float:
 def _standby_job(hosts, *flags: str, args: list[str]) -> tuple[list, Path]:
     """Nodes 0 and 1 of 2 workers each and a standby node 2 (`flags` each), node k on host k,
     paced until the test creates the returned file (on a volume every host sees)."""
-    fast = hosts.shared_dir("pace") / "fast"
+    fast = go_file(hosts)
 
     def node(rank: int, *extra: str):
         return start_on(hosts, rank, "--nnodes", "2", "--node-rank", str(rank),

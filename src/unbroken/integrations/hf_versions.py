@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback
 
@@ -123,6 +122,8 @@ class InlineEpochs:
         if isinstance(self.trainer.callback_handler.train_dataloader.dataset, IterableDataset):
             return ("transformers 4.x with an IterableDataset: a joiner cannot skip to its "
                     "peers' step")
+        from torch.distributed.tensor import DTensor  # 4.x only: no import at start-up
+
         if any(isinstance(p, DTensor) for p in self.trainer.model.parameters()):
             return ("transformers 4.x with sharded parameters (FSDP2): its inline epoch loop "
                     "cannot be rerun from a snapshot's older step (5.x's can)")
