@@ -111,7 +111,7 @@ class OneMemberGenerations(Generations):
 
 
 def _engine(membership: FakeMembership, events: Recorder, faults: str = "",
-            ) -> tuple[Engine, FakeGroups]:
+            checkpointer: Any = None) -> tuple[Engine, FakeGroups]:
     groups = FakeGroups()
     gens = OneMemberGenerations(membership, groups, "gloo", timeout=10.0, join_timeout=3.0,
                                 record=events.emit)
@@ -125,7 +125,8 @@ def _engine(membership: FakeMembership, events: Recorder, faults: str = "",
     injector = FaultInjector(parse_faults(faults), 0, claim, events.emit)
     engine = Engine(Position(rank=0, world_size=1, step=0),
                     EngineSettings(in_place=True, slot=0, wid=WID, seed=0),
-                    events=events, faults=injector, groups=groups, generations=gens)
+                    events=events, faults=injector, groups=groups, generations=gens,
+                    checkpointer=checkpointer)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     engine.track(TrackedState(model, [torch.optim.SGD(model.parameters(), lr=0.1)], {}))
@@ -233,3 +234,4 @@ def test_a_torn_update_then_a_fault_leaves_without_state():
         engine.fail(step, RuntimeError("[gloo] Connection closed by peer"))
     assert membership.departures[0] == (0, 0, False, LeaveReason.PEER)
     assert membership.departures[-1][3] == LeaveReason.NO_STATE
+

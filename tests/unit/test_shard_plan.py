@@ -4,8 +4,8 @@ double buffers that keep the newest whole snapshot. No processes."""
 
 from __future__ import annotations
 
+from unbroken.runtime.host_copy import Copy, auto_every, buddies, host_bytes, writable
 from unbroken.runtime.shard_plan import Holding, ShardPlan, Transfer, Unrecoverable, plan_shards
-from unbroken.runtime.snapshots import Copy, _writable, auto_every, buddies, host_bytes
 
 
 def _fsdp_after_death(dead: int, live_step: int, snap_step: int, world: int = 4) -> list[Holding]:
@@ -96,25 +96,57 @@ def test_the_interval_keeps_a_round_within_one_percent_of_step_time():
     assert auto_every(0.1, 0.0) == 1
 
 
-def test_host_memory_is_two_buffers_per_stream():
-    assert host_bytes(100, 1) == 400
-    assert host_bytes(100, 2) == 600
+def test_the_interval_is_never_longer_than_the_checkpoint_interval():
+    # A restart from storage must never redo fewer steps than an in-place recovery.
+    assert auto_every(0.23, 1.0, cap=20) == 20
+    assert auto_every(0.1, 1.0, cap=20) == 10
+    assert auto_every(0.5, 0.02, cap=1) == 1
+
+
+def test_host_memory_is_one_own_copy_and_two_per_buddy():
+    # Today's 5 x shard with one replica (a checkpoint's staging buffers, two own buffers,
+    # two of the buddy's) is 3 x: the checkpoint persists from the own copy.
+    assert host_bytes(100, 0) == 100
+    assert host_bytes(100, 1) == 300
+    assert host_bytes(100, 2) == 500
 
 
 def test_a_round_never_overwrites_the_newest_whole_snapshot():
     pair = [Copy(step=10), Copy(step=5)]
-    assert _writable(pair) is pair[1]
+    assert writable(pair) is pair[1]
     pair[1].step = -1  # being filled: a half-received copy is never whole
-    assert _writable(pair) is pair[1]  # a failed round's buffer is reused, 10 survives
+    assert writable(pair) is pair[1]  # a failed round's buffer is reused, 10 survives
     pair = [Copy(step=-1), Copy(step=-1)]
-    assert _writable(pair) is pair[0]
+    assert writable(pair) is pair[0]
 
 
 def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_figures():
-    from unbroken.runtime.snapshots import refusal
+    from unbroken.runtime.host_copy import refusal
 
     mib = 2**20
-    assert refusal(100 * mib, 1, 1000 * mib) is None  # 400 MiB of 1000: fits
-    why = refusal(300 * mib, 1, 1000 * mib)  # 1200 MiB of 1000
+    assert refusal(200 * mib, 1, 1000 * mib) is None  # 600 MiB of 1000: fits
+    why = refusal(400 * mib, 1, 1000 * mib)  # 1200 MiB of 1000
     assert why is not None and "1200 MiB" in why and "1000 MiB is available" in why
-    assert "2 x 300 MiB x (1 + 1 replica(s))" in why and "storage checkpoint" in why
+    assert "(1 + 2 x 1 replica(s)) x 400 MiB" in why and "storage checkpoint" in why
+
+
+def test_a_layout_aligns_every_tensor_so_any_dtype_views_it_in_place():
+    import torch
+
+    from unbroken.runtime.host_copy import ALIGN, Layout, byte_view, chunks
+
+    tensors = [torch.arange(3, dtype=torch.int8), torch.zeros(0), torch.randn(5, 7),
+               torch.tensor(3.0, dtype=torch.float64), torch.arange(4, dtype=torch.int64)]
+    layout = Layout.of(tensors)
+    assert layout.sizes == (3, 0, 140, 8, 32)
+    assert all(o % ALIGN == 0 for o in layout.offsets)
+    assert layout.total == 64 + 0 + 192 + 64 + 64
+    flat = torch.zeros(layout.total, dtype=torch.uint8)
+    for dst, t in zip(layout.slices(flat), tensors, strict=True):
+        dst.copy_(byte_view(t))
+    back = [raw.view(t.dtype).view(t.shape)  # no clone: every offset is aligned
+            for raw, t in zip(layout.slices(flat), tensors, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
+    assert back[2].data_ptr() == flat.data_ptr() + layout.offsets[2]
+    # The exchange's messages: the same pieces on both sides, none empty.
+    assert [p.numel() for p in chunks(layout.slices(flat))] == [3, 140, 8, 32]

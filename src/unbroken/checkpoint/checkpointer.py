@@ -50,7 +50,7 @@ from unbroken.checkpoint.persist import (
     exchange_json,
     persist,
 )
-from unbroken.checkpoint.staging import Staged, StagingArea, local_tensor
+from unbroken.checkpoint.staging import HostImage, Staged, StagingArea, local_tensor
 from unbroken.errors import first_line
 from unbroken.telemetry import schema as ev
 
@@ -79,6 +79,8 @@ class _Save:
     stuck_reported: bool = False
     abandoned: bool = False  # its groups were torn down by a generation switch
     not_shared: CheckpointDirNotShared | None = None  # rank 0: refused, checkpoint_dir not shared
+    image: HostImage | None = None  # a host copy taken by others, persisted from in place
+    copy_ok: bool = False  # the staged copy is whole (a rollback may restore it)
 
     @property
     def stall(self) -> float:
@@ -207,12 +209,28 @@ class Checkpointer:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(vote[0]), int(vote[1])
 
-    def start(self, state: dict[str, Any], step: int, step_time: float | None = None) -> bool:
+    def start(self, state: dict[str, Any], step: int, step_time: float | None = None,
+              image: HostImage | None = None) -> bool:
         """Checkpoint `state` as of `step`: stage a copy now, persist it in the background.
 
         Collective (every rank calls it at the same step). Returns False if the save was
-        deferred because a previous one is still being written on some rank.
+        deferred because a previous one is still being written on some rank. `image`: a
+        host copy of the tensors at `step` that someone else takes (a sharded job's own
+        in-memory copy); what it holds is persisted from it, not copied again, and it is
+        released when the writer is done (or at once, if the save is deferred or raises).
         """
+        try:
+            started = self._start(state, step, step_time, image)
+        except BaseException:
+            if image is not None:
+                image.release()
+            raise
+        if not started and image is not None:
+            image.release()
+        return started
+
+    def _start(self, state: dict[str, Any], step: int, step_time: float | None,
+               image: HostImage | None) -> bool:
         t0 = time.monotonic()
         busy = self.in_flight
         if busy:
@@ -236,10 +254,10 @@ class Checkpointer:
         self._deferrals = 0
         stage_error = None
         try:
-            staged = self._staging.stage(state, self._late())
+            staged = self._staging.stage(state, self._late(), image)
         except Exception as exc:  # noqa: BLE001 -- no memory for the buffers, an uncopyable value
             staged, stage_error = Staged(state={}), first_line(exc)  # the peers must hear of it
-        save = _Save(step=step, staged=staged, started=t0)
+        save = _Save(step=step, staged=staged, started=t0, image=image)
         # Spread the disk writes over about one step (see direct_io.py): a step's worth of
         # delay to durability, for a few percent of each step instead of a stutter of one.
         save.write_rate = staged.nbytes / step_time if step_time and staged.nbytes else None
@@ -263,6 +281,8 @@ class Checkpointer:
             self._write_and_commit(save, group, rank, tmp, error)
         finally:
             save.copied.set()  # whatever happened, never leave the loop or the vote waiting
+            if save.image is not None:
+                save.image.release()
             save.done.set()
 
     def _write_and_commit(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
@@ -271,6 +291,11 @@ class Checkpointer:
         try:
             if error is None:
                 self._staging.copy_pending(save.staged)
+            if error is None and save.image is not None:
+                why = save.image.wait()
+                if why is not None:
+                    error = f"the in-memory copy of step {save.step} failed: {why}"
+            save.copy_ok = error is None
         except Exception as exc:  # noqa: BLE001 -- reported to every rank below
             error = first_line(exc)
         finally:
@@ -305,7 +330,8 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # torn: give its space back
             end = time.monotonic()
             save.persisted = end - t1
-            save.staged.state = {}  # the buffers stay in the StagingArea, for the next save
+            if save.image is not None:
+                save.staged.state = {}  # views of a copy its owner overwrites later
             self._report(save, t0, t1, end)
 
     def _report(self, save: _Save, t0: float, t1: float, end: float) -> None:
@@ -336,6 +362,24 @@ class Checkpointer:
         self.record(ev.CheckpointDirNotShared(step=step, path=exc.directory,
                     unseen=len(exc.unseen), files=exc.files,
                     examples=[u.describe() for u in exc.unseen[:3]]))
+
+    def host_copy(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, state) of the newest save's staged copy, whole, in this checkpointer's own
+        buffers; None if there is none. It stays valid until the next `start` (which reuses
+        the buffers): a replicated job's rollback restores it with no storage read. Waits
+        for a copy in progress first. Main thread."""
+        self.wait_staged()
+        save = self._save
+        if save is None or not save.copy_ok or save.image is not None or not save.staged.state:
+            return None
+        return save.step, save.staged.state
+
+    def agree_step(self, step: int) -> bool:
+        """True if every rank passes the same `step` (collective on the control group)."""
+        bounds = torch.tensor([step, -step], dtype=torch.int64)
+        if dist.is_initialized() and self.control_group is not None:
+            dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(bounds[0]) == -int(bounds[1]) == step
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight (if any) to finish; False if it is still running."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.checkpoint.staging import HostImage
 from unbroken.errors import UserError
 from unbroken.runtime.process_group import CheckpointGroups
 from unbroken.runtime.tracked import TrackedState
@@ -26,16 +27,49 @@ class CheckpointDuty:
         if self.checkpointer is not None:
             self.checkpointer.protect(tracked.model, tracked.optimizers)
 
-    def save(self, tracked: TrackedState, step: int, step_time: float | None) -> bool:
-        """Start a save of committed step `step` (collective); False if it was deferred."""
+    def save(self, tracked: TrackedState, step: int, step_time: float | None,
+             image: HostImage | None = None) -> bool:
+        """Start a save of committed step `step` (collective); False if it was deferred.
+        `image`: a host copy of the state at `step` to persist from (released either way)."""
         if self.checkpointer is None:
             raise UserError("no checkpoint_dir was given to unbroken.init()")
-        return self.checkpointer.start(tracked.state_dict(step), step, step_time)
+        try:
+            state = tracked.state_dict(step)
+        except BaseException:
+            if image is not None:
+                image.release()
+            raise
+        return self.checkpointer.start(state, step, step_time, image)
 
-    def after_commit(self, tracked: TrackedState, step: int, step_time: float | None) -> None:
-        """After committed step `step`: a save if the schedule says one is due."""
-        if self.checkpointer is not None and self.checkpointer.due(step):
-            self.save(tracked, step, step_time)
+    def due(self, step: int) -> bool:
+        """A save is due after committed step `step` (the same answer on every rank)."""
+        return self.checkpointer is not None and self.checkpointer.due(step)
+
+    @property
+    def interval(self) -> int | None:
+        """Steps between saves, as the ranks last agreed; None without checkpoints."""
+        ck = self.checkpointer
+        return ck.schedule.interval if ck is not None and ck.schedule.enabled else None
+
+    def after_commit(self, tracked: TrackedState, step: int, step_time: float | None,
+                     image: HostImage | None = None) -> None:
+        """After committed step `step`: a save if the schedule says one is due, persisted
+        from `image` where it holds the tensors (the round of this step's host copy)."""
+        if self.due(step):
+            self.save(tracked, step, step_time, image)
+        elif image is not None:
+            image.release()
+
+    def rollback_in_memory(self, tracked: TrackedState) -> int | None:
+        """Restore the newest save's staged copy, if every rank holds one of the same step
+        (collective on the checkpoint's control group): no storage read. Its step, or None
+        (and nothing changes)."""
+        if self.checkpointer is None:
+            return None
+        kept = self.checkpointer.host_copy()
+        if not self.checkpointer.agree_step(kept[0] if kept is not None else -1):
+            return None
+        return tracked.restore(kept[1])
 
     def finish(self, tracked: TrackedState, step: int) -> None:
         """The final state, committed before the worker reports done (bounded by the

@@ -222,9 +222,13 @@ class Engine:
             try:
                 avg = self.step_time
                 self.step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
-                self.checkpoints.after_commit(self.tracked, pos.step, self.step_time)
-                if self.switcher is not None:
-                    self.switcher.after_commit(pos.step, self._last_step, self.step_time)
+                # A sharded job's round comes first: a checkpoint of this step persists
+                # from the round's host copy.
+                due = self.checkpoints.due(pos.step)
+                image = (self.switcher.after_commit(pos.step, self._last_step, self.step_time,
+                                                    due, self.checkpoints.interval)
+                         if self.switcher is not None else None)
+                self.checkpoints.after_commit(self.tracked, pos.step, self.step_time, image)
                 if self._resilient and pos.step == self._last_step:
                     self.finish(checkpoint=True, done=False)
             finally:
@@ -264,14 +268,24 @@ class Engine:
         self.events.emit(ev.StepDropped(step=step, gen=self._position.gen, reason=reason))
 
     def rollback(self, reason: str) -> int | None:
-        """Go back to the newest checkpoint (collective: every rank, between steps); the step
-        resumed from, or None (and nothing changes) when there is none."""
+        """Go back to the newest host copy of the state, else to the newest checkpoint in
+        storage (collective: every rank, between steps); the step resumed from, or None (and
+        nothing changes) when there is neither. The host copy: a sharded job's own
+        in-memory copy (the newest round), or a replicated job's newest checkpoint's staged
+        copy; its RNG state is restored with it."""
         start = self._position.step
-        step = self.checkpoints.load_newest(self.need_tracked("a rollback"), start)
+        tracked = self.need_tracked("a rollback")
+        sharded = self.switcher.sharded if self.switcher is not None else None
+        step = (sharded.rollback() if sharded is not None
+                else self.checkpoints.rollback_in_memory(tracked))
+        source = "host"
+        if step is None:
+            step, source = self.checkpoints.load_newest(tracked, start), "storage"
         if step is None:
             return None
         self._move(self._position.moved(step=step, holds_state=True))
-        self.events.emit(ev.RolledBack(step=step, from_step=start, reason=reason))
+        self.events.emit(ev.RolledBack(step=step, from_step=start, reason=reason,
+                                       source=source))
         return step
 
     def finish(self, checkpoint: bool = False, done: bool = True) -> None:

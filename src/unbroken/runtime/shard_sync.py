@@ -21,7 +21,8 @@ import torch.distributed as dist
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.shard_plan import Holding, ShardPlan, Unrecoverable, plan_shards
 from unbroken.runtime.shards import LocalShards, new_mesh
-from unbroken.runtime.snapshots import PeerSnapshots, SnapshotPacer
+from unbroken.runtime.snapshot_pacer import SnapshotPacer
+from unbroken.runtime.snapshots import PeerSnapshots, RoundImage
 from unbroken.runtime.state_sync import NoStateError, SyncResult, recv_bytes, send_tensors
 
 # int64s per member in the inventory: started (-1: no snapshots), interval (0: undecided),
@@ -46,13 +47,23 @@ class ShardedSync:
         self.plan: ShardPlan | None = None  # the last switch's
         self.pacer: SnapshotPacer | None = None  # when to take rounds; set by `build_sharded`
 
-    def after_commit(self, step: int, last_step: int, step_seconds: float | None) -> None:
-        """After a committed step: a snapshot round if the pacer says one is due."""
+    def after_commit(self, step: int, last_step: int, step_seconds: float | None,
+                     checkpoint_due: bool = False,
+                     checkpoint_every: int | None = None) -> RoundImage | None:
+        """After a committed step: a snapshot round if the pacer says one is due, or a
+        checkpoint is; the round's copy for that checkpoint to persist from, or None."""
         if self.snapshots is None or self.pacer is None:
-            return
-        self.pacer.after_commit(step, last_step, step_seconds)
+            return None
+        image = self.pacer.after_commit(step, last_step, step_seconds, checkpoint_due,
+                                        checkpoint_every)
         if self.pacer.refused:
             self.snapshots = None
+        return image
+
+    def rollback(self) -> int | None:
+        """Back to every rank's own host copy, if they are of one step (collective over the
+        snapshot group); that step, or None (nothing changes: roll back from storage)."""
+        return self.snapshots.rollback() if self.snapshots is not None else None
 
     def close(self, timeout: float = 30.0) -> bool:
         """Wait for a round in flight; False if one was still running after `timeout`."""
@@ -116,7 +127,7 @@ class ShardedSync:
                     meta, tensors = self.shards.meta(), self.shards.tensors()
                 else:
                     copy = snaps.find(needs[t.dst], plan.step)
-                    meta, tensors = copy.meta, [copy.buf]
+                    meta, tensors = copy.meta, copy.views()
                 send_shard(meta, tensors, t.dst, group)
             elif t.dst == rank:
                 torn()

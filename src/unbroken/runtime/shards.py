@@ -179,22 +179,28 @@ class LocalShards:
                 opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def load(self, flat: torch.Tensor) -> None:
-        """Copy a flat byte buffer (as `copy_into` wrote it) into this rank's tensors."""
-        pos = 0
+    def load(self, flat: torch.Tensor, layout: Any = None) -> None:
+        """Copy a flat byte buffer into this rank's tensors: packed back to back (a shard
+        received from a peer), or at `layout`'s aligned offsets (`snapshots.Layout`, a host
+        copy's own buffer)."""
+        tensors = self.tensors()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if layout is not None and list(layout.sizes) != sizes:
+            raise ValueError("the host copy was taken of another set of tensors")
+        if layout is not None:
+            offsets, end = list(layout.offsets), layout.total
+        else:
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            end = sum(sizes)
+        if end != flat.numel():
+            raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "
+                             f"shards have {end}")
         with torch.no_grad():
-            for t in self.tensors():
-                n = t.numel() * t.element_size()
-                if pos + n > flat.numel():
-                    raise ValueError("the state received is shorter than this rank's shards")
+            for t, pos, n in zip(tensors, offsets, sizes, strict=True):
                 chunk = flat[pos:pos + n]
                 if pos % t.element_size():
                     chunk = chunk.clone()  # a dtype view needs an aligned offset
                 t.copy_(chunk.view(t.dtype).view(t.shape))
-                pos += n
-        if pos != flat.numel():
-            raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "
-                             f"shards have {pos}")
 
     def deferrable(self, total: int) -> list[bool]:
         """Per tensor of `tensors()` (`total` of them): True if only an optimizer update

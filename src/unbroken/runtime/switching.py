@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.checkpoint.staging import HostImage
 from unbroken.control.messages import LeaveReason
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
@@ -139,10 +140,15 @@ class Switcher:
         """In a new generation: checkpoint over its groups, on a schedule its members agree."""
         self.checkpoints.rejoin(groups, plan.gen, step)
 
-    def after_commit(self, step: int, last_step: int, step_time: float | None) -> None:
-        """After a committed step: a snapshot round if one is due (sharded state)."""
-        if self.sharded is not None:
-            self.sharded.after_commit(step, last_step, step_time)
+    def after_commit(self, step: int, last_step: int, step_time: float | None,
+                     checkpoint_due: bool = False,
+                     checkpoint_every: int | None = None) -> HostImage | None:
+        """After a committed step: a snapshot round if one is due, or a checkpoint is
+        (sharded state); the round's host copy for that checkpoint, or None."""
+        if self.sharded is None:
+            return None
+        return self.sharded.after_commit(step, last_step, step_time, checkpoint_due,
+                                         checkpoint_every)
 
     def close(self) -> bool:
         """Wait for a snapshot round in flight; False if one was still running after 30 s."""

@@ -154,9 +154,12 @@ class SnapshotConfig(EventBody):
     auto: bool = doc("chosen by unbroken")
     replicas: int = doc("copies kept on peers")
     shard_bytes: int = doc("this rank's shards")
-    host_bytes: int = doc("host memory per rank for snapshots")
-    round_s: float | None = optional("a round's copy and exchange")
+    host_bytes: int = doc("host memory per rank for every copy: (1 + 2 x replicas) x "
+                          "shard_bytes, the storage checkpoint's included")
+    round_s: float | None = optional("a round's exchange and copy")
     step_s: float | None = optional("the step time")
+    checkpoint_every: int | None = optional("the checkpoint interval in steps, which `every` "
+                                            "never exceeds")
 
 
 @event(Event.SNAPSHOTS_REFUSED)
@@ -231,8 +234,11 @@ class MicroBatchesReplayed(EventBody):
 
 @event(Event.ROLLED_BACK)
 class RolledBack(EventBody):
-    """The loop rolled back to the newest checkpoint (`Engine.rollback`, collective)."""
+    """The loop rolled back (`Engine.rollback`, collective): to the newest host copy of the
+    state (a sharded job's own in-memory copy, or a replicated job's last checkpoint's staged
+    copy), else to the newest checkpoint in storage."""
 
     step: int = doc("the step resumed from")
     from_step: int = doc("the step it was at")
     reason: str = doc("why, as the loop said it")
+    source: str = doc("`host` (the host copy, no storage read) or `storage`")
