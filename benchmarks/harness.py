@@ -317,6 +317,16 @@ def lost_steps(events: list[dict], killed_at: float, resumed: dict) -> int:
     return max(0, done + 1 - resumed["step"])
 
 
+def restart_would_lose(events: list[dict], killed_at: float) -> int:
+    """Steps completed before the kill that a restart from storage would compute again: it
+    resumes from the newest checkpoint committed before the kill (step 0 if there is none)."""
+    done = max((e["step"] for e in events if e["event"] == "step" and e["t"] <= killed_at),
+               default=-1)
+    durable = max((e["step"] for e in events
+                   if e["event"] == "checkpoint_saved" and e["t"] <= killed_at), default=0)
+    return max(0, done + 1 - durable)
+
+
 # ------------------------------------------------------------------------------ tries
 @dataclass
 class Try:

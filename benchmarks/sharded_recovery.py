@@ -20,8 +20,14 @@ that step, about 0.8 s here, where FSDP's all-gathers of 67 MB over gloo on 2 co
 the step long), and to its start (the recovery itself).
 
 Snapshot cost: steady runs with snapshots at the automatic interval against
-`--snapshot-every 0` (none), alternating; the figure is the median of the per-round ratios
-of rank 0's median step time.
+`--snapshot-every 0` (none), both with the checkpoint every 20 steps, alternating; the figure
+is the median of the per-round ratios of rank 0's median step time.
+
+Host memory: `host_mb_per_rank` is every copy together (the storage checkpoint's included:
+it persists from the snapshots' own copy), against `shard_mb_per_rank`. Lost steps: each
+in-memory try also counts what a restart from the newest checkpoint durable at the kill
+would have redone (`restart_would_lose_max`); `lost_over_restart_max` is the most steps in
+place redid beyond that (the target: never above 0).
 
     .venv/bin/python benchmarks/sharded_recovery.py --tries 10 --baseline-tries 3
 
@@ -53,6 +59,7 @@ from harness import (
     median_of,
     paired_ratios,
     ratio,
+    restart_would_lose,
     step_period,
     temp_root,
     torchrun_cmd,
@@ -80,15 +87,17 @@ class ShardedTry(Try):
     to_start: float | None = None
     every: int | None = None
     host_bytes: int | None = None
+    shard_bytes: int | None = None
+    restart_would_lose: int | None = None
+    """Steps a restart from the newest checkpoint durable at the kill would have redone."""
     promoted: bool = False
     from_storage: bool = False
 
 
-def _command(arm: str, run_dir: Path, workers: int, steps: int, snapshot_every: int | None,
-             checkpoints: bool = True) -> list[str]:
-    args = ["--steps", str(steps), "--step-sleep", STEP_SLEEP]
-    if checkpoints:
-        args += ["--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every", "20"]
+def _command(arm: str, run_dir: Path, workers: int, steps: int,
+             snapshot_every: int | None) -> list[str]:
+    args = ["--steps", str(steps), "--step-sleep", STEP_SLEEP,
+            "--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every", "20"]
     if snapshot_every is not None:
         args += ["--snapshot-every", str(snapshot_every)]
     if arm == "torchrun":
@@ -123,6 +132,8 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
                           lost_steps=lost_steps(evs, killed_at, resumed),
                           every=config[0]["every"] if config else None,
                           host_bytes=config[0]["host_bytes"] if config else None,
+                          shard_bytes=config[0]["shard_bytes"] if config else None,
+                          restart_would_lose=restart_would_lose(evs, killed_at),
                           promoted=any(e["event"] == "spare_promoted" for e in evs),
                           from_storage=any(e["event"] == "checkpoint_loaded"
                                            and e["t"] > killed_at for e in evs))
@@ -134,8 +145,7 @@ def steady(snapshot_every: int | None, root: Path, index: int, workers: int, ste
            ) -> tuple[float | None, dict | None]:
     """Rank 0's median step time once the interval is agreed; the snapshot_config event."""
     run_dir = root / f"steady-{snapshot_every}-{index}"
-    proc = launch(_command("unbroken", run_dir, workers, steps, snapshot_every,
-                           checkpoints=False), run_dir)
+    proc = launch(_command("unbroken", run_dir, workers, steps, snapshot_every), run_dir)
     if wait_or_kill(proc, run_dir, 900) is None:
         return None, None
     evs = events_of(run_dir)
@@ -185,8 +195,14 @@ def main() -> None:
     summary["in_memory"]["from_storage"] = sum(1 for r in mem if r.from_storage)
     summary["in_memory"]["spare_promoted"] = sum(1 for r in mem if r.promoted)
     every = sorted({r.every for r in mem if r.every})
-    host = [r.host_bytes for r in mem if r.host_bytes]
-    host_mb = round(host[0] / 1e6, 1) if host else None
+    host = [(r.host_bytes, r.shard_bytes) for r in mem if r.host_bytes]
+    host_mb = round(host[0][0] / 1e6, 1) if host else None
+    shard_mb = round(host[0][1] / 1e6, 1) if host else None
+    over = [r.lost_steps - r.restart_would_lose for r in mem
+            if r.lost_steps is not None and r.restart_would_lose is not None]
+    summary["in_memory"]["restart_would_lose_max"] = max(
+        (r.restart_would_lose for r in mem if r.restart_would_lose is not None), default=None)
+    summary["in_memory"]["lost_over_restart_max"] = max(over, default=None)
     overhead = round(100 * statistics.median(paired), 2) if paired else None
     t, r, m = summary["torchrun"], summary["restart"], summary["in_memory"]
     none = median_of([x for x in times["none"] if x is not None])
@@ -199,7 +215,9 @@ def main() -> None:
               f"{st['lost_steps_max']}  hangs {st['hangs']}/{st['tries']}  failed {st['failed']}")
     print(f"torchrun / in-memory: {ratio(t['median_s'], m['median_s'])}x;  restart / in-memory: "
           f"{ratio(r['median_s'], m['median_s'])}x;  "
-          f"snapshot every {every} step(s), {host_mb} MB of host memory per rank, "
+          f"snapshot every {every} step(s), {host_mb} MB of host memory per rank for every "
+          f"copy ({shard_mb} MB of shards), in place redid at most "
+          f"{max(over, default=None)} step(s) more than a restart would have, "
           f"per-step overhead {overhead}% (per round: {[round(100 * x, 2) for x in paired]})")
     emit({
         "benchmark": "sharded_recovery", "workers": args.workers, "kill_at_step": KILL_AT,
@@ -213,7 +231,9 @@ def main() -> None:
         "snapshot_overhead_per_round_pct": [round(100 * x, 2) for x in paired],
         "steady_none_ms": round(1000 * none, 3) if none else None,
         "steady_auto_ms": round(1000 * auto, 3) if auto else None,
-        "host_mb_per_rank": host_mb,
+        "host_mb_per_rank": host_mb, "shard_mb_per_rank": shard_mb,
+        "host_over_shard": round(host_mb / shard_mb, 2) if host_mb and shard_mb else None,
+        "checkpoint_every": 20,
     })
 
 

@@ -14,11 +14,13 @@ from harness import (  # noqa: E402
     Try,
     alternate,
     change_pct,
+    lost_steps,
     median_of,
     paired_ratios,
     percentile,
     ratio,
     recovery_times,
+    restart_would_lose,
 )
 
 
@@ -101,3 +103,14 @@ def test_alternate_can_keep_one_order_and_reports_each_try():
     alternate(["x", "y"], 2, lambda arm, i: i, reverse=False,
               report=lambda i, arm, r: seen.append((i, arm, r)))
     assert seen == [(0, "x", 0), (0, "y", 0), (1, "x", 1), (1, "y", 1)]
+
+
+def test_what_a_restart_would_redo_counts_from_the_newest_checkpoint_durable_at_the_kill():
+    events = [{"event": "step", "step": s, "t": float(s)} for s in range(30)]
+    events += [{"event": "checkpoint_saved", "step": 20, "t": 21.5},  # durable at 21.5
+               {"event": "checkpoint_saved", "step": 25, "t": 27.5}]  # durable after the kill
+    killed_at = 26.2  # steps 0..26 done
+    assert restart_would_lose(events, killed_at) == 27 - 20
+    # In place resumed at the round of step 25: 2 steps redone, 5 fewer than a restart.
+    assert lost_steps(events, killed_at, {"step": 25}) == 2
+    assert restart_would_lose(events[:5], 3.5) == 4  # no checkpoint yet: from step 0
