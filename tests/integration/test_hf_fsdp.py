@@ -88,7 +88,7 @@ def test_a_trainer_job_under_fsdp2_has_its_dead_rank_taken_by_a_spare(tmp_path, 
     from the survivor's snapshot, and the final shards equal the fault-free run's."""
     run_dir, out, fast = tmp_path / "run", tmp_path / "out", tmp_path / "fast"
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", "--spares", "1",
-                 script=SCRIPT, args=_args(out, tmp_path / "faulted", "--step-sleep", "0.5",
+                 script=SCRIPT, args=_args(out, tmp_path / "faulted", "--step-sleep", "1",
                                            "--sleep-until", str(fast)))
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
                        explain=run_dir)
