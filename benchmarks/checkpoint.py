@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 from unbroken.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from unbroken.telemetry import schema as ev  # noqa: E402
 
 ARMS = ["torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+staging", "unbroken"]
 
@@ -110,11 +111,11 @@ class Arm:
         self._future: Future | None = None
         self._response = None
         self._stager: DefaultStager | None = None
-        self._events: list[tuple[str, dict]] = []
+        self._events: list = []  # the checkpointer's typed events (telemetry.schema)
         self.ckpt: Checkpointer | None = None
         if name == "unbroken":
             self.ckpt = Checkpointer(root / "unbroken", keep=1,
-                                     record=lambda n, **kw: self._events.append((n, kw)))
+                                     record=self._events.append)
             self.ckpt.protect(trainer.model, [trainer.optimizer])
 
     def _target(self) -> Path:
@@ -165,10 +166,10 @@ class Arm:
     def finish(self, started: float) -> tuple[float, float]:
         """(extra stall the arm itself reports, seconds from begin to durable)."""
         if self.name == "unbroken":
-            saved = [kw for n, kw in self._events if n == "checkpoint_saved"]
+            saved = [e for e in self._events if isinstance(e, ev.CheckpointSaved)]
             if not saved:
                 raise RuntimeError(f"unbroken checkpoint failed: {self._events}")
-            return saved[0]["stall"], saved[0]["durable"]
+            return saved[0].stall, saved[0].durable
         if self._future is not None:
             self._future.result()
             self._future = None
