@@ -14,11 +14,15 @@ failures (2 with no CUDA device: nothing was checked).
    created again under a new prefix, and an all-reduce again.
 4. **A device error is the worker's own**: a device-side assert in a subprocess raises,
    and `errors.classify` says `own_device`.
+5. **One host copy of CUDA shards** (issue 26): FSDP2 over a world of one on the GPU; a
+   snapshot round copies the shards into the rank's host buffer (on the CPU), the device's
+   peak memory does not grow across the round (no device memory held for snapshots), and a
+   rollback two steps later restores every tensor exactly.
 
     .venv/bin/python benchmarks/gpu_check.py
-    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1-2 on CPU tensors
+    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1, 2 and 5 on CPU tensors
 
-`--dry-run` runs the first two checks with CPU tensors, so that the script itself is tested
+`--dry-run` runs checks 1, 2 and 5 with CPU tensors, so that the script itself is tested
 on a machine without a GPU; it proves nothing about CUDA.
 """
 
@@ -47,10 +51,11 @@ def check(name: str, ok: bool, detail: str) -> None:
     print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model(device: str | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """On `device` (a spawned process passes it: DEVICE is the parent's)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 16)).to(DEVICE)
+                                torch.nn.Linear(256, 16)).to(device or DEVICE)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -150,6 +155,64 @@ def nccl_world_of_one(_: Path) -> None:
           f"formed {formed:.2f}s, torn down {torn:.2f}s, re-formed {again:.2f}s")
 
 
+def _host_copy_side(rank: int, out: str, device: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unbroken.runtime.shards import LocalShards
+    from unbroken.runtime.snapshots import PeerSnapshots
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    model, optimizer = _model(device)
+    fully_shard(model, mesh=init_device_mesh(device, (1,)))
+
+    def step() -> None:
+        model(torch.randn(8, 256, device=device)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):
+        step()
+    shards = LocalShards(model, [optimizer], {})
+    at_3 = [t.detach().cpu().clone() for t in shards.tensors()]
+    snaps = PeerSnapshots(shards, replicas=1, every=1, record=lambda *a, **k: None)
+    snaps.use_group(dist.new_group(backend="gloo"), 0, 1, 1)
+
+    def peak(body) -> int:  # noqa: ANN001 - the device memory a step's peak adds
+        if not cuda:
+            body()
+            return 0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.max_memory_allocated()
+        body()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    snaps.take(3)
+    with_round = peak(lambda: (step(), snaps.wait()))  # the round beside step 4
+    plain = peak(step)  # step 5, no round
+    grew = max(0, with_round - plain)
+    back = snaps.rollback()
+    same = back == 3 and snaps.own.buf.device.type == "cpu" and all(
+        torch.equal(a, b.detach().cpu()) for a, b in zip(at_3, shards.tensors(), strict=True))
+    Path(out).write_text(f"{same} {grew} {shards.nbytes()}")
+    dist.destroy_process_group()
+
+
+def host_copy_of_cuda_shards(root: Path) -> None:
+    out = str(root / "host_copy.txt")
+    mp.spawn(_host_copy_side, args=(out, DEVICE), nprocs=1, join=True)
+    same, grew, nbytes = Path(out).read_text().split()
+    check("one host copy of CUDA shards", same == "True" and int(grew) < int(nbytes) // 10,
+          f"{int(nbytes)} bytes of shards, rollback exact: {same}, a step with a round "
+          f"peaked {int(grew)} bytes of device memory above one without")
+
+
 _DEVICE_ERROR = """
 import torch
 from unbroken.errors import classify, current_device
@@ -179,10 +242,10 @@ def device_error_is_own(root: Path) -> None:
 def main() -> int:
     global DEVICE
     dry = "--dry-run" in sys.argv[1:]
-    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors]
+    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors, host_copy_of_cuda_shards]
     if dry:
         DEVICE = "cpu"
-        print("dry run: checks 1-2 with CPU tensors (nothing about CUDA is shown)")
+        print("dry run: checks 1, 2 and 5 with CPU tensors (nothing about CUDA is shown)")
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing was checked")
         return 2
