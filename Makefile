@@ -54,7 +54,7 @@ demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromiu
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/pytest -q tests/unit
-	$(BIN)/pytest -q tests/integration
+	$(BIN)/pytest -q --durations=25 tests/integration
 
 test-fast: $(BIN)/unbroken
 	$(BIN)/pytest -q tests/unit
