@@ -7,13 +7,15 @@ explicit save, which is the user's mistake.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from unbroken.checkpoint.checkpointer import Checkpointer
-from unbroken.checkpoint.staging import HostImage
 from unbroken.errors import UserError
 from unbroken.runtime.process_group import CheckpointGroups
 from unbroken.runtime.tracked import TrackedState
+
+if TYPE_CHECKING:  # they import DCP (and DTensor): a job without checkpoints never needs it
+    from unbroken.checkpoint.checkpointer import Checkpointer
+    from unbroken.checkpoint.staging import HostImage
 
 
 class CheckpointDuty:

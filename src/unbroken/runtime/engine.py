@@ -27,11 +27,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint.checkpointer import Checkpointer
 from unbroken.control.messages import LeaveReason
 from unbroken.errors import (
     ErrorClass,
@@ -57,12 +56,15 @@ from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.progress import ProgressMarks, seed_step
 from unbroken.runtime.recovery import Generations
-from unbroken.runtime.shards import is_fake_world, is_sharded
 from unbroken.runtime.switching import NotNeeded, Switcher
 from unbroken.runtime.tracked import TrackedState
 from unbroken.runtime.watchdog import NO_WATCHDOG, Watchdog
+from unbroken.runtime.world import is_fake_world, is_sharded
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
+
+if TYPE_CHECKING:  # the checkpointer imports DCP (and DTensor): only a job with checkpoints
+    from unbroken.checkpoint.checkpointer import Checkpointer
 
 
 class Engine:

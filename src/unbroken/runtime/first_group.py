@@ -25,7 +25,7 @@ from unbroken.runtime.process_group import (
     checkpoint_groups,
 )
 from unbroken.runtime.script_group import formed_by_launcher
-from unbroken.runtime.shards import fake_world, is_fake_world
+from unbroken.runtime.world import fake_world, is_fake_world
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.checkpointer import Checkpointer
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError
 from unbroken.faults.inject import FaultInjector
@@ -93,14 +92,16 @@ class Run:
         self._link = link = ControlLink(env, events.emit)
         faults = FaultInjector(parse_faults(env.faults), env.rank, link.claim_fault, events.emit)
         ckpt = first.ckpt_groups
-        checkpointer = (
-            Checkpointer(config.checkpoint_dir, group=ckpt and ckpt.writes,
-                         control_group=ckpt and ckpt.control, keep=config.keep_checkpoints,
-                         keep_every=config.keep_every, attempt=env.attempt,
-                         record=events.emit, clean_stale=not settings.joining,
-                         persist_timeout=config.checkpoint_timeout, schedule=config.schedule(),
-                         fault_point=faults.at_point)
-            if config.checkpoint_dir else None)
+        checkpointer = None
+        if config.checkpoint_dir:  # DCP (and DTensor) are imported only for a job that saves
+            from unbroken.checkpoint.checkpointer import Checkpointer
+
+            checkpointer = Checkpointer(
+                config.checkpoint_dir, group=ckpt and ckpt.writes,
+                control_group=ckpt and ckpt.control, keep=config.keep_checkpoints,
+                keep_every=config.keep_every, attempt=env.attempt, record=events.emit,
+                clean_stale=not settings.joining, persist_timeout=config.checkpoint_timeout,
+                schedule=config.schedule(), fault_point=faults.at_point)
         generations = None
         if settings.in_place:
             membership = Membership(link.channel(), env.attempt, settings.wid,

@@ -71,7 +71,7 @@ def _form(original: Any, env: WorkerEnv, backend: Any, args: tuple, kwargs: dict
     import torch
 
     from unbroken.runtime.process_group import this_process
-    from unbroken.runtime.shards import fake_world
+    from unbroken.runtime.world import fake_world
 
     joiner = env.joining or env.role == Role.SPARE
     if env.in_place and joiner and env.world_size > 1:

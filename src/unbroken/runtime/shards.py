@@ -21,14 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True if any parameter is a DTensor (FSDP2, HSDP, tensor parallel)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -256,21 +250,3 @@ def _plain(obj: Any) -> Any:
 def new_mesh(shape: MeshShape) -> DeviceMesh:
     """The mesh of `shape` over the current default group (collective)."""
     return init_device_mesh(shape.device_type, shape.shape, mesh_dim_names=shape.names)
-
-
-def fake_world(rank: int, world_size: int) -> None:
-    """A one-process stand-in for the real world (collectives do nothing), so that a joiner
-    shards its model exactly as rank `rank` of `world_size` would: shard-sized memory, and
-    no group to wait for. Replaced by the real group when the joiner joins."""
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    if "fake" not in dist.Backend.backend_list:
-        dist.Backend.register_backend(
-            "fake", lambda opts, backend_opts: FakeProcessGroup._create_internal(
-                opts.group_rank, opts.group_size, backend_opts),
-            extended_api=True, devices=["cpu", "cuda"])
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
-
-
-def is_fake_world() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "fake"

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from unbroken.checkpoint.staging import HostImage
 from unbroken.control.messages import LeaveReason
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
@@ -21,10 +20,13 @@ from unbroken.runtime.membership import Drained, JobFinished, Plan, RecoveryTime
 from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.recovery import Generations, Switch
-from unbroken.runtime.shard_sync import ShardedSync, build_sharded
 from unbroken.runtime.state_sync import NoStateError, SyncResult, pack
 from unbroken.runtime.tracked import TrackedState
 from unbroken.telemetry import schema as ev
+
+if TYPE_CHECKING:  # DTensor's machinery: imported only for a sharded model (prepare_sharded)
+    from unbroken.checkpoint.staging import HostImage
+    from unbroken.runtime.shard_sync import ShardedSync
 
 
 class NotNeeded(Exception):
@@ -52,6 +54,8 @@ class Switcher:
         """Set up the sharded state step for a sharded model; why it cannot recover in
         place (one line), or None. `available`: host memory per rank, in bytes."""
         s = self.settings
+        from unbroken.runtime.shard_sync import build_sharded
+
         sync = build_sharded(
             tracked.model, tracked.optimizers, tracked.extra, world_size=position.world_size,
             joining=joining, snapshot_every=s.snapshot_every,

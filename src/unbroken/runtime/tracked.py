@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unbroken.errors import UserError
 
@@ -35,6 +34,8 @@ class TrackedState:
     def state_dict(self, step: int, rng: bool = True) -> dict[str, Any]:
         """The state at committed step `step`: a checkpoint's (with this rank's RNG state),
         or a peer's (`rng=False`: per rank, and re-seeded from the step anyway)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # ~1 s; on first use
+
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
         ours: dict[str, Any] = {"step": torch.tensor(step)}
         if rng:
@@ -48,6 +49,8 @@ class TrackedState:
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load `state` (from `state_dict`) in place; return its step."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         self.whole = False
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
