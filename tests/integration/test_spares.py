@@ -275,7 +275,9 @@ def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(
     hosts = isolated_hosts
     node0, node1, node2 = everyone = [run_dir_on(hosts, k) for k in range(3)]
     (leader, follower, standby), fast = _standby_job(
-        hosts, "--max-restarts", "1", args=["--steps", "250", "--step-sleep", "0.05"])
+        hosts, "--max-restarts", "1", args=["--steps", "250", "--step-sleep", "0.2"])
+    # Paced until `fast`: 250 steps of 0.2 s are 50 s for the spares to warm up and the drain
+    # to finish (12.5 s at 0.05 s was at the margin); after `fast` the steps run unpaced.
 
     def drain(*flags: str):
         """`unbroken drain` by the run dir, on the leader's host."""
