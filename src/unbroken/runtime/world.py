@@ -25,7 +25,10 @@ def fake_world(rank: int, world_size: int) -> None:
     no group to wait for. Replaced by the real group when the joiner joins."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
-    if "fake" not in dist.Backend.backend_list:
+    # Torch lists "fake" among its backends but registers its creator only when
+    # torch.testing's fake_pg is imported (FSDP1 and DCP's state-dict helpers import it):
+    # ask the creators' registry, not the list.
+    if "FAKE" not in getattr(dist.Backend, "_plugins", {}):
         dist.Backend.register_backend(
             "fake", lambda opts, backend_opts: FakeProcessGroup._create_internal(
                 opts.group_rank, opts.group_size, backend_opts),
