@@ -94,7 +94,8 @@ def test_state_travels_whole_through_pack_and_unpack():
     equal (a view to another dtype needs an aligned offset: unpack must not rely on one)."""
     import torch
 
-    from unbroken.runtime.state_sync import _byte_view, pack, unpack
+    from unbroken.runtime.host_copy import byte_view
+    from unbroken.runtime.state_sync import pack, unpack
 
     state = {
         "model": {"w": torch.randn(3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
@@ -104,7 +105,7 @@ def test_state_travels_whole_through_pack_and_unpack():
         "name": "x", "none": None,
     }
     header, tensors = pack(state)
-    back = unpack(header, torch.cat([_byte_view(t) for t in tensors]))
+    back = unpack(header, torch.cat([byte_view(t) for t in tensors]))
     assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert back["name"] == "x" and back["none"] is None
     for path in (("model", "w"), ("model", "b"), ("model", "n")):

@@ -46,8 +46,9 @@ class Layout:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes, flat (no copy; `t` must be contiguous)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """The bytes of one tensor, flat, on its own device (a copy only if it is not
+    contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def chunks(views: list[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -15,6 +15,7 @@ optimizers keep their references.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ class LocalShards:
         if layout is not None:
             offsets, end = list(layout.offsets), layout.total
         else:
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
             end = sum(sizes)
         if end != flat.numel():
             raise ValueError(f"the state received has {flat.numel()} bytes; this rank's "

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.runtime.host_copy import byte_view
+
 
 class NoStateError(RuntimeError):
     """No member of the generation holds any committed state: only a checkpoint can help."""
@@ -91,11 +93,6 @@ def unpack(header: dict[str, Any], buffer: torch.Tensor) -> Any:
     return walk(header["root"])
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of one tensor, on its own device (a copy only if it is not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def send_tensors(tensors: list[torch.Tensor], total: int, dst: int,
                  group: dist.ProcessGroup | None, device: torch.device,
                  chunk: int = CHUNK_BYTES) -> None:
@@ -105,7 +102,7 @@ def send_tensors(tensors: list[torch.Tensor], total: int, dst: int,
     buf = torch.empty(min(chunk, total), dtype=torch.uint8, device=device)
     fill = 0
     for t in tensors:
-        view, pos = _byte_view(t), 0
+        view, pos = byte_view(t), 0
         while pos < view.numel():
             n = min(buf.numel() - fill, view.numel() - pos)
             buf[fill:fill + n].copy_(view[pos:pos + n])
