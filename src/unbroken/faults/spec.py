@@ -1,18 +1,39 @@
-"""The fault language: `KIND:rank=R,step=S[,seconds=X][,at=POINT]`, several joined by `;`.
+"""The fault language: `KIND:rank=R,step=S[,FIELD=VALUE...]`, several joined by `;`.
 
-`at` says where the fault fires: `step` (default) at the start of step S; `join` when the
-worker, holding step S or later, starts forming a new generation's groups (a fault during a
-recovery); `send` when it is about to send its state to a peer (the state sender dies);
-`persist` in the background checkpoint writer, once the files of a checkpoint of step S or
-later are written but before it is committed (`crash`: the worker dies mid-write;
-`exception`: the writer dies; `slow`: the writer stalls for `seconds`).
+Process faults (`crash`, `hang`, `exception`, `device_error`, `slow`) take `at=POINT`, where
+the fault fires: `step` (default) at the start of step S; `join` when the worker, holding
+step S or later, starts forming a new generation's groups (a fault during a recovery);
+`send` when it is about to send its state to a peer (the state sender dies); `persist` in
+the background checkpoint writer, once the files of a checkpoint of step S or later are
+written but before it is committed (`crash`: the worker dies mid-write; `exception`: the
+writer dies; `slow`: the writer stalls for `seconds`).
 
-One grammar for the `--fault` flag, the `UNBROKEN_FAULTS` variable, tests and benchmarks,
-so a fault that broke a run can be replayed by pasting the same string.
+Numeric faults (`nan`, `spike`, `bitflip`) corrupt the training state silently, for anomaly
+detection to find; each fires at the one point its kind names (`FaultSpec.point`), and
+`at=` is refused:
+
+    nan:rank=R,step=S[,persistent=1]              the gradient, after backward, before the check
+    spike:rank=R,step=S,scale=X[,persistent=1]    the loss the check sees, and the gradients, x X
+    bitflip:rank=R,step=S[,param=I][,index=J][,bit=B][,persistent=1]
+                                                  after the update: bit B of flat element J
+                                                  of the I-th parameter is flipped
+
+`slow` may span a window: `slow:rank=R,step=S,steps=N,factor=F` makes steps S..S+N-1 each
+sleep (F-1) x the step time (frozen at the window's first step); `steps=N,seconds=X` sleeps
+X in each.
+
+A fault fires once per job; a `persistent=1` fault, and a `slow` window, fire again on every
+matching execution in the process that first fired them (see `unbroken.faults.inject`).
+
+Every spec that parses prints back to itself: `parse_faults(str(spec)) == [spec]`, printing
+only the fields that differ from their defaults (and `seconds` of a `slow`, always). One
+grammar for the `--fault` flag, the `UNBROKEN_FAULTS` variable, tests and benchmarks, so a
+fault that broke a run can be replayed by pasting the same string.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from unbroken.errors import UserError
@@ -23,32 +44,90 @@ FAULT_KINDS = {
     "exception": "the worker raises an exception (a bug or a bad batch)",
     "device_error": "the worker's own accelerator fails (raises torch.AcceleratorError, as a "
                     "sticky CUDA error does): the process must be replaced",
-    "slow": "the worker sleeps `seconds` (default 1) in that step (a straggler)",
+    "slow": "the worker sleeps `seconds` (default 1) in that step (a straggler); with "
+            "`steps=N` in each of N steps, and with `factor=F` (F-1) x the step time",
+    "nan": "one element of the worker's gradient becomes NaN after backward (a numeric "
+           "blow-up or a bad batch)",
+    "spike": "the worker's loss and gradients are multiplied by `scale` (a loss spike)",
+    "bitflip": "one bit of one parameter flips after the update (silent data corruption: "
+               "bit `bit`, default 20, of element `index` of parameter `param`)",
 }
 
-
 FAULT_POINTS = ("step", "join", "send", "persist")
+
+# The numeric kinds fire at one fixed point each: after backward, when the loss is checked,
+# after the update.
+NUMERIC_POINTS = {"nan": "grad", "spike": "loss", "bitflip": "update"}
+
+_PROCESS_FIELDS = {"rank", "step", "at"}
+_FIELDS_BY_KIND = {
+    "crash": _PROCESS_FIELDS,
+    "hang": _PROCESS_FIELDS,
+    "exception": _PROCESS_FIELDS,
+    "device_error": _PROCESS_FIELDS,
+    "slow": _PROCESS_FIELDS | {"seconds", "steps", "factor"},
+    "nan": {"rank", "step", "persistent"},
+    "spike": {"rank", "step", "scale", "persistent"},
+    "bitflip": {"rank", "step", "param", "index", "bit", "persistent"},
+}
+_ALL_FIELDS = set().union(*_FIELDS_BY_KIND.values())
+_BOOLS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One fault: what happens, to which rank, at which step, and at which point."""
+    """One fault: what happens, to which rank, at which step, and at which point.
+
+    Fields a kind does not take keep their defaults (the parser refuses them)."""
 
     kind: str
     rank: int
     step: int
     seconds: float = 1.0
     at: str = "step"
+    scale: float = 1.0  # spike: the factor on the loss and the gradients
+    persistent: bool = False  # nan, spike, bitflip: fires again in the process that fired it
+    steps: int = 1  # slow: the window's length, from `step`
+    factor: float | None = None  # slow: sleep (factor-1) x the step time, instead of seconds
+    param: int = 0  # bitflip: which parameter, in the order given
+    index: int = 0  # bitflip: which element of it, flat
+    bit: int = 20  # bitflip: which bit of that element
 
     def __str__(self) -> str:
-        extra = f",seconds={self.seconds:g}" if self.kind == "slow" else ""
-        where = f",at={self.at}" if self.at != "step" else ""
-        return f"{self.kind}:rank={self.rank},step={self.step}{extra}{where}"
+        out = [f"{self.kind}:rank={self.rank},step={self.step}"]
+        if self.kind == "slow" and self.factor is None:
+            out.append(f"seconds={_num(self.seconds)}")
+        if self.steps != 1:
+            out.append(f"steps={self.steps}")
+        if self.factor is not None:
+            out.append(f"factor={_num(self.factor)}")
+        if self.kind == "spike":
+            out.append(f"scale={_num(self.scale)}")
+        for name, default in (("param", 0), ("index", 0), ("bit", 20)):
+            if getattr(self, name) != default:
+                out.append(f"{name}={getattr(self, name)}")
+        if self.persistent:
+            out.append("persistent=1")
+        if self.at != "step":
+            out.append(f"at={self.at}")
+        return ",".join(out)
 
     @property
     def key(self) -> str:
         """Identifies the fault across restarts so that it fires once per job."""
         return str(self)
+
+    @property
+    def point(self) -> str:
+        """Where it fires: `at` for a process fault; `grad`, `loss` or `update` for a
+        numeric one."""
+        return NUMERIC_POINTS.get(self.kind, self.at)
+
+
+def _num(x: float) -> str:
+    """`x` as short as it prints and still parses back to itself."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
 
 
 def _parse_one(text: str) -> FaultSpec:
@@ -64,11 +143,25 @@ def _parse_one(text: str) -> FaultSpec:
         if not eq:
             raise UserError(f"fault field {part!r} in {text!r} is not NAME=VALUE")
         fields[name.strip()] = value.strip()
-    unknown = set(fields) - {"rank", "step", "seconds", "at"}
+    unknown = set(fields) - _ALL_FIELDS
     if unknown:
         raise UserError(f"unknown fault field(s) {sorted(unknown)} in {text!r}")
+    if kind in NUMERIC_POINTS and "at" in fields:
+        raise UserError(f"fault {text!r}: a {kind} fault always fires at "
+                        f"{NUMERIC_POINTS[kind]!r}; drop at=")
+    invalid = sorted(set(fields) - _FIELDS_BY_KIND[kind])
+    if invalid:
+        raise UserError(f"fault {text!r}: field {invalid[0]}= is not valid for {kind} "
+                        f"(it takes {', '.join(sorted(_FIELDS_BY_KIND[kind]))})")
     if "rank" not in fields or "step" not in fields:
         raise UserError(f"fault {text!r} needs rank= and step=, e.g. crash:rank=1,step=30")
+    if kind == "spike" and "scale" not in fields:
+        raise UserError(f"fault {text!r} needs scale=, e.g. spike:rank=0,step=10,scale=100")
+    if "seconds" in fields and "factor" in fields:
+        raise UserError(f"fault {text!r}: give seconds= or factor=, not both")
+    persistent = fields.get("persistent", "0").lower()
+    if persistent not in _BOOLS:
+        raise UserError(f"fault {text!r}: persistent= must be 1 or 0")
     try:
         spec = FaultSpec(
             kind=kind,
@@ -76,14 +169,38 @@ def _parse_one(text: str) -> FaultSpec:
             step=int(fields["step"]),
             seconds=float(fields.get("seconds", 1.0)),
             at=fields.get("at", "step"),
+            scale=float(fields.get("scale", 1.0)),
+            persistent=_BOOLS[persistent],
+            steps=int(fields.get("steps", 1)),
+            factor=float(fields["factor"]) if "factor" in fields else None,
+            param=int(fields.get("param", 0)),
+            index=int(fields.get("index", 0)),
+            bit=int(fields.get("bit", 20)),
         )
     except ValueError as exc:
         raise UserError(f"fault {text!r} has a non-numeric value: {exc}") from None
+    _check(spec, text)
+    return spec
+
+
+def _check(spec: FaultSpec, text: str) -> None:
+    """Refuses values out of range, one clear line each."""
     if spec.at not in FAULT_POINTS:
         raise UserError(f"fault {text!r}: at= must be one of {', '.join(FAULT_POINTS)}")
-    if spec.rank < 0 or spec.step < 0 or spec.seconds < 0:
+    if spec.rank < 0 or spec.step < 0 or not spec.seconds >= 0 or math.isinf(spec.seconds):
         raise UserError(f"fault {text!r}: rank, step and seconds must be >= 0")
-    return spec
+    if not (spec.scale > 0 and math.isfinite(spec.scale)):
+        raise UserError(f"fault {text!r}: scale= must be a finite number > 0")
+    if spec.steps < 1:
+        raise UserError(f"fault {text!r}: steps= must be >= 1")
+    if spec.factor is not None and not (spec.factor > 1 and math.isfinite(spec.factor)):
+        raise UserError(f"fault {text!r}: factor= must be a finite number > 1")
+    if (spec.steps != 1 or spec.factor is not None) and spec.at != "step":
+        raise UserError(f"fault {text!r}: steps= and factor= need at=step (a step window)")
+    if spec.param < 0 or spec.index < 0:
+        raise UserError(f"fault {text!r}: param= and index= must be >= 0")
+    if not 0 <= spec.bit <= 63:
+        raise UserError(f"fault {text!r}: bit= must be in 0..63")
 
 
 def parse_faults(text: str | None) -> list[FaultSpec]:
