@@ -131,6 +131,24 @@ def assert_recovered_in_place(result: Launched, survivor: int, steps: int,
     assert summarize(result.run_dir)["steps"] == steps
 
 
+def assert_bit_identical(a, b, where: str = "state") -> None:
+    """Two nested states (dicts, lists, tensors, scalars) are equal, tensors bit for bit."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bit_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bit_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def launch(run_dir: Path, *flags: str, timeout: float = 240, **kw) -> Launched:
     return finish(start(run_dir, *flags, **kw), run_dir, timeout)
 

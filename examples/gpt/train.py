@@ -53,11 +53,43 @@ def main() -> None:
     p.add_argument("--eval-seconds", type=float, default=4.0)
     p.add_argument("--exact", action="store_true",
                    help="reduce gradients in rank order: bit-identical results across recoveries")
+    p.add_argument("--stall-prob", type=float, default=0.0,
+                   help="each rank-step, with this probability, sleeps a further uniform "
+                        "(0, --stall-max) x --step-sleep (sparse jitter; seeded by step and rank)")
+    p.add_argument("--stall-max", type=float, default=3.0)
+    a = p.add_argument_group("anomalies (docs/anomalies.md)")
+    a.add_argument("--anomalies", action="store_true",
+                   help="check every step for NaN, Inf and loss spikes")
+    a.add_argument("--on-anomaly", choices=[r.value for r in unbroken.Remedy], default="skip")
+    a.add_argument("--max-anomalies", type=int, default=5)
+    a.add_argument("--anomaly-window", type=int, default=1000)
+    a.add_argument("--skip-after", type=int, default=0)
+    a.add_argument("--sdc", action="store_true", help="compare the replicas' checksums")
+    a.add_argument("--sdc-every", type=int, default=None)
+    a.add_argument("--on-sdc", choices=[r.value for r in unbroken.SdcRemedy], default="rollback")
+    a.add_argument("--stragglers", choices=["off", *[r.value for r in unbroken.StragglerRemedy]],
+                   default="off")
+    a.add_argument("--skip-steps", default="",
+                   help="comma-separated steps to pass over (run.skip_steps): the reference "
+                        "run for a job that skipped them")
     args = p.parse_args()
+    anomalies = unbroken.AnomalyConfig(
+        numerics=unbroken.NumericsConfig(
+            enabled=args.anomalies, remedy=unbroken.Remedy(args.on_anomaly),
+            max_anomalies=args.max_anomalies, anomaly_window=args.anomaly_window,
+            skip_after=args.skip_after),
+        sdc=unbroken.SdcConfig(enabled=args.sdc, every=args.sdc_every,
+                               remedy=unbroken.SdcRemedy(args.on_sdc)),
+        stragglers=unbroken.StragglerConfig(
+            enabled=args.stragglers != "off",
+            remedy=unbroken.StragglerRemedy(
+                args.stragglers if args.stragglers != "off" else "report")))
 
     torch.set_num_threads(1)
     run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        seed=args.seed)
+                        seed=args.seed, anomalies=anomalies)
+    if args.skip_steps:
+        run.skip_steps([int(s) for s in args.skip_steps.split(",")])
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     corpus = CharCorpus.load()
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.seq,
@@ -84,7 +116,10 @@ def main() -> None:
         (loss * run.world_size / (args.global_batch * args.seq)).backward()
         mean = loss.detach() / y.numel()
         if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
-            jitter = random.Random(step * 1_000_003 + run.rank).uniform(1.0, args.step_jitter)
+            rng = random.Random(step * 1_000_003 + run.rank)
+            jitter = rng.uniform(1.0, args.step_jitter)
+            if args.stall_prob and rng.random() < args.stall_prob:
+                jitter += rng.uniform(0.0, args.stall_max)
             time.sleep(args.step_sleep * jitter)
         run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):

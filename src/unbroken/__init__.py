@@ -7,21 +7,43 @@ scripts that set environment variables (CUDA_VISIBLE_DEVICES, ...) before `impor
 
 from typing import TYPE_CHECKING, Any
 
-from unbroken.errors import CheckpointMismatch, ExitCode, UserError
+from unbroken.errors import CheckpointMismatch, ExitCode, JobStopped, UserError
 from unbroken.faults import FaultSpec, parse_faults
 
 if TYPE_CHECKING:
+    from unbroken.runtime.config import (
+        AnomalyConfig,
+        NumericsConfig,
+        Remedy,
+        SdcConfig,
+        SdcRemedy,
+        StragglerConfig,
+        StragglerRemedy,
+    )
     from unbroken.runtime.exact_reduce import exact_allreduce
+    from unbroken.runtime.numerics import Verdict
     from unbroken.runtime.run import Run, init
 
 __version__ = "0.1.0"
 
+_CONFIG = ("AnomalyConfig", "NumericsConfig", "Remedy", "SdcConfig", "SdcRemedy",
+           "StragglerConfig", "StragglerRemedy")
+
 __all__ = [
+    "AnomalyConfig",
     "CheckpointMismatch",
     "ExitCode",
     "FaultSpec",
+    "JobStopped",
+    "NumericsConfig",
+    "Remedy",
     "Run",
+    "SdcConfig",
+    "SdcRemedy",
+    "StragglerConfig",
+    "StragglerRemedy",
     "UserError",
+    "Verdict",
     "exact_allreduce",
     "init",
     "parse_faults",
@@ -33,6 +55,14 @@ def __getattr__(name: str) -> Any:
         from unbroken.runtime import run
 
         return getattr(run, name)
+    if name in _CONFIG:
+        from unbroken.runtime import config
+
+        return getattr(config, name)
+    if name == "Verdict":
+        from unbroken.runtime.numerics import Verdict
+
+        return Verdict
     if name == "exact_allreduce":
         from unbroken.runtime.exact_reduce import exact_allreduce
 

@@ -84,6 +84,14 @@ class ErrorClass(StrEnum):
     """Its own accelerator failed: the worker dies and a fresh process takes its rank."""
     USER = "user"
     """The script's own error (a bug, a bad batch, out of memory)."""
+    STOP = "stop"
+    """The worker decided the job must end (`JobStopped`: too many numerical anomalies):
+    no restart helps, and no node is to blame. The job ends with exit 1, no budget spent."""
+
+
+class JobStopped(Exception):
+    """Raised by every rank when the job must end and no restart can help (the anomaly
+    limit was reached); its message is the one-line report. Classified `STOP`."""
 
 
 def classify_text(type_name: str, text: str, own_device: int | None = None) -> ErrorClass:
@@ -91,6 +99,8 @@ def classify_text(type_name: str, text: str, own_device: int | None = None) -> E
     record (pure). An NCCL error about CUDA is this worker's device unless it names
     another `cuda:N` than `own_device`."""
     whole = f"{type_name}: {text}"
+    if type_name == JobStopped.__name__:
+        return ErrorClass.STOP
     if type_name == "OutOfMemoryError" or "out of memory" in whole.lower():
         return ErrorClass.USER
     if type_name == "AcceleratorError" or any(m in whole for m in OWN_DEVICE_MARKERS):
@@ -108,6 +118,8 @@ def classify_text(type_name: str, text: str, own_device: int | None = None) -> E
 def classify(exc: BaseException, own_device: int | None = None) -> ErrorClass:
     """Whose fault `exc`, raised in a worker, is. `own_device`: the worker's CUDA device,
     if it has one."""
+    if isinstance(exc, JobStopped):
+        return ErrorClass.STOP
     if not isinstance(exc, RuntimeError):  # distributed and device errors are RuntimeErrors
         return ErrorClass.USER
     return classify_text(type(exc).__name__, str(exc), own_device)

@@ -15,6 +15,7 @@ import torch
 from conftest import (
     SCRIPTS,
     TINY,
+    assert_bit_identical,
     assert_resumed_from_the_last_checkpoint,
     events_of,
     finish,
@@ -78,21 +79,6 @@ def _state(path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _assert_bit_identical(a, b, where: str = "state") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_bit_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bit_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _committed_data(result) -> dict[tuple[int, int], int]:
     """(step, slot) -> hash of the data committed for it; each step committed in one generation."""
     data, gens = {}, {}
@@ -125,7 +111,7 @@ def test_replacements_make_the_run_bit_identical_even_when_the_state_sender_dies
     assert sent and all(e["state_from"] is not None for e in sent)
     got = [e for e in faulty.events("gen_switch") if e["reason"] == "replacement"]
     assert got and got[0]["received_bytes"] > 0 and got[0]["state_from"] is not None
-    _assert_bit_identical(_state(tmp_path / "clean.pt"), _state(tmp_path / "faulty.pt"))
+    assert_bit_identical(_state(tmp_path / "clean.pt"), _state(tmp_path / "faulty.pt"))
     expected = _committed_data(clean)
     assert _committed_data(faulty) == expected
     assert len(expected) == STEPS * 4

@@ -18,6 +18,7 @@ from unbroken.control.messages import (
     StandbyJoin,
     SwitchTarget,
 )
+from unbroken.errors import ErrorClass
 from unbroken.launch.budget import RestartBudget
 from unbroken.launch.node_life import Strike
 from unbroken.launch.planner import decide
@@ -395,3 +396,18 @@ def test_strikes_quarantine_a_node_once_even_without_in_place_recovery():
     s, out = run(fresh(), in_place=False, strikes=[Strike(1, t) for t in (1.0, 2.0, 3.0, 4.0)])
     assert s.nodes.quarantined == [1]
     assert [c for c in out if isinstance(c, MarkOut)] == [MarkOut(1, NodeOut.QUARANTINED)]
+
+
+def test_a_worker_that_stops_the_job_ends_it_without_spending_the_budget_or_a_strike():
+    """A death classified `stop` (the anomaly limit: `JobStopped`) is the job's decision,
+    not a fault to recover: the attempt gives up (exit 1) with the worker's report, the
+    restart budget is untouched and the node gets no strike."""
+    stop = death(1)
+    stop.error_class, stop.detail = ErrorClass.STOP, "JobStopped: 3 numerical anomalies"
+    s, out = run(fresh(budget=3), deaths=[stop])
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.GIVE_UP and "3 numerical anomalies" in end.reason
+    assert s.budget.spent == 0 and not of(out, WriteTarget)
+    assert s.nodes.job.faults == {}  # no strike against its node
+    crash = run(fresh(budget=3), deaths=[death(1)])[0]
+    assert crash.nodes.job.faults  # ...where a crash counts one

@@ -43,7 +43,7 @@ from unbroken.control.schema import (
     ack,
 )
 from unbroken.control.tcp import serve_store
-from unbroken.errors import ExitCode
+from unbroken.errors import ErrorClass, ExitCode
 from unbroken.launch import node_life, node_set
 from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
@@ -128,6 +128,8 @@ class Leader(Role):
                 return self._fail(fault, stranded_reason(self.cfg, self.nodes), ExitCode.QUARANTINED)
             if end is not None and end.action == EndAction.GIVE_UP:
                 return self._fail(fault, end.reason)
+            if fault is not None and fault.error_class == ErrorClass.STOP:  # not in place
+                return self._fail(fault, f"rank {fault.rank} stopped the job: {fault.detail}")
             if not (end is not None and end.action == EndAction.FALLBACK):
                 paid = self.budget.spend()
                 if paid is None:

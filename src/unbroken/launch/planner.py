@@ -43,6 +43,7 @@ from unbroken.control.messages import (
     OrderKind,
     SwitchTarget,
 )
+from unbroken.errors import ErrorClass
 from unbroken.launch import node_life, planner_drains
 from unbroken.launch.culprit import take_in_stalls
 from unbroken.launch.node_life import Strike
@@ -146,7 +147,8 @@ class _Decision:
         node with too many is quarantined (`node_life.strike`); it gets no replacement."""
         s, inbox = self.s, self.inbox
         hits = [Strike(d.node, d.t or inbox.wall) for d in inbox.deaths
-                if d is not None and d.node is not None and d.kind != FaultKind.NODE_LOST]
+                if d is not None and d.node is not None and d.kind != FaultKind.NODE_LOST
+                and d.error_class != ErrorClass.STOP]  # the job's decision, not the node's fault
         for hit in [*hits, *inbox.strikes]:
             s.nodes, said, quarantined = node_life.strike(s.nodes, hit, self.config.quarantine,
                                                           s.attempt)
@@ -262,6 +264,9 @@ class _Decision:
             s.spares.awaited.pop(death.slot, None)
             if s.spares.promised.get(death.slot) == death.wid:
                 del s.spares.promised[death.slot]
+        if death.error_class == ErrorClass.STOP:  # the job decided to end: not a fault to fix
+            self.end(EndAction.GIVE_UP, death, f"rank {death.rank} stopped the job: {death.detail}")
+            return
         if not self._charge(death):
             return
         if member and s.recovery is not None and death not in s.recovery.faults:

@@ -7,8 +7,11 @@ which are collective, what may raise) is in docs/engine.md. In short, per step:
     try:
         engine.enter(step)           # injected faults, the step's RNG seed
         ...forward and backward...   # the loop's own work, on `engine.view`
+        verdict = engine.check(step, metrics)  # anomalies; not COMMIT: the engine handled it
     except Exception as exc:
         engine.fail(step, exc)       # in place: leave, join, sync, rebuild; else raises
+        continue
+    if verdict is not Verdict.COMMIT:
         continue
     with engine.updating():          # or engine.tracked.update(): the tracked optimizers
         optimizer.step()
@@ -27,13 +30,15 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from unbroken.control.messages import LeaveReason
 from unbroken.errors import (
     ErrorClass,
+    JobStopped,
     UserError,
     classify,
     current_device,
@@ -42,6 +47,7 @@ from unbroken.errors import (
 )
 from unbroken.faults.inject import FaultInjector
 from unbroken.runtime import spare
+from unbroken.runtime.anomaly_duty import AnomalyDuty
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
 from unbroken.runtime.heartbeat import (
@@ -52,6 +58,7 @@ from unbroken.runtime.heartbeat import (
     PHASE_TRAINING,
     HeartbeatWriter,
 )
+from unbroken.runtime.numerics import Verdict
 from unbroken.runtime.position import Position
 from unbroken.runtime.process_group import AbortableGroups
 from unbroken.runtime.progress import ProgressMarks, seed_step
@@ -98,6 +105,8 @@ class Engine:
         self._watchdog: Watchdog = NO_WATCHDOG
         self._marks = ProgressMarks(heartbeat)
         self._t0 = 0.0
+        self.anomalies = AnomalyDuty(s.anomalies, events.emit)
+        self._rng: Any = None  # the step's RNG state at enter, for a rerun (seed None)
 
     # ------------------------------------------------------------------ position
     @property
@@ -116,6 +125,7 @@ class Engine:
     def track(self, tracked: TrackedState) -> None:
         """Register the state a step commits (before `start`)."""
         self.tracked = tracked
+        tracked.extra.update(self.anomalies.extras())
         self.checkpoints.protect(tracked)
 
     def need_tracked(self, what: str) -> TrackedState:
@@ -152,7 +162,7 @@ class Engine:
             local = max(1, self.settings.local_world)
             why = self.switcher.prepare_sharded(tracked, self._position, self.joining,
                                                 self.groups, self._available_memory() // local,
-                                                self._say)
+                                                lambda line: _say(self._position, line))
             if why is not None:
                 self.in_place_unavailable(why)
         if self.settings.spare:
@@ -168,6 +178,8 @@ class Engine:
                 self.in_place_unavailable(why)
         pos = self._position
         self.events.emit(ev.Resume(step=pos.step, total=last_step, gen=pos.gen))
+        if self.anomalies.config.any and pos.rank == 0:
+            self.events.emit(self.anomalies.describe())
         if self.heartbeat is not None and self.in_place:
             self.heartbeat.set_generation(pos.gen)
             self._watchdog = Watchdog(self.heartbeat, self.groups.interrupt,
@@ -191,18 +203,71 @@ class Engine:
             self.stamp(step, PHASE_TRAINING)
             if (self._resilient and self.in_place and self.heartbeat is not None
                     and self.heartbeat.switch_asked(self._position.gen, step)):
-                self._leave_and_join(LeaveReason.SWITCH)
+                self._join(LeaveReason.SWITCH)
                 continue
             self._t0 = time.perf_counter()
             self._watchdog.entered(self._position.gen, step)
-            return step
+            reason = self.anomalies.skip_reason(step)
+            if reason is None:
+                return step
+            self.skip(step, reason)
         return None
 
     def enter(self, step: int) -> None:
         """Inside the step, first: injected faults fire here, and the RNG is seeded."""
-        self.faults.at_step(step)
+        self.faults.at_step(step, self.step_time)
         if self._resilient and self.settings.seed is not None:
             seed_step(self.settings.seed, step, self.slot)
+        elif self.anomalies.numerics_on:  # a rerun draws the same numbers as this run
+            self._rng = torch.get_rng_state()
+
+    def check(self, step: int, metrics: dict[str, Any] | None = None) -> Verdict:
+        """After backward and before the update: judge the step's loss (`metrics["loss"]`,
+        as given to `run.log`) and gradients (collective when numerical checks are on: every
+        rank, once per try of the step). Anything but `COMMIT` was carried out here: the step
+        was dropped to run again (`RERUN`), passed over (`SKIPPED`), or the state rolled back
+        (`ROLLED_BACK`); the loop then goes on to `begin()`. Raises `JobStopped` on every rank
+        when too many anomalies came in a window: the job must end (exit 1)."""
+        metrics = {} if metrics is None else metrics
+        faults = self.faults
+        if not (self.anomalies.numerics_on or faults.has("nan") or faults.has("spike")):
+            return Verdict.COMMIT
+        params = list(self.need_tracked("a check").model.parameters())
+        faults.corrupt_gradients(step, params)
+        if "loss" in metrics:
+            metrics["loss"] = faults.scale_loss(step, metrics["loss"], params)
+        if not self.anomalies.numerics_on:
+            return Verdict.COMMIT
+        pos = self._position
+        decision = self.anomalies.judge(step, params, metrics, pos.gen, pos.rank)
+        if decision.stop is not None:
+            from unbroken.runtime.numerics import report
+
+            raise JobStopped(report(decision.stop))
+        kind = decision.found.kind if decision.found is not None else None
+        if decision.verdict == Verdict.RERUN:
+            self.drop(step, f"rerun: {kind}")
+            if self._rng is not None:
+                torch.set_rng_state(self._rng)
+        elif decision.verdict == Verdict.ROLLED_BACK:
+            self._watchdog.left()
+            self.need_tracked("a step").discard_gradients()
+            if self.rollback(f"anomaly: {kind}") is None:
+                self.skip(step, str(kind), metrics)  # nothing to go back to
+                return Verdict.SKIPPED
+        elif decision.verdict == Verdict.SKIPPED:
+            self.skip(step, str(kind), metrics)
+        return decision.verdict
+
+    def skip(self, step: int, reason: str, metrics: dict[str, float] | None = None) -> None:
+        """Pass over `step` on this rank: its gradients are discarded, no update is made,
+        and the position moves past it; then what `commit` does after its update (a due
+        checkpoint, a snapshot round). Every rank must skip the same step."""
+        self.need_tracked("a step").discard_gradients()
+        self._move(self._position.moved(step=step + 1, holds_state=True))
+        self.events.emit(ev.StepSkipped(step=step, gen=self._position.gen if self._resilient
+                                        else None, reason=reason, extra=metrics or {}))
+        self._after_commit()
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -216,14 +281,23 @@ class Engine:
         round if one is due (collective), and the final checkpoint after the last step.
         A peer's fault met here leaves and joins in place."""
         duration = time.perf_counter() - self._t0
+        if self.faults.has("bitflip"):
+            self.faults.corrupt_update(step, list(self.need_tracked("a commit").model.parameters()))
         self._move(self._position.moved(step=step + 1, holds_state=True))
         pos = self._position
         self.events.emit(ev.Step(step=step, duration=round(duration, 6),
                                  gen=pos.gen if self._resilient else None, extra=metrics or {}))
+        avg = self.step_time
+        self.step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
+        self._after_commit()
+
+    def _after_commit(self) -> None:
+        """The committed position's due checkpoint or snapshot round, and the final
+        checkpoint after the last step (collective). A peer's fault met here leaves and
+        joins in place."""
+        pos = self._position
         try:
             try:
-                avg = self.step_time
-                self.step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
                 # A sharded job's round comes first: a checkpoint of this step persists
                 # from the round's host copy.
                 due = self.checkpoints.due(pos.step)
@@ -238,19 +312,19 @@ class Engine:
         except Exception as exc:
             if not (self._resilient and self.in_place and is_peer_error(exc)):
                 raise
-            self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
+            self._join(LeaveReason.PEER, error=first_line(exc))
 
     def fail(self, step: int, exc: Exception) -> None:
         """The step raised `exc`. In place: the step is dropped, and this worker leaves the
         generation and joins the next one with the newest state. Re-raises `exc` when that
         cannot help: not in place, or this process's own device is broken."""
         self._watchdog.left()
-        if not self.in_place:
+        kind = classify(exc, current_device())
+        if not self.in_place or kind == ErrorClass.STOP:
             raise exc
         self.need_tracked("a step").discard_gradients()
-        kind = classify(exc, current_device())
         if kind == ErrorClass.PEER:
-            self._leave_and_join(LeaveReason.PEER, error=first_line(exc))
+            self._join(LeaveReason.PEER, error=first_line(exc))
             return
         error = f"{type(exc).__name__}: {exc}"
         tb = "".join(traceback.format_exception(exc))[-4000:]
@@ -260,7 +334,7 @@ class Engine:
             # Its CUDA context is broken for good: this process dies (its agent reports the
             # death) and a fresh one takes the rank, while the survivors go on in place.
             raise exc
-        self._leave_and_join(LeaveReason.EXCEPTION, error=error, traceback=tb)
+        self._join(LeaveReason.EXCEPTION, error=error, traceback=tb)
 
     def drop(self, step: int, reason: str) -> None:
         """Give up `step` before its update: nothing is committed and the step runs again
@@ -311,12 +385,8 @@ class Engine:
         """Turn in-place recovery off, saying why (rank 0 prints it)."""
         why = f"{why}: a fault restarts every worker from the last checkpoint"
         self.events.emit(ev.InPlaceUnavailable(reason=why))
-        self._say(f"in-place recovery is not available: {why}")
+        _say(self._position, f"in-place recovery is not available: {why}")
         self.in_place = False
-
-    def _say(self, line: str) -> None:
-        if self._position.rank == 0:
-            print(f"unbroken: {line}", file=sys.stderr, flush=True)
 
     def _build_at(self, position: Position) -> Any:
         """Stand at `position`, then make the view (the user's build reads run.rank)."""
@@ -353,30 +423,30 @@ class Engine:
         slot = spare.await_promotion(self.heartbeat, self.generations.membership.finished)
         if slot is None:
             self.events.emit(ev.JoinerUnused(wid=s.wid))
-            self._exit()
+            _exit_unneeded(self)
         self.slot = slot
         self._move(self._position.moved(rank=slot))
         self.events.context["slot"] = self.events.context["rank"] = slot
         self.events.emit(ev.SparePromoted(wid=s.wid, slot=slot))
 
-    def _leave_and_join(self, reason: LeaveReason, **detail: Any) -> None:
-        pos = self._position.moved(holds_state=self._position.holds_state and self.tracked.whole)
-        self._move(pos)
-        self.stamp(pos.step, PHASE_RECOVERY)
-        self.view = None
-        self.switcher.leave(pos, reason, **detail)
-        self._join(reason.value)
-
-    def _join(self, reason: str) -> None:
-        """Wait for the next generation naming us; switch to it with the newest state."""
+    def _join(self, reason: str | LeaveReason, **detail: Any) -> None:
+        """Wait for the next generation naming us; switch to it with the newest state. A
+        `LeaveReason`: leave the current generation first (`detail` goes with the notice)."""
+        if isinstance(reason, LeaveReason):
+            pos = self._position.moved(holds_state=self._position.holds_state
+                                       and self.tracked.whole)
+            self._move(pos)
+            self.view = None
+            self.switcher.leave(pos, reason, **detail)
         self.stamp(self._position.step, PHASE_RECOVERY)
         if is_fake_world():
             dist.destroy_process_group()  # the stand-in world; the plan's replaces it
         try:
             switch = self.switcher.join(self._position, self.tracked, self._build_at,
-                                        joining=self.joining, slot=self.slot, reason=reason)
+                                        joining=self.joining, slot=self.slot,
+                                        reason=str(reason))
         except NotNeeded:
-            self._exit()  # the job ended before it needed us, or a spare took our rank
+            _exit_unneeded(self)  # the job ended before it needed us, or a spare took our rank
         self.joining = False
         self._move(switch.position)
         self.view = switch.view
@@ -385,12 +455,6 @@ class Engine:
         self.stamp(switch.position.step, PHASE_TRAINING)
         if self.heartbeat is not None:
             self.heartbeat.set_generation(switch.position.gen)
-
-    def _exit(self) -> None:
-        """This worker is not needed (the job ended, or a spare took its rank): exit 0."""
-        self.close()
-        self.events.close()
-        sys.exit(0)
 
     def close(self) -> None:
         """Stop the engine's threads and tear down what it formed; safe to call twice."""
@@ -405,3 +469,16 @@ class Engine:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def _exit_unneeded(engine: Engine) -> NoReturn:
+    """This worker is not needed (the job ended, or a spare took its rank): exit 0."""
+    engine.close()
+    engine.events.close()
+    sys.exit(0)
+
+
+def _say(position: Position, line: str) -> None:
+    """A line for the user, from rank 0."""
+    if position.rank == 0:
+        print(f"unbroken: {line}", file=sys.stderr, flush=True)

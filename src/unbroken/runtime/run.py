@@ -34,9 +34,9 @@ from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
-from unbroken.runtime.config import EngineSettings, RunConfig
+from unbroken.runtime.config import AnomalyConfig, EngineSettings, RunConfig
 from unbroken.runtime.control_link import ControlLink
-from unbroken.runtime.engine import Engine
+from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.first_group import form_first_group
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
 from unbroken.runtime.host import available_memory, process_start_time
@@ -83,7 +83,8 @@ class Run:
             wid=env.worker_id or f"{slot}.0", spare=spare, joining=env.joining or spare,
             seed=config.seed, shadow_steps=env.shadow_steps,
             snapshot_every=config.snapshot_every, snapshot_replicas=config.snapshot_replicas,
-            local_world=env.local_world_size, timeout=config.timeout)
+            local_world=env.local_world_size, timeout=config.timeout,
+            anomalies=config.anomalies)
         started = process_start_time()
         events.emit(ev.WorkerStart(pid=os.getpid(), world_size=env.world_size,
                     startup=round(time.time() - started, 6) if started else None,
@@ -187,6 +188,12 @@ class Run:
         return engine.checkpoints.save(engine.need_tracked("checkpointing"), self.step,
                                        engine.step_time)
 
+    def skip_steps(self, steps: set[int] | list[int]) -> None:
+        """Pass over these steps in `train`: no forward, no update, the learning-rate
+        schedule not advanced; their batches are never trained on. Call it before `train`,
+        with the same steps on every rank (a reference run for a job that skipped them)."""
+        self._engine.anomalies.asked.update(int(s) for s in steps)
+
     # ------------------------------------------------------------------ the loops
     def log(self, **metrics: Any) -> None:
         """Attach metrics (floats or one-element tensors) to the current step's event."""
@@ -242,7 +249,9 @@ class Run:
 
         `step_fn(step, model)` runs one step's forward and backward. `model` is what `build()`
         returned for the current generation (the tracked model if there is no `build`). The
-        runtime then steps the tracked optimizers and schedulers: that update is the commit.
+        runtime then checks the step (`anomalies`: the loss given to `run.log(loss=...)` and
+        the gradients) and steps the tracked optimizers and schedulers: that update is the
+        commit. Raises `JobStopped` when too many anomalies came in a window.
         """
         engine = self._engine
         if steps < 0:
@@ -253,8 +262,11 @@ class Run:
             try:
                 engine.enter(step)
                 step_fn(step, engine.view)
+                verdict = engine.check(step, self._metrics)
             except Exception as exc:
                 engine.fail(step, exc)
+                continue
+            if verdict is not Verdict.COMMIT:  # rerun, skipped or rolled back: done already
                 continue
             engine.tracked.update()
             engine.commit(step, self._metrics)
@@ -286,6 +298,7 @@ def init(
     checkpoint_timeout: float = 600.0,
     snapshot_every: int | None = None,
     snapshot_replicas: int = 1,
+    anomalies: AnomalyConfig | None = None,
 ) -> Run:
     """Join the job: initialise the process group (gloo on CPU, NCCL on GPU) unless the
     script already did, and set up heartbeat, events, faults and checkpoints.
@@ -302,6 +315,9 @@ def init(
     steps (None: at most 1 % of step time; 0: none) and copied to `snapshot_replicas` buddies
     (on other nodes, where there are several).
 
+    `anomalies`: the detectors of what does not crash (NaN and loss spikes, silent data
+    corruption between replicas, stragglers; docs/anomalies.md), each off by default.
+
     `seed`: `train()` seeds torch's RNG from (seed, step, slot) before each step, so a step
     redone or run by a replacement draws the same numbers; None leaves the RNG alone.
     """
@@ -309,4 +325,5 @@ def init(
                          checkpoint_every_seconds=checkpoint_every_seconds,
                          checkpoint_mtbf_hours=checkpoint_mtbf_hours, keep_every=keep_every,
                          checkpoint_timeout=checkpoint_timeout, snapshot_every=snapshot_every,
-                         snapshot_replicas=snapshot_replicas))
+                         snapshot_replicas=snapshot_replicas,
+                         anomalies=anomalies or AnomalyConfig()))

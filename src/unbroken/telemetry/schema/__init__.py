@@ -33,8 +33,16 @@ from unbroken.telemetry.schema.base import (
 )
 
 if TYPE_CHECKING:  # what a type checker sees: every class, as if imported here
-    from unbroken.telemetry.schema import agent, checkpoint, recovery, warm, worker  # noqa: F401
+    from unbroken.telemetry.schema import (  # noqa: F401
+        agent,
+        anomaly,
+        checkpoint,
+        recovery,
+        warm,
+        worker,
+    )
     from unbroken.telemetry.schema.agent import *  # noqa: F403
+    from unbroken.telemetry.schema.anomaly import *  # noqa: F403
     from unbroken.telemetry.schema.base import EVENT_TYPES
     from unbroken.telemetry.schema.checkpoint import *  # noqa: F403
     from unbroken.telemetry.schema.recovery import *  # noqa: F403
@@ -65,6 +73,10 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "checkpoint": (
         "CheckpointInterval", "CheckpointSaved", "CheckpointFailed", "CheckpointDirNotShared",
         "CheckpointDeferred", "CheckpointStuck", "CheckpointLoaded", "CheckpointInvalid"),
+    "anomaly": (
+        "AnomalyConfig", "AnomalyFound", "AnomalyClassified", "StepSkipped", "AnomalyLimit",
+        "SdcCheck", "SdcMismatch", "SdcSettled", "StragglerFlagged", "StragglerRemedied",
+        "StragglerCleared", "JobSlow"),
     "warm": ("WarmInterpreterReady", "WarmInterpreterImports", "WarmInterpreterTaken"),
 }
 """Each module of event classes (`schema.<name>`), in the order docs/events.md lists them, and

@@ -199,7 +199,8 @@ class FaultInjected(EventBody):
     fault: str = doc("the fault as given")
     kind: str = doc("its kind")
     step: int | None = doc("the step")
-    at: str = doc("`step`, `join`, `send`, `persist`")
+    at: str = doc("`step`, `join`, `send`, `persist`; `grad` (nan), `loss` (spike), "
+                  "`update` (bitflip)")
 
 
 @event(Event.TRAINING_DONE)

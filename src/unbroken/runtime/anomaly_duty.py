@@ -1,0 +1,150 @@
+"""The anomaly detectors' executor: it gathers what the pure policies judge, records their
+findings as events, and hands the engine its verdict. Main thread only.
+
+The policies are pure (`runtime/numerics.py`, `runtime/replicas.py`,
+`runtime/stragglers.py`); this module does their I/O: one collective per check, events
+from rank 0 for what is job-wide. What the verdict asks of the step (drop it, skip it, roll
+back) is the engine's to do (`Engine.check`), where the position changes hands.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime import numerics
+from unbroken.runtime.config import AnomalyConfig
+from unbroken.runtime.numerics import Decision, NumericsState, Sample
+from unbroken.telemetry import schema as ev
+
+LEDGER = "_unbroken_anomalies"
+"""The name of the numerics ledger among the tracked extras."""
+
+
+class Ledger:
+    """The numerics policy's state, tracked with the training state (`run.track`'s
+    extras): checkpoints, host copies and peers carry it. Loading restores the loss window
+    and merges the skip set and the findings (`numerics.merged`)."""
+
+    def __init__(self) -> None:
+        self.state = NumericsState()
+
+    def state_dict(self) -> dict[str, str]:
+        return {"json": numerics.to_json(self.state)}
+
+    def load_state_dict(self, saved: dict[str, str]) -> None:
+        self.state = numerics.merged(self.state, saved["json"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_numbers(params: Iterable[torch.Tensor], metrics: dict[str, Any]) -> torch.Tensor:
+    """This rank's `[loss, has loss, gradients' squared norm, batch id]` as float64, on the
+    gradients' device (one read of the gradients; no host sync)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    loss, batch = metrics.get("loss"), metrics.get("data")
+    vec = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0,
+                        0.0, -1.0 if batch is None else float(batch)],
+                       dtype=torch.float64, device=device)
+    if grads:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        vec[2] = torch.stack(norms).double().square().sum()
+    return vec
+
+
+def gather(vec: torch.Tensor) -> list[list[float]]:
+    """Every rank's vector, in rank order (collective on the default group: the training
+    group of the current generation), one host sync."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [vec.tolist()]
+    world = dist.get_world_size()
+    out = torch.empty(world * vec.numel(), dtype=vec.dtype, device=vec.device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, vec)
+    return out.view(world, -1).tolist()
+
+
+def to_sample(step: int, rows: list[list[float]]) -> Sample:
+    return Sample(step=step,
+                  losses=tuple(r[0] if r[1] else None for r in rows),
+                  grad_sq=tuple(r[2] for r in rows),
+                  batches=tuple(None if r[3] < 0 else r[3] for r in rows))
+
+
+class AnomalyDuty:
+    """Runs the detectors the config turns on, for one worker's engine."""
+
+    def __init__(self, config: AnomalyConfig, emit: ev.Emit) -> None:
+        self.config = config
+        self.emit = emit
+        self.ledger = Ledger()
+        self.asked: set[int] = set()
+        """Steps the script asked to pass over (`run.skip_steps`)."""
+
+    @property
+    def numerics_on(self) -> bool:
+        return self.config.numerics.enabled
+
+    def extras(self) -> dict[str, Any]:
+        """What the training state must carry for the detectors (`run.track`'s extras)."""
+        return {LEDGER: self.ledger} if self.numerics_on else {}
+
+    def skip_reason(self, step: int) -> str | None:
+        """Why `step` is passed over without running, or None if it runs."""
+        if step in self.asked:
+            return "asked"
+        return "anomaly" if step in self.ledger.state.skips else None
+
+    def describe(self) -> ev.AnomalyConfig:
+        c = self.config
+        n = c.numerics
+        return ev.AnomalyConfig(
+            numerics=(f"nan/inf every step; spike z>={n.spike_z:g} and +{n.spike_rise:.0%} "
+                      f"over the median of {n.window} steps; remedy {n.remedy}; stop after "
+                      f"{n.max_anomalies} in {n.anomaly_window} steps") if n.enabled else "off",
+            rerun_compare=f"rtol={n.rerun_rtol:g}" if n.rerun_rtol else "exact",
+            sdc="off", stragglers="off")
+
+    # ------------------------------------------------------------ numerics
+    def judge(self, step: int, params: list[torch.Tensor], metrics: dict[str, Any],
+              gen: int, rank: int) -> Decision:
+        """The verdict on `step` (collective: every rank, after backward and before the
+        update). Records the findings; a `Decision.stop` is for the caller to raise."""
+        sample = to_sample(step, gather(local_numbers(params, metrics)))
+        state, decision = numerics.decide(self.ledger.state, sample, self.config.numerics)
+        self.ledger.state = state
+        if rank == 0:
+            self._record(decision, gen)
+        return decision
+
+    def _record(self, d: Decision, gen: int) -> None:
+        if d.found is not None:
+            f = d.found
+            self.emit(ev.AnomalyFound(step=f.step, gen=gen, kind=f.kind, loss=_finite(f.loss),
+                                      score=_finite(f.score), ranks=list(f.ranks),
+                                      rerun=f.rerun))
+        if d.classified is not None:
+            c = d.classified
+            self.emit(ev.AnomalyClassified(step=c.step, kind=c.kind, cause=c.cause,
+                                           reproduced=c.reproduced, first=_finite(c.first),
+                                           again=_finite(c.again), tolerance=c.tolerance,
+                                           ranks=list(c.ranks)))
+        if d.stop is not None:
+            s = d.stop
+            self.emit(ev.AnomalyLimit(steps=[e.step for e in s.entries],
+                                      kinds=[str(e.kind) for e in s.entries],
+                                      batches=[list(e.batches) for e in s.entries],
+                                      limit=s.limit, window=s.window,
+                                      report=numerics.report(s)))
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN: a non-finite number is recorded as None."""
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,103 @@
+"""Numerical anomalies in real jobs (issue 27): a NaN or a loss spike is found at the step it
+happens, rerun once to tell the data from the hardware, and remedied on every rank; too many
+stop the job with exit 1. Each faulty run is compared, bit for bit, with a clean run that
+passed over the same batches (`--skip-steps`), with the exact (rank-ordered) reduce."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from conftest import TINY, assert_bit_identical, launch
+
+NPROC = ["--nproc-per-node", "2"]
+
+
+def _args(tmp_path, name: str, *extra: str) -> list[str]:
+    return [*TINY, "--exact", "--anomalies", "--final-state", str(tmp_path / f"{name}.pt"),
+            *extra]
+
+
+def _final(tmp_path, name: str) -> dict:
+    return torch.load(tmp_path / f"{name}.pt", weights_only=True)
+
+
+def test_a_persistent_nan_is_skipped_everywhere_and_a_transient_one_is_rerun(tmp_path):
+    """A NaN in rank 1's gradients at step 20 that comes back on the rerun: the data. Every
+    rank skips step 20 and goes on, every committed loss is finite, and the final state is
+    bit-identical to a clean run that passed over batch 20 (its learning rate following
+    the committed updates). A NaN at step 8 that the rerun does not reproduce: a transient
+    fault (hardware); the clean rerun is committed."""
+    steps = ["--steps", "30"]
+    clean = launch(tmp_path / "clean", *NPROC,
+                   args=_args(tmp_path, "clean", *steps, "--skip-steps", "20"))
+    assert clean.code == 0, clean.output
+    assert {(e["step"], e["reason"]) for e in clean.events("step_skipped")} == {(20, "asked")}
+    faulty = launch(tmp_path / "faulty", *NPROC, "--max-restarts", "0",
+                    "--fault", "nan:rank=1,step=20,persistent=1", "--fault", "nan:rank=0,step=8",
+                    args=_args(tmp_path, "faulty", *steps))
+    assert faulty.code == 0, faulty.output
+    assert not faulty.events("fault") and not faulty.events("restart")
+    skipped = faulty.events("step_skipped")
+    assert sorted((e["rank"], e["step"], e["reason"]) for e in skipped) == [
+        (0, 20, "nan"), (1, 20, "nan")]
+    committed = faulty.events("step")
+    assert 20 not in {e["step"] for e in committed}
+    assert len(committed) == 2 * 29 and all(math.isfinite(e["loss"]) for e in committed)
+    found = {(e["step"], e["rerun"]): e for e in faulty.events("anomaly_found")}
+    assert found[20, True]["kind"] == "nan" and found[20, True]["ranks"] == [1]
+    assert found[20, False]["ranks"] == [1] and found[8, True]["ranks"] == [0]
+    causes = {e["step"]: e["cause"] for e in faulty.events("anomaly_classified")}
+    assert causes == {20: "data", 8: "hardware"}
+    dropped = sorted((e["rank"], e["step"]) for e in faulty.events("step_dropped"))
+    assert dropped == [(0, 8), (0, 20), (1, 8), (1, 20)]
+    assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
+
+
+def test_repeated_nans_stop_the_job_with_exit_1_naming_steps_and_batches(tmp_path):
+    """Three reproducible NaNs within the window, with `--max-anomalies 3`: the job stops with
+    exit 1 and spends none of its restart budget; the report names the steps and batches."""
+    faults = [f for s in (5, 7, 9) for f in ("--fault", f"nan:rank=0,step={s},persistent=1")]
+    result = launch(tmp_path / "run", *NPROC, "--max-restarts", "2", *faults,
+                    args=_args(tmp_path, "x", "--steps", "30", "--max-anomalies", "3"))
+    assert result.code == 1, result.output
+    assert not result.events("restart")
+    limit = result.events("anomaly_limit")
+    assert [e["rank"] for e in limit] == [0]
+    assert limit[0]["steps"] == [5, 7, 9] and limit[0]["kinds"] == ["nan"] * 3
+    batches = limit[0]["batches"]
+    assert len(batches) == 3 and all(len(b) == 2 and None not in b for b in batches)
+    data = {(e["step"], e["rank"]): e["data"] for e in result.events("step_skipped")}
+    assert batches[0] == [data[5, 0], data[5, 1]]
+    for step in (5, 7, 9):
+        assert f"step {step} (nan, data" in result.output
+    assert f"{int(batches[2][1])}" in result.output
+    assert max(e["step"] for e in result.events("step")) < 10
+
+
+def test_a_loss_spike_rolls_back_to_the_host_copy_and_passes_over_the_batch(tmp_path):
+    """Rank 1's loss (and gradients) x50 at step 27, again on the rerun, under
+    `--on-anomaly rollback` with checkpoints every 10: flagged as a spike, every rank rolls
+    back to step 20 from the checkpoint's host copy (no storage read), replays 20..26 and
+    passes over 27. Final state bit-identical to a clean run that skipped batch 27."""
+    common = ["--steps", "36", "--checkpoint-every", "10"]
+    clean = launch(tmp_path / "clean", *NPROC, args=_args(
+        tmp_path, "clean", *common, "--checkpoint-dir", str(tmp_path / "ck0"),
+        "--skip-steps", "27"))
+    assert clean.code == 0, clean.output
+    faulty = launch(tmp_path / "faulty", *NPROC, "--max-restarts", "0",
+                    "--fault", "spike:rank=1,step=27,scale=50,persistent=1",
+                    args=_args(tmp_path, "faulty", *common, "--checkpoint-dir",
+                               str(tmp_path / "ck1"), "--on-anomaly", "rollback"))
+    assert faulty.code == 0, faulty.output
+    found = [e for e in faulty.events("anomaly_found") if e["rerun"]]
+    assert [(e["step"], e["kind"]) for e in found] == [(27, "spike")]
+    assert found[0]["score"] >= 6
+    rolled = faulty.events("rolled_back")
+    assert sorted((e["rank"], e["step"], e["from_step"], e["source"]) for e in rolled) == [
+        (0, 20, 27, "host"), (1, 20, 27, "host")]
+    assert not faulty.events("checkpoint_loaded")
+    skipped = {(e["rank"], e["step"]) for e in faulty.events("step_skipped")}
+    assert skipped == {(0, 27), (1, 27)}
+    assert all(math.isfinite(e["loss"]) and e["loss"] < 10 for e in faulty.events("step"))
+    assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
