@@ -89,6 +89,11 @@ class ErrorClass(StrEnum):
     no restart helps, and no node is to blame. The job ends with exit 1, no budget spent."""
 
 
+class SdcGuilty(RuntimeError):
+    """Raised by a rank whose replica disagreed with the majority's (silent data corruption):
+    its process must go, as after a sticky device error. Classified `OWN_DEVICE`."""
+
+
 class JobStopped(Exception):
     """Raised by every rank when the job must end and no restart can help (the anomaly
     limit was reached); its message is the one-line report. Classified `STOP`."""
@@ -101,6 +106,8 @@ def classify_text(type_name: str, text: str, own_device: int | None = None) -> E
     whole = f"{type_name}: {text}"
     if type_name == JobStopped.__name__:
         return ErrorClass.STOP
+    if type_name == SdcGuilty.__name__:
+        return ErrorClass.OWN_DEVICE
     if type_name == "OutOfMemoryError" or "out of memory" in whole.lower():
         return ErrorClass.USER
     if type_name == "AcceleratorError" or any(m in whole for m in OWN_DEVICE_MARKERS):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import TINY, assert_bit_identical, launch
+from conftest import TINY, assert_bit_identical, events_of, finish, launch, start, wait_for
 
 NPROC = ["--nproc-per-node", "2"]
 
@@ -94,10 +94,68 @@ def test_a_loss_spike_rolls_back_to_the_host_copy_and_passes_over_the_batch(tmp_
     assert [(e["step"], e["kind"]) for e in found] == [(27, "spike")]
     assert found[0]["score"] >= 6
     rolled = faulty.events("rolled_back")
-    assert sorted((e["rank"], e["step"], e["from_step"], e["source"]) for e in rolled) == [
+    assert sorted((e["rank"], e["step"], e["from_step"], e["restored_from"]) for e in rolled) == [
         (0, 20, 27, "host"), (1, 20, 27, "host")]
     assert not faulty.events("checkpoint_loaded")
     skipped = {(e["rank"], e["step"]) for e in faulty.events("step_skipped")}
     assert skipped == {(0, 27), (1, 27)}
     assert all(math.isfinite(e["loss"]) and e["loss"] < 10 for e in faulty.events("step"))
+    assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
+
+
+def test_a_bit_flipped_on_rank_2_is_blamed_on_it_alone_and_repaired_in_place(tmp_path):
+    """One bit of one parameter flipped on rank 2 after step 13's update. The replicas'
+    checksums (every 5 steps, and before each checkpoint) disagree at step 15: 3 against 1,
+    rank 2 blamed and no other, ever. Every rank rolls back to the verified host copy of
+    step 10, rank 2's process is replaced in place by the ready spare, and the run ends
+    bit-identical to a failure-free one."""
+    common = ["--steps", "24", "--sdc", "--sdc-every", "5", "--checkpoint-every", "10"]
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "4", args=_args(
+        tmp_path, "clean", *common, "--checkpoint-dir", str(tmp_path / "ck0")))
+    assert clean.code == 0, clean.output
+    assert all(e["ok"] for e in clean.events("sdc_check"))
+    assert {e["step"] for e in clean.events("sdc_check")} >= {5, 10, 15, 20}
+    # Steps wait 1 s each until the spare is ready, so that it is there to take the slot.
+    go = tmp_path / "spare-ready"
+    run_dir = tmp_path / "faulty"
+    proc = start(run_dir, "--nproc-per-node", "4", "--spares", "1", "--max-restarts", "1",
+                 "--fault", "bitflip:rank=2,step=13,bit=22",
+                 args=_args(tmp_path, "faulty", *common, "--checkpoint-dir",
+                            str(tmp_path / "ck1"), "--step-sleep", "1", "--sleep-until",
+                            str(go)))
+    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare", explain=run_dir)
+    assert max((e["step"] for e in events_of(run_dir, "step")), default=0) < 12
+    go.touch()
+    faulty = finish(proc, run_dir)
+    assert faulty.code == 0, faulty.output
+    (mismatch,) = faulty.events("sdc_mismatch")
+    assert mismatch["step"] == 15 and mismatch["blamed"] == [2]
+    assert mismatch["resolution"] == "majority" and mismatch["clean_step"] == 10
+    assert sorted((e["rank"], e["step"], e["restored_from"]) for e in faulty.events("rolled_back")
+                  if e["rank"] != 2) == [(0, 10, "host"), (1, 10, "host"), (3, 10, "host")]
+    (fault,) = faulty.events("fault")
+    assert fault["slot"] == 2 and "SdcGuilty" in fault["detail"]
+    assert {e["slot"] for e in faulty.events("spare_promoted")} == {2}
+    assert all(e["ok"] for e in faulty.events("sdc_check") if e["step"] != 15)
+    assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
+
+
+def test_a_bit_flip_between_two_replicas_is_settled_by_recomputing(tmp_path):
+    """Two replicas cannot outvote each other: the mismatch at step 15 rolls both back to
+    the verified copy of step 10 and replays; the transient flip does not come back, the
+    check agrees, and the run ends bit-identical to a failure-free one."""
+    common = ["--steps", "20", "--sdc", "--sdc-every", "5", "--checkpoint-every", "10"]
+    clean = launch(tmp_path / "clean", *NPROC, args=_args(
+        tmp_path, "clean", *common, "--checkpoint-dir", str(tmp_path / "ck0")))
+    assert clean.code == 0, clean.output
+    faulty = launch(tmp_path / "faulty", *NPROC, "--max-restarts", "0",
+                    "--fault", "bitflip:rank=1,step=12", args=_args(
+                        tmp_path, "faulty", *common, "--checkpoint-dir", str(tmp_path / "ck1")))
+    assert faulty.code == 0, faulty.output
+    resolutions = [(e["step"], e["resolution"]) for e in faulty.events("sdc_mismatch")]
+    assert resolutions[0] == (15, "unresolved") and resolutions[-1][1] == "recompute"
+    (settled,) = faulty.events("sdc_settled")
+    assert settled["transient"] and settled["by"] == "recompute"
+    assert {(e["rank"], e["step"]) for e in faulty.events("rolled_back")} == {(0, 10), (1, 10)}
+    assert not faulty.events("fault")
     assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))

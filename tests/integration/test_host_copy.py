@@ -183,6 +183,6 @@ def test_a_replicated_rollback_restores_the_checkpoints_host_copy_not_storage(tm
     assert all(torch.equal(now[k], v) for k, v in at_5.items())
     assert torch.equal(torch.get_rng_state(), rng_5)
     rolled, = events.named("rolled_back")
-    assert (rolled["step"], rolled["from_step"], rolled["source"]) == (5, 7, "host")
+    assert (rolled["step"], rolled["from_step"], rolled["restored_from"]) == (5, 7, "host")
     assert not events.named("checkpoint_loaded")
     engine.close()

@@ -75,7 +75,7 @@ def test_fsdp_rank_killed_a_spare_takes_its_shard_from_the_buddy_in_place(tmp_pa
     assert step % every == 0 and 0 <= fault_step - step <= every, (step, fault_step)
     # The spare (rank 1) received shard 1 from its buddy's snapshot; never from storage.
     (spare_sync,) = [e for e in syncs if e["rank"] == 1]
-    assert spare_sync["source"] == 2 and spare_sync["received_bytes"] > 0
+    assert spare_sync["sender"] == 2 and spare_sync["received_bytes"] > 0
     assert spare_sync["transfers"] == [[2, 1, False]]
     # A survivor restores its snapshot exactly when it had gone past it (a kill that lands
     # just after a snapshot round leaves nothing to roll back).

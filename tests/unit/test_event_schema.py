@@ -39,6 +39,21 @@ def test_every_event_name_has_exactly_one_class_with_documented_fields():
         schema.base.event(Event.STEP)(type("Again", (schema.EventBody,), {}))
 
 
+def test_no_event_field_shadows_the_writers_context():
+    """The fields every record has (`EventBody`'s: `source`, `t`, ...) keep one meaning: an
+    event that declared its own `source` (a rolled_back's `host`) would overwrite who wrote
+    the record."""
+    base = {f.name: f.metadata.get("doc") for f in dataclasses.fields(schema.EventBody)}
+    # Workers write these sections with their own node, rank and slot in every record.
+    workers = {cls for module in (schema.worker, schema.checkpoint, schema.anomaly)
+               for cls in vars(module).values() if isinstance(cls, type)}
+    clashes = [f"{name}.{f.name}" for name, cls in schema.EVENT_TYPES.items()
+               for f in dataclasses.fields(cls)
+               if f.metadata.get("doc") != base.get(f.name, f.metadata.get("doc"))
+               and (f.name in ("t", "source", "extra") or cls in workers)]
+    assert clashes == []
+
+
 def test_no_module_emits_a_name_that_is_not_declared():
     literal = re.compile(r"""\b(emit|record)\(\s*["']""")
     assert [p.name for p in SRC.rglob("*.py") if literal.search(p.read_text())] == []

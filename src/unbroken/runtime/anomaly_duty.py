@@ -10,16 +10,23 @@ back) is the engine's to do (`Engine.check`), where the position changes hands.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from unbroken.errors import JobStopped
 from unbroken.runtime import numerics
 from unbroken.runtime.config import AnomalyConfig
 from unbroken.runtime.numerics import Decision, NumericsState, Sample
 from unbroken.telemetry import schema as ev
+
+if TYPE_CHECKING:
+    from unbroken.runtime.position import Position
+    from unbroken.runtime.replica_checks import ReplicaChecks, ReplicaVerdict
+    from unbroken.runtime.straggler_watch import StragglerWatch
+    from unbroken.runtime.tracked import TrackedState
 
 LEDGER = "_unbroken_anomalies"
 """The name of the numerics ledger among the tracked extras."""
@@ -81,12 +88,26 @@ def to_sample(step: int, rows: list[list[float]]) -> Sample:
 class AnomalyDuty:
     """Runs the detectors the config turns on, for one worker's engine."""
 
-    def __init__(self, config: AnomalyConfig, emit: ev.Emit) -> None:
+    def __init__(self, config: AnomalyConfig, emit: ev.Emit,
+                 file_drain: Callable[[int], bool] | None = None) -> None:
+        """`file_drain(slot)`: ask the leader to move a slot onto a ready spare."""
         self.config = config
         self.emit = emit
         self.ledger = Ledger()
         self.asked: set[int] = set()
         """Steps the script asked to pass over (`run.skip_steps`)."""
+        self.replicas: ReplicaChecks | None = None
+        """The replica checks (SDC), when on."""
+        self.stragglers: StragglerWatch | None = None
+        """The straggler detector, when on."""
+        if config.sdc.enabled:
+            from unbroken.runtime.replica_checks import ReplicaChecks
+
+            self.replicas = ReplicaChecks(config.sdc, emit)
+        if config.stragglers.enabled:
+            from unbroken.runtime.straggler_watch import StragglerWatch
+
+            self.stragglers = StragglerWatch(config.stragglers, emit, file_drain)
 
     @property
     def numerics_on(self) -> bool:
@@ -110,18 +131,38 @@ class AnomalyDuty:
                       f"over the median of {n.window} steps; remedy {n.remedy}; stop after "
                       f"{n.max_anomalies} in {n.anomaly_window} steps") if n.enabled else "off",
             rerun_compare=f"rtol={n.rerun_rtol:g}" if n.rerun_rtol else "exact",
-            sdc="off", stragglers="off")
+            sdc=self.replicas.describe()[0] if self.replicas is not None else "off",
+            sdc_every=self.replicas.describe()[1] if self.replicas is not None else None,
+            stragglers=self.stragglers.describe() if self.stragglers is not None else "off")
+
+    def after_commit(self, pos: Position, slot: int, cls: int, node: int,
+                     tracked: TrackedState, step_time: float | None, copy_every: int | None,
+                     at_copy: bool) -> ReplicaVerdict | None:
+        """After committed step `pos.step`, before any copy of it (collective): the replica
+        check if one is due (its verdict, else None), then the straggler gather if due.
+        `cls`: this rank's replica class; `at_copy`: a host copy of this step follows."""
+        verdict = None
+        if self.replicas is not None and self.replicas.due(pos.step, at_copy):
+            verdict = self.replicas.check(pos.step, tracked, slot, cls, pos.rank, step_time,
+                                          copy_every, at_copy)
+        if self.stragglers is not None and (verdict is None or not verdict.rollback):
+            self.stragglers.after_commit(pos.step, slot, node, pos.rank)
+        return verdict
 
     # ------------------------------------------------------------ numerics
     def judge(self, step: int, params: list[torch.Tensor], metrics: dict[str, Any],
               gen: int, rank: int) -> Decision:
         """The verdict on `step` (collective: every rank, after backward and before the
-        update). Records the findings; a `Decision.stop` is for the caller to raise."""
+        update), its findings recorded. Raises `JobStopped` at the anomaly limit."""
         sample = to_sample(step, gather(local_numbers(params, metrics)))
         state, decision = numerics.decide(self.ledger.state, sample, self.config.numerics)
         self.ledger.state = state
         if rank == 0:
             self._record(decision, gen)
+        if decision.stop is not None:
+            raise JobStopped(numerics.report(decision.stop))
+        if decision.hardware and self.replicas is not None:
+            self.replicas.now = True  # a transient fault: are the replicas still identical?
         return decision
 
     def _record(self, d: Decision, gen: int) -> None:

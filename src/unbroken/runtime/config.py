@@ -214,5 +214,7 @@ class EngineSettings:
     """Workers on this node (snapshot buddies go to other nodes)."""
     timeout: float = 1800.0
     """Collectives' timeout, in seconds."""
+    node: int = 0
+    """The node this worker runs on (the straggler detector names it)."""
     anomalies: AnomalyConfig = field(default_factory=AnomalyConfig)
     """The detectors of what does not crash."""

@@ -38,6 +38,16 @@ class ControlLink:
             self._channel = Channel(backend, signer, on_forged=lambda key, why: self._record(ev.ForgedMessage(key=key, reason=why)))
         return self._channel
 
+    def file_drain(self, slot: int) -> bool:
+        """Ask the leader to move `slot` onto a ready spare (as `unbroken drain --rank`
+        does); returns once filed, not when done: the outcome is the leader's events."""
+        from unbroken.control.messages import DrainKind, DrainRequest
+        from unbroken.control.schema import AttemptKeys
+
+        self.channel().append(AttemptKeys(self._env.attempt).drains,
+                              DrainRequest(DrainKind.RANK, slot))
+        return True
+
     def claim_fault(self, key: str) -> bool:
         """True once per job for `key`: claimed in the control store under an agent, or
         once per process without one."""

@@ -38,7 +38,6 @@ import torch.distributed as dist
 from unbroken.control.messages import LeaveReason
 from unbroken.errors import (
     ErrorClass,
-    JobStopped,
     UserError,
     classify,
     current_device,
@@ -46,7 +45,7 @@ from unbroken.errors import (
     is_peer_error,
 )
 from unbroken.faults.inject import FaultInjector
-from unbroken.runtime import spare
+from unbroken.runtime import spare, step_probe
 from unbroken.runtime.anomaly_duty import AnomalyDuty
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
@@ -82,8 +81,11 @@ class Engine:
                  heartbeat: HeartbeatWriter | None = None,
                  checkpointer: Checkpointer | None = None,
                  generations: Generations | None = None,
-                 available_memory: Callable[[], int] = lambda: 0) -> None:
-        """`generations` is required for in-place recovery (`settings.in_place`)."""
+                 available_memory: Callable[[], int] = lambda: 0,
+                 file_drain: Callable[[int], bool] | None = None) -> None:
+        """`generations` is required for in-place recovery (`settings.in_place`).
+        `file_drain(slot)` asks the leader to move a slot onto a spare (the straggler
+        remedy)."""
         self.settings = s = settings
         self.events, self.faults, self.groups, self.heartbeat = events, faults, groups, heartbeat
         self.generations = generations
@@ -105,7 +107,7 @@ class Engine:
         self._watchdog: Watchdog = NO_WATCHDOG
         self._marks = ProgressMarks(heartbeat)
         self._t0 = 0.0
-        self.anomalies = AnomalyDuty(s.anomalies, events.emit)
+        self.anomalies = AnomalyDuty(s.anomalies, events.emit, file_drain)
         self._rng: Any = None  # the step's RNG state at enter, for a rerun (seed None)
 
     # ------------------------------------------------------------------ position
@@ -207,6 +209,7 @@ class Engine:
                 continue
             self._t0 = time.perf_counter()
             self._watchdog.entered(self._position.gen, step)
+            step_probe.take()  # a mark left by a step that did not commit
             reason = self.anomalies.skip_reason(step)
             if reason is None:
                 return step
@@ -240,10 +243,6 @@ class Engine:
             return Verdict.COMMIT
         pos = self._position
         decision = self.anomalies.judge(step, params, metrics, pos.gen, pos.rank)
-        if decision.stop is not None:
-            from unbroken.runtime.numerics import report
-
-            raise JobStopped(report(decision.stop))
         kind = decision.found.kind if decision.found is not None else None
         if decision.verdict == Verdict.RERUN:
             self.drop(step, f"rerun: {kind}")
@@ -280,7 +279,10 @@ class Engine:
         """After the update of `step`: it is committed. Then a checkpoint or a snapshot
         round if one is due (collective), and the final checkpoint after the last step.
         A peer's fault met here leaves and joins in place."""
-        duration = time.perf_counter() - self._t0
+        ended = time.perf_counter()
+        duration = ended - self._t0
+        if self.anomalies.stragglers is not None:
+            self.anomalies.stragglers.record(self._t0, ended, self._position.gen)
         if self.faults.has("bitflip"):
             self.faults.corrupt_update(step, list(self.need_tracked("a commit").model.parameters()))
         self._move(self._position.moved(step=step + 1, holds_state=True))
@@ -298,9 +300,20 @@ class Engine:
         pos = self._position
         try:
             try:
+                due = self.checkpoints.due(pos.step)
+                sharded = self.switcher.sharded if self.switcher is not None else None
+                verdict = self.anomalies.after_commit(  # replicas checked before any copy
+                    pos, self.slot, sharded.shards.shard_index(pos.rank) if sharded else 0,
+                    self.settings.node, self.tracked, self.step_time,
+                    self.checkpoints.interval, due)
+                if verdict is not None and verdict.rollback:
+                    self.rollback("silent data corruption")
+                if verdict is not None and (error := verdict.error(self.slot, pos.step)):
+                    raise error
+                if verdict is not None and verdict.rollback:
+                    return
                 # A sharded job's round comes first: a checkpoint of this step persists
                 # from the round's host copy.
-                due = self.checkpoints.due(pos.step)
                 image = (self.switcher.after_commit(pos.step, self._last_step, self.step_time,
                                                     due, self.checkpoints.interval)
                          if self.switcher is not None else None)
@@ -361,7 +374,7 @@ class Engine:
             return None
         self._move(self._position.moved(step=step, holds_state=True))
         self.events.emit(ev.RolledBack(step=step, from_step=start, reason=reason,
-                                       source=source))
+                                       restored_from=source))
         return step
 
     def finish(self, checkpoint: bool = False, done: bool = True) -> None:
@@ -394,6 +407,8 @@ class Engine:
         view = self.tracked.model
         if self._build is not None and dist.is_initialized():
             view = self._build()
+        if self.anomalies.stragglers is not None:
+            self.anomalies.stragglers.watch(view)
         self._marks.watch(view)
         return view
 

@@ -18,13 +18,17 @@ all-reduce moves, and holds two extra buckets; use it when exactness is worth th
 import torch
 import torch.distributed as dist
 
+from unbroken.runtime import step_probe
+
 
 def exact_allreduce(process_group: dist.ProcessGroup | None,
                     bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over ranks, summing in rank order (a DDP comm hook).
 
     Each rank's bucket is broadcast in turn and added to the running sum, so the memory is
-    two extra buckets whatever the world size (an all-gather would hold one per rank)."""
+    two extra buckets whatever the world size (an all-gather would hold one per rank).
+    Marks the step probe (`runtime/step_probe.py`) first: the straggler detector's timer."""
+    step_probe.mark()
     buffer = bucket.buffer()
     world = dist.get_world_size(process_group)
     me = dist.get_rank(process_group)

@@ -83,7 +83,7 @@ class Run:
             wid=env.worker_id or f"{slot}.0", spare=spare, joining=env.joining or spare,
             seed=config.seed, shadow_steps=env.shadow_steps,
             snapshot_every=config.snapshot_every, snapshot_replicas=config.snapshot_replicas,
-            local_world=env.local_world_size, timeout=config.timeout,
+            local_world=env.local_world_size, timeout=config.timeout, node=env.node_rank,
             anomalies=config.anomalies)
         started = process_start_time()
         events.emit(ev.WorkerStart(pid=os.getpid(), world_size=env.world_size,
@@ -114,7 +114,8 @@ class Run:
         self._engine = engine = Engine(
             Position(env.rank, env.world_size, 0), settings, events=events, faults=faults,
             groups=groups, heartbeat=heartbeat, checkpointer=checkpointer,
-            generations=generations, available_memory=available_memory)
+            generations=generations, available_memory=available_memory,
+            file_drain=link.file_drain if env.under_agent else None)
         engine.owns_group = first.owned
         self._metrics: dict[str, float] = {}
         self._long_depth = 0  # nested run.phase() blocks

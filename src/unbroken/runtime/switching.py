@@ -134,7 +134,7 @@ class Switcher:
             shard_plan = self.sharded.plan
             self.record(ev.ShardSync(
                 gen=plan.gen, step=result.step, committed=committed_step if holds_state else None,
-                restored=plan.rank in shard_plan.restore, source=result.source,
+                restored=plan.rank in shard_plan.restore, sender=result.source,
                 received_bytes=result.received_bytes,
                 transfers=[[t.src, t.dst, t.live] for t in shard_plan.transfers]))
             return result

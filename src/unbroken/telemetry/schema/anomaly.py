@@ -83,6 +83,7 @@ class SdcCheck(EventBody):
     ok: bool = doc("every replica class agreed")
     replicas: int = doc("replicas per class (the smallest)")
     at_copy: bool = doc("a check before a host copy or checkpoint of this step")
+    every: int = doc("K, the steps between checks, in force after this one")
 
 
 @event(Event.SDC_MISMATCH)
@@ -108,8 +109,8 @@ class SdcSettled(EventBody):
 class StragglerFlagged(EventBody):
     """A rank is persistently slower than its peers (rank 0)."""
 
-    slot: int = doc("the slot")
-    node: int | None = doc("its node")
+    straggler: int = doc("its slot")
+    straggler_node: int | None = doc("its node")
     step: int = doc("the step it was flagged at")
     since_step: int = doc("the estimated onset")
     ratio: float = doc("its own step time over its peers' median")
@@ -121,7 +122,7 @@ class StragglerFlagged(EventBody):
 class StragglerRemedied(EventBody):
     """What was done about a straggler."""
 
-    slot: int = doc("the slot")
+    straggler: int = doc("its slot")
     step: int = doc("the step")
     action: str = doc("`drain` (its slot asked to move to a spare) or `report`")
     reason: str = doc("why this action")
@@ -131,7 +132,7 @@ class StragglerRemedied(EventBody):
 class StragglerCleared(EventBody):
     """A flagged rank is no longer slower than its peers."""
 
-    slot: int = doc("the slot")
+    straggler: int = doc("its slot")
     step: int = doc("the step")
 
 

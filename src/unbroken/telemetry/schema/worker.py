@@ -141,7 +141,7 @@ class ShardSync(EventBody):
     step: int = doc("resumed from")
     committed: int | None = doc("this rank's step before, or null")
     restored: bool = doc("from its own in-memory snapshot")
-    source: int | None = doc("the rank it received its shard from, or null")
+    sender: int | None = doc("the rank it received its shard from, or null")
     received_bytes: int = doc("bytes received")
     transfers: list[list[int | bool]] = doc("[src, dst, live] for every shard moved")
 
@@ -242,4 +242,4 @@ class RolledBack(EventBody):
     step: int = doc("the step resumed from")
     from_step: int = doc("the step it was at")
     reason: str = doc("why, as the loop said it")
-    source: str = doc("`host` (the host copy, no storage read) or `storage`")
+    restored_from: str = doc("`host` (the host copy, no storage read) or `storage`")
