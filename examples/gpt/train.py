@@ -109,18 +109,20 @@ def main() -> None:
         if args.eval_every and step and step % args.eval_every == 0 and run.rank == 0:
             with run.phase("eval"):  # many step times long: no hang timeout runs in it
                 time.sleep(args.eval_seconds)  # stands in for an evaluation pass
+        if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
+            # The accelerator's time for the step: before the gradients' all-reduce, as a
+            # forward and backward would spend it.
+            rng = random.Random(step * 1_000_003 + run.rank)
+            jitter = rng.uniform(1.0, args.step_jitter)
+            if args.stall_prob and rng.random() < args.stall_prob:
+                jitter += rng.uniform(0.0, args.stall_max)
+            time.sleep(args.step_sleep * jitter)
         x, y = corpus.batch(step, run.rank, run.world_size, args.global_batch, args.seq, args.seed)
         # Summed over this rank's samples and scaled so that DDP's mean over ranks is the mean
         # over the global batch, however many ranks share it.
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten(), reduction="sum")
         (loss * run.world_size / (args.global_batch * args.seq)).backward()
         mean = loss.detach() / y.numel()
-        if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
-            rng = random.Random(step * 1_000_003 + run.rank)
-            jitter = rng.uniform(1.0, args.step_jitter)
-            if args.stall_prob and rng.random() < args.stall_prob:
-                jitter += rng.uniform(0.0, args.stall_max)
-            time.sleep(args.step_sleep * jitter)
         run.log(loss=mean, data=zlib.crc32(array.array("q", x.flatten().tolist()).tobytes()))
         if run.rank == 0 and (step % args.print_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {mean.item():.3f}", flush=True)

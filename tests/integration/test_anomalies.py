@@ -27,7 +27,9 @@ def test_a_persistent_nan_is_skipped_everywhere_and_a_transient_one_is_rerun(tmp
     rank skips step 20 and goes on, every committed loss is finite, and the final state is
     bit-identical to a clean run that passed over batch 20 (its learning rate following
     the committed updates). A NaN at step 8 that the rerun does not reproduce: a transient
-    fault (hardware); the clean rerun is committed."""
+    fault (hardware), handled as silent data corruption: the replicas are checked at once
+    (their schedule, every 50 steps, would not check before step 50); the clean rerun is
+    committed."""
     steps = ["--steps", "30"]
     clean = launch(tmp_path / "clean", *NPROC,
                    args=_args(tmp_path, "clean", *steps, "--skip-steps", "20"))
@@ -35,7 +37,7 @@ def test_a_persistent_nan_is_skipped_everywhere_and_a_transient_one_is_rerun(tmp
     assert {(e["step"], e["reason"]) for e in clean.events("step_skipped")} == {(20, "asked")}
     faulty = launch(tmp_path / "faulty", *NPROC, "--max-restarts", "0",
                     "--fault", "nan:rank=1,step=20,persistent=1", "--fault", "nan:rank=0,step=8",
-                    args=_args(tmp_path, "faulty", *steps))
+                    args=_args(tmp_path, "faulty", *steps, "--sdc", "--sdc-every", "50"))
     assert faulty.code == 0, faulty.output
     assert not faulty.events("fault") and not faulty.events("restart")
     skipped = faulty.events("step_skipped")
@@ -49,6 +51,7 @@ def test_a_persistent_nan_is_skipped_everywhere_and_a_transient_one_is_rerun(tmp
     assert found[20, False]["ranks"] == [1] and found[8, True]["ranks"] == [0]
     causes = {e["step"]: e["cause"] for e in faulty.events("anomaly_classified")}
     assert causes == {20: "data", 8: "hardware"}
+    assert [(e["step"], e["ok"]) for e in faulty.events("sdc_check")] == [(9, True)]
     dropped = sorted((e["rank"], e["step"]) for e in faulty.events("step_dropped"))
     assert dropped == [(0, 8), (0, 20), (1, 8), (1, 20)]
     assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
@@ -123,7 +126,8 @@ def test_a_bit_flipped_on_rank_2_is_blamed_on_it_alone_and_repaired_in_place(tmp
                  args=_args(tmp_path, "faulty", *common, "--checkpoint-dir",
                             str(tmp_path / "ck1"), "--step-sleep", "1", "--sleep-until",
                             str(go)))
-    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare", explain=run_dir)
+    wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 120,
+             "the spare", explain=run_dir)
     assert max((e["step"] for e in events_of(run_dir, "step")), default=0) < 12
     go.touch()
     faulty = finish(proc, run_dir)
@@ -159,3 +163,57 @@ def test_a_bit_flip_between_two_replicas_is_settled_by_recomputing(tmp_path):
     assert {(e["rank"], e["step"]) for e in faulty.events("rolled_back")} == {(0, 10), (1, 10)}
     assert not faulty.events("fault")
     assert_bit_identical(_final(tmp_path, "clean"), _final(tmp_path, "faulty"))
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
+    """Rank 1's process runs 1.5x slower from step 120 for 150 steps (a fault keyed to the
+    process, not the rank). The straggler detector flags slot 1 within 50 steps, the slot is
+    drained onto the ready spare, and the job's step time returns to what it was."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *NPROC, "--spares", "1", "--max-restarts", "0",
+                 "--fault", "slow:rank=1,step=120,steps=150,factor=1.5",
+                 args=[*TINY, "--steps", "240", "--step-sleep", "0.08", "--stragglers", "drain"])
+    wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 120,
+             "the spare", explain=run_dir)
+    reached = max((e["step"] for e in events_of(run_dir, "step")), default=0)
+    assert reached < 120, f"the spare was ready only at step {reached}, after the slowdown"
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    (flag,) = result.events("straggler_flagged")
+    assert flag["straggler"] == 1 and 120 < flag["step"] <= 170, flag
+    assert flag["ratio"] >= 1.25 and 110 <= flag["since_step"] <= 130
+    (remedy,) = result.events("straggler_remedied")
+    assert remedy["action"] == "drain" and remedy["straggler"] == 1
+    drained = result.events("drain_started")
+    assert drained and drained[0]["request"] == {"slot": 1}
+    assert {e["slot"] for e in result.events("spare_promoted")} == {1}
+    switched = min(e["step"] for e in result.events("gen_switch"))
+    times = {e["step"]: e["duration"] for e in result.events("step") if e["slot"] == 0}
+    before = _median([times[s] for s in range(40, 120)])
+    slow = _median([times[s] for s in range(130, flag["step"])])
+    after = _median([times[s] for s in range(switched + 10, 240)])
+    assert slow > 1.3 * before, (before, slow)
+    assert after < 1.2 * before, (before, slow, after)
+
+
+def test_a_clean_run_with_jitter_flags_nobody(tmp_path):
+    """2,000 steps on 4 ranks, each rank-step stalled with probability 0.05 by up to 3x the
+    step (random ranks, random steps), with the detector configuration that flags a 1.5x
+    rank: nothing is flagged."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "0", args=[
+        *TINY, "--steps", "2000", "--step-sleep", "0.015", "--stall-prob", "0.05",
+        "--stall-max", "5", "--stragglers", "drain"], timeout=600)
+    assert result.code == 0, result.output
+    # The jitter was there: a stall of up to 5 x 15 ms is up to ~3x the whole step.
+    times = sorted(e["duration"] for e in result.events("step") if e["rank"] == 0)
+    median = times[len(times) // 2]
+    assert sum(t > 2 * median for t in times) > 0.02 * len(times), (median, times[-20:])
+    config = [e for e in result.events("anomaly_config") if e["rank"] == 0]
+    assert "tuned for 1.5x" in config[0]["stragglers"]
+    assert not result.events("straggler_flagged") and not result.events("drain_started")
+    assert not result.events("job_slow")

@@ -12,6 +12,7 @@ engine's, which on CPU is the caller's); read and reset once per step by the eng
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +38,9 @@ def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
     """`hook` (a DDP comm hook) that first marks the probe: register this instead, so the
     straggler detector sees this rank's own time (docs/anomalies.md)."""
 
+    @functools.wraps(hook)  # DDP checks the hook's annotations: they are the hook's own
     def timed_hook(state: Any, bucket: Any) -> Any:
         mark()
         return hook(state, bucket)
 
-    timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
     return timed_hook
