@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from unbroken.runtime.exact_reduce import exact_allreduce
     from unbroken.runtime.numerics import Verdict
     from unbroken.runtime.run import Run, init
+    from unbroken.runtime.step_probe import timed
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "exact_allreduce",
     "init",
     "parse_faults",
+    "timed",
 ]
 
 
@@ -59,6 +61,10 @@ def __getattr__(name: str) -> Any:
         from unbroken.runtime import config
 
         return getattr(config, name)
+    if name == "timed":
+        from unbroken.runtime.step_probe import timed
+
+        return timed
     if name == "Verdict":
         from unbroken.runtime.numerics import Verdict
 

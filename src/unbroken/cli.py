@@ -130,6 +130,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     else:
         print(format_summary(summarize(args.run_dir)))
         print(format_goodput(report))
+        if report.get("anomalies") is not None:
+            from unbroken.telemetry.anomaly_report import format_anomalies
+
+            print(format_anomalies(report["anomalies"]))
     return ExitCode.SUCCESS
 
 

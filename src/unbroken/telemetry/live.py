@@ -119,6 +119,11 @@ class LiveStats:
             kind = str(e.kind)
             self.faults[kind] = self.faults.get(kind, 0) + 1
             obs.append((Metric.FAULTS, kind))
+        elif isinstance(e, ev.AnomalyClassified | ev.SdcMismatch | ev.StragglerFlagged):
+            kind = e.kind if isinstance(e, ev.AnomalyClassified) else (
+                "sdc" if isinstance(e, ev.SdcMismatch) else "straggler")
+            if not (isinstance(e, ev.SdcMismatch) and e.resolution == "recompute"):
+                obs.append((Metric.ANOMALIES, kind))  # a dispute settled is not a second
         elif isinstance(e, ev.Restart):
             self.restarts += 1
             obs.append((Metric.RESTARTS, 1))
@@ -202,6 +207,8 @@ class PrometheusExport:
                                            registry=r),
         }
         self.faults = Counter(Metric.FAULTS, "Faults by kind", ["kind"], registry=r)
+        self.anomalies = Counter(Metric.ANOMALIES, "Anomalies found, by kind", ["kind"],
+                                 registry=r)
         self.histograms = {
             Metric.STEP_TIME: Histogram(Metric.STEP_TIME, "Step durations",
                                         buckets=STEP_BUCKETS, registry=r),
@@ -219,6 +226,8 @@ class PrometheusExport:
         for metric, value in obs:
             if metric == Metric.FAULTS:
                 self.faults.labels(kind=value).inc()
+            elif metric == Metric.ANOMALIES:
+                self.anomalies.labels(kind=value).inc()
             elif metric in self.counters:
                 self.counters[metric].inc(value)
             else:

@@ -25,6 +25,9 @@ class Metric(StrEnum):
     """Histogram: step durations as rank 0's slot reports them."""
     FAULTS = "unbroken_faults"
     """Counter (`_total`), label `kind`: faults by kind (crash, hang, exception, ...)."""
+    ANOMALIES = "unbroken_anomalies"
+    """Counter (`_total`), label `kind`: what the anomaly detectors found: `nan`, `inf`,
+    `spike` (classified after the rerun), `sdc` (replicas disagreed), `straggler` (flagged)."""
     RECOVERY_TIME = "unbroken_recovery_seconds"
     """Histogram: in-place recoveries, from the generation breaking to the next one up."""
     RESTARTS = "unbroken_restarts"

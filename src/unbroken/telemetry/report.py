@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UserError
+from unbroken.telemetry import anomaly_report
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import Category
 from unbroken.telemetry.events import EVENTS_FILE, read_events
@@ -64,6 +65,9 @@ def build_report(run_dirs: list[str | Path]) -> dict[str, Any]:
     if not events:
         raise UserError(f"the event log in {run_dirs[0]} is empty: the run wrote no events")
     report = account(events)
+    anomalies = anomaly_report.summarize(events)
+    if anomalies is not None:  # only where a detector ran: older reports stay as they were
+        report["anomalies"] = anomalies
     report["run_dir"] = ", ".join(str(d) for d in run_dirs)
     return report
 
