@@ -16,6 +16,10 @@ reported (`checkpoint_stuck`) and skipped over; the loop never waits on it. A ch
 that is not shared by every node (each host's own disk at that path) is refused before the
 first commit, and at every save after it: said once in one line on stderr, and recorded
 (`checkpoint_dir_not_shared`, then `checkpoint_failed` for each save); training goes on.
+
+A save may be marked `verified` (the data-parallel replicas' checksums agreed at its step) or
+not (they disagreed: silent data corruption); the mark goes into its manifest, and a restart
+passes over checkpoints marked unverified when a verified one is there (see `loader.choose`).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class _Save:
     not_shared: CheckpointDirNotShared | None = None  # rank 0: refused, checkpoint_dir not shared
     image: HostImage | None = None  # a host copy taken by others, persisted from in place
     copy_ok: bool = False  # the staged copy is whole (a rollback may restore it)
+    verified: bool | None = None  # the replicas agreed at `step`; None: not checked
 
     @property
     def stall(self) -> float:
@@ -210,7 +215,7 @@ class Checkpointer:
         return bool(vote[0]), int(vote[1])
 
     def start(self, state: dict[str, Any], step: int, step_time: float | None = None,
-              image: HostImage | None = None) -> bool:
+              image: HostImage | None = None, verified: bool | None = None) -> bool:
         """Checkpoint `state` as of `step`: stage a copy now, persist it in the background.
 
         Collective (every rank calls it at the same step). Returns False if the save was
@@ -218,9 +223,12 @@ class Checkpointer:
         host copy of the tensors at `step` that someone else takes (a sharded job's own
         in-memory copy); what it holds is persisted from it, not copied again, and it is
         released when the writer is done (or at once, if the save is deferred or raises).
+        `verified`: whether the data-parallel replicas' checksums agreed at `step` (False:
+        they disagreed, silent data corruption), written into the manifest as `"verified"`;
+        None (not checked) leaves the key out, as in manifests written before it existed.
         """
         try:
-            started = self._start(state, step, step_time, image)
+            started = self._start(state, step, step_time, image, verified)
         except BaseException:
             if image is not None:
                 image.release()
@@ -230,7 +238,7 @@ class Checkpointer:
         return started
 
     def _start(self, state: dict[str, Any], step: int, step_time: float | None,
-               image: HostImage | None) -> bool:
+               image: HostImage | None, verified: bool | None) -> bool:
         t0 = time.monotonic()
         busy = self.in_flight
         if busy:
@@ -257,7 +265,7 @@ class Checkpointer:
             staged = self._staging.stage(state, self._late(), image)
         except Exception as exc:  # noqa: BLE001 -- no memory for the buffers, an uncopyable value
             staged, stage_error = Staged(state={}), first_line(exc)  # the peers must hear of it
-        save = _Save(step=step, staged=staged, started=t0, image=image)
+        save = _Save(step=step, staged=staged, started=t0, image=image, verified=verified)
         # Spread the disk writes over about one step (see direct_io.py): a step's worth of
         # delay to durability, for a few percent of each step instead of a stutter of one.
         save.write_rate = staged.nbytes / step_time if step_time and staged.nbytes else None
@@ -314,9 +322,12 @@ class Checkpointer:
             failed = [r["error"] for r in reports if not r["ok"]]
             if failed:
                 raise CheckpointWriteError(f"staging failed: {failed[0]}")
+            extra: dict[str, Any] = {"attempt": self.attempt}
+            if save.verified is not None:
+                extra["verified"] = save.verified
             save.committed = persist(
                 save.staged.state, save.step, tmp, self.directory / step_name(save.step), group,
-                rank, self.keep, self.keep_every, {"attempt": self.attempt},
+                rank, self.keep, self.keep_every, extra,
                 before_commit=lambda: self.fault_point("persist", save.step),
                 write_rate=save.write_rate)
         except CheckpointException as exc:  # DCP's, a BaseException: a peer failed inside DCP
@@ -388,10 +399,11 @@ class Checkpointer:
             return True
         return save.done.wait(timeout)
 
-    def save(self, state: dict[str, Any], step: int) -> Path:
-        """Checkpoint `state` and wait until it is committed (collective)."""
+    def save(self, state: dict[str, Any], step: int, verified: bool | None = None) -> Path:
+        """Checkpoint `state` and wait until it is committed (collective). `verified`: as
+        for `start`."""
         self.wait(self.persist_timeout)
-        if not self.start(state, step):
+        if not self.start(state, step, verified=verified):
             raise CheckpointWriteError(f"a save of step {self._save.step} is still being written")
         self.wait()
         save = self._save
@@ -399,9 +411,11 @@ class Checkpointer:
             raise CheckpointWriteError(save.error or "checkpoint failed")
         return save.committed.path
 
-    def finish(self, state: dict[str, Any], step: int) -> bool:
+    def finish(self, state: dict[str, Any], step: int, verified: bool | None = None) -> bool:
         """At the end of training: commit the final state, waiting at most `persist_timeout`.
-        Collective. False (and an event) if it could not be committed in time."""
+        Collective. False (and an event) if it could not be committed in time. `verified`:
+        as for `start`, for a save started here (one of `step` already committed keeps its
+        own mark)."""
         t0 = time.monotonic()
         if not self.wait(self.persist_timeout):
             self._report_stuck(self._save, time.monotonic() + self.persist_timeout)
@@ -417,7 +431,7 @@ class Checkpointer:
             self.record(ev.CheckpointFailed(step=step, final=True,
                         error="the previous save was still being written after checkpoint_timeout"))
             return False
-        if not self.start(state, step):
+        if not self.start(state, step, verified=verified):
             return False  # cannot happen after the vote above, but never start twice
         left = max(0.0, self.persist_timeout - (time.monotonic() - t0))
         if not self.wait(left):
@@ -436,6 +450,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
     def load_latest(self, state: dict[str, Any] | Callable[[], dict[str, Any]]) -> int | None:
         """Load the newest intact checkpoint into `state` in place; its step, or None if none.
+        When some intact checkpoint is marked verified, newer ones marked unverified are
+        passed over (`checkpoint_invalid`; see `loader.choose`).
 
         `state` may be a function that builds the state dict: it is called only once a
         checkpoint is chosen. Building an optimizer's state dict initialises a fresh

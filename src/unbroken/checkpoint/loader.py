@@ -1,9 +1,11 @@
 """Loading: the newest checkpoint that verifies, into the live state, tensors only.
 
-Rank 0 checks manifests newest first (every file's size and SHA-256) and reports each one it
+Rank 0 checks manifests newest first (every file's size and checksum) and reports each one it
 skips; all ranks then load the same one through DCP, which reshards to the current world
-size. A checkpoint that does not fit the model is refused with the names and shapes that
-differ, before anything is overwritten.
+size. Where some intact checkpoint is marked verified (its replicas agreed), newer ones marked
+unverified (their replicas disagreed: silent data corruption) are passed over too (`choose`).
+A checkpoint that does not fit the model is refused with the names and shapes that differ,
+before anything is overwritten.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from unbroken.checkpoint.layout import committed_checkpoints, step_name
-from unbroken.checkpoint.manifest import verify_manifest
+from unbroken.checkpoint.manifest import manifest_verified, verify_manifest
 from unbroken.checkpoint.safe_reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -76,21 +78,61 @@ def check_fits(state: dict[str, Any], checkpoint: Path) -> None:
         raise CheckpointMismatch(f"checkpoint {checkpoint} does not fit the model: " + "; ".join(parts))
 
 
+UNVERIFIED = "unverified: its replicas disagreed (silent data corruption)"
+
+
 def choose(directory: Path, rank: int, group: dist.ProcessGroup | None,
            record: ev.Emit) -> Path | None:
-    """Rank 0 picks the newest intact checkpoint; every rank gets the same answer."""
+    """Rank 0 picks the checkpoint to load; every rank gets the same answer (collective).
+
+    The newest intact one (its files as its manifest says), unless some intact checkpoint
+    is marked verified (`"verified": true` in its manifest: the data-parallel replicas'
+    checksums agreed at its step). Then it is the newest intact one not marked unverified
+    (`false`: they disagreed, silent data corruption), and each newer one marked unverified
+    that it passes over is reported (`checkpoint_invalid`, reason `UNVERIFIED`). When none
+    is marked verified (no replica checks ran, manifests older than the mark, or every
+    verified one is damaged) an unverified one is loaded as any other: it may be all there is.
+    Each checkpoint found damaged is reported (`checkpoint_invalid`, the reason); passed-over
+    unverified ones are not checked.
+    """
     choice = torch.tensor([-1], dtype=torch.int64)
     if rank == 0:
-        for step, path in committed_checkpoints(directory):
-            reason = verify_manifest(path)
-            if reason is None:
-                choice[0] = step
-                break
-            record(ev.CheckpointInvalid(step=step, path=str(path), reason=reason))
+        step = _pick(committed_checkpoints(directory), record)
+        if step is not None:
+            choice[0] = step
     if dist.is_initialized():
         dist.broadcast(choice, group=group, group_src=0)
     step = int(choice[0])
     return directory / step_name(step) if step >= 0 else None
+
+
+def _pick(checkpoints: list[tuple[int, Path]], record: ev.Emit) -> int | None:
+    """`choose`'s rule over `checkpoints` (newest first). Verifies a checkpoint's files only
+    when they decide the answer, each at most once: with no mark, or all marked verified,
+    as few as before marks existed."""
+    marks = {step: manifest_verified(path) for step, path in checkpoints}
+    checked: dict[int, bool] = {}
+
+    def intact(step: int, path: Path) -> bool:
+        if step not in checked:
+            reason = verify_manifest(path)
+            if reason is not None:
+                record(ev.CheckpointInvalid(step=step, path=str(path), reason=reason))
+            checked[step] = reason is None
+        return checked[step]
+
+    if True in marks.values():
+        candidate = next((s for s, p in checkpoints if marks[s] is not False and intact(s, p)),
+                         None)
+        # An unmarked candidate stands only if an older checkpoint is verified and intact.
+        if candidate is not None and (marks[candidate] or any(
+                intact(s, p) for s, p in checkpoints if s < candidate and marks[s])):
+            for s, p in checkpoints:
+                if s > candidate and marks[s] is False:
+                    record(ev.CheckpointInvalid(step=s, path=str(p), reason=UNVERIFIED))
+            return candidate
+    # No intact checkpoint is marked verified: the newest intact one, as without marks.
+    return next((s for s, p in checkpoints if intact(s, p)), None)
 
 
 def load_into(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:

@@ -5,6 +5,11 @@ directory without a valid manifest, or whose files disagree with it, is torn or 
 CRC-32 detects torn and corrupted files, and is computed as the data files are written; it
 is not a defence against someone who can write the checkpoint (they could rewrite the
 manifest too): that is what the safe reader is for.
+
+Besides the files, a manifest records the attempt that wrote it and, where the replicas'
+checksums were compared at its step, `"verified": true` (they agreed) or `false` (they did
+not: silent data corruption); without the key (not checked, or written before the key
+existed) nothing is known either way (`manifest_verified`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def fsync_path(path: Path) -> None:
 
 def write_manifest(directory: Path, step: int, files: dict[str, dict[str, Any]],
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the manifest of `files` (name -> bytes, sha256), durably.
+    """Write the manifest of `files` (name -> bytes, crc32), durably; `extra`'s keys
+    (`attempt`, `verified`) go in beside them.
 
     Every rank has already fsynced the files it wrote; this is the commit marker's content.
     """
@@ -140,3 +146,15 @@ def verify_manifest(directory: Path) -> str | None:
         if not ok:
             return f"{name} does not match its checksum (corrupt)"
     return None
+
+
+def manifest_verified(directory: Path) -> bool | None:
+    """The checkpoint's `verified` mark: True if the data-parallel replicas agreed at its
+    step, False if they did not (silent data corruption), None if its manifest has no mark
+    (not checked, or written before marks existed) or cannot be read (`verify_manifest`
+    says why). Reads only the manifest."""
+    try:
+        mark = json.loads((directory / MANIFEST).read_text()).get("verified")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return mark if isinstance(mark, bool) else None

@@ -23,6 +23,8 @@ class CheckpointDuty:
 
     def __init__(self, checkpointer: Checkpointer | None) -> None:
         self.checkpointer = checkpointer
+        self.verified: tuple[int, bool | None] = (-1, None)
+        """The step of the last `after_commit` and its replica check (None: not checked)."""
 
     def protect(self, tracked: TrackedState) -> None:
         """Hold back optimizer updates until the staged copy of their tensors is taken."""
@@ -30,9 +32,10 @@ class CheckpointDuty:
             self.checkpointer.protect(tracked.model, tracked.optimizers)
 
     def save(self, tracked: TrackedState, step: int, step_time: float | None,
-             image: HostImage | None = None) -> bool:
+             image: HostImage | None = None, verified: bool | None = None) -> bool:
         """Start a save of committed step `step` (collective); False if it was deferred.
-        `image`: a host copy of the state at `step` to persist from (released either way)."""
+        `image`: a host copy of the state at `step` to persist from (released either way).
+        `verified`: the replicas' checksums agreed at `step` (None: not checked)."""
         if self.checkpointer is None:
             raise UserError("no checkpoint_dir was given to unbroken.init()")
         try:
@@ -41,7 +44,7 @@ class CheckpointDuty:
             if image is not None:
                 image.release()
             raise
-        return self.checkpointer.start(state, step, step_time, image)
+        return self.checkpointer.start(state, step, step_time, image, verified=verified)
 
     def due(self, step: int) -> bool:
         """A save is due after committed step `step` (the same answer on every rank)."""
@@ -54,11 +57,13 @@ class CheckpointDuty:
         return ck.schedule.interval if ck is not None and ck.schedule.enabled else None
 
     def after_commit(self, tracked: TrackedState, step: int, step_time: float | None,
-                     image: HostImage | None = None) -> None:
+                     image: HostImage | None = None, verified: bool | None = None) -> None:
         """After committed step `step`: a save if the schedule says one is due, persisted
-        from `image` where it holds the tensors (the round of this step's host copy)."""
+        from `image` where it holds the tensors (the round of this step's host copy), and
+        marked `verified` (the replica check of this step: None, not checked)."""
+        self.verified = (step, verified)
         if self.due(step):
-            self.save(tracked, step, step_time, image)
+            self.save(tracked, step, step_time, image, verified)
         elif image is not None:
             image.release()
 
@@ -75,9 +80,11 @@ class CheckpointDuty:
 
     def finish(self, tracked: TrackedState, step: int) -> None:
         """The final state, committed before the worker reports done (bounded by the
-        checkpoint timeout)."""
+        checkpoint timeout), marked as the replica check of `step` found it."""
         if self.checkpointer is not None:
-            self.checkpointer.finish(tracked.state_dict(step), step)
+            checked, verified = self.verified
+            self.checkpointer.finish(tracked.state_dict(step), step,
+                                     verified=verified if checked == step else None)
 
     def load_newest(self, tracked: TrackedState, step: int) -> int | None:
         """Load the newest intact checkpoint into the tracked state (collective); its step,

@@ -305,7 +305,7 @@ class Engine:
                 verdict = self.anomalies.after_commit(  # replicas checked before any copy
                     pos, self.slot, sharded.shards.shard_index(pos.rank) if sharded else 0,
                     self.settings.node, self.tracked, self.step_time,
-                    self.checkpoints.interval, due)
+                    self.checkpoints.interval, due or pos.step == self._last_step)
                 if verdict is not None and verdict.rollback:
                     self.rollback("silent data corruption")
                 if verdict is not None and (error := verdict.error(self.slot, pos.step)):
@@ -317,7 +317,8 @@ class Engine:
                 image = (self.switcher.after_commit(pos.step, self._last_step, self.step_time,
                                                     due, self.checkpoints.interval)
                          if self.switcher is not None else None)
-                self.checkpoints.after_commit(self.tracked, pos.step, self.step_time, image)
+                self.checkpoints.after_commit(self.tracked, pos.step, self.step_time, image,
+                                              verdict.clean if verdict is not None else None)
                 if self._resilient and pos.step == self._last_step:
                     self.finish(checkpoint=True, done=False)
             finally:

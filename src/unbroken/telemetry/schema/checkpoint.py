@@ -94,8 +94,9 @@ class CheckpointLoaded(EventBody):
 
 @event(Event.CHECKPOINT_INVALID)
 class CheckpointInvalid(EventBody):
-    """Rank 0: a checkpoint cannot be loaded; the next older one is tried."""
+    """Rank 0: a checkpoint cannot be loaded, or is passed over; the next older one is tried."""
 
     step: int = doc("its step")
     path: str = doc("its directory")
-    reason: str = doc("torn, truncated, corrupt")
+    reason: str = doc("torn, truncated, corrupt; or `unverified: ...` (its replicas "
+                      "disagreed, and a verified checkpoint exists)")
