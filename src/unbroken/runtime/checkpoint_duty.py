@@ -50,6 +50,10 @@ class CheckpointDuty:
         """A save is due after committed step `step` (the same answer on every rank)."""
         return self.checkpointer is not None and self.checkpointer.due(step)
 
+    def copies(self, step: int, last_step: int) -> bool:
+        """A copy of committed step `step` is taken: a save is due, or it is the final one."""
+        return self.due(step) or (self.checkpointer is not None and step == last_step)
+
     @property
     def interval(self) -> int | None:
         """Steps between saves, as the ranks last agreed; None without checkpoints."""

@@ -305,13 +305,13 @@ class Engine:
                 verdict = self.anomalies.after_commit(  # replicas checked before any copy
                     pos, self.slot, sharded.shards.shard_index(pos.rank) if sharded else 0,
                     self.settings.node, self.tracked, self.step_time,
-                    self.checkpoints.interval, due or pos.step == self._last_step)
-                if verdict is not None and verdict.rollback:
-                    self.rollback("silent data corruption")
-                if verdict is not None and (error := verdict.error(self.slot, pos.step)):
-                    raise error
-                if verdict is not None and verdict.rollback:
-                    return
+                    self.checkpoints.interval, self.checkpoints.copies(pos.step, self._last_step))
+                if verdict is not None:
+                    restored = verdict.rollback and self.rollback("silent data corruption")
+                    if error := verdict.error(self.slot, pos.step, restored is not None):
+                        raise error
+                    if verdict.rollback:
+                        return
                 # A sharded job's round comes first: a checkpoint of this step persists
                 # from the round's host copy.
                 image = (self.switcher.after_commit(pos.step, self._last_step, self.step_time,

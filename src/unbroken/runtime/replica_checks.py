@@ -42,11 +42,17 @@ class ReplicaVerdict:
     stop: str | None = None
     """Unresolved: the job must end, with this reason."""
 
-    def error(self, slot: int, step: int) -> Exception | None:
-        """What this rank raises after the rollback: the job stops (every rank), or this
-        rank's process must go (the blamed one); None: go on."""
+    def error(self, slot: int, step: int, restored: bool) -> Exception | None:
+        """What this rank raises after the rollback (`restored`: it found a copy to go back
+        to): the job stops (every rank), or this rank's process must go (the blamed one);
+        None: go on."""
         if self.stop is not None:
             return JobStopped(self.stop)
+        if self.rollback and not restored:
+            return JobStopped(
+                f"replicas disagreed at step {step} (silent data corruption) and there is no "
+                "verified copy to roll back to: give unbroken.init a checkpoint_dir (a "
+                "replicated job's host copy is its newest checkpoint's)")
         if self.replace_me:
             return SdcGuilty(f"slot {slot}'s replica disagreed with the majority at step "
                              f"{step}: its process is replaced")
@@ -79,7 +85,12 @@ class ReplicaChecks:
         self.seconds: list[float] = []
 
     def due(self, step: int, at_copy: bool) -> bool:
-        return self.covered and (self.now or replicas.due(step, self.every, at_copy))
+        """A check runs after committed `step`: on schedule, before a copy, after a
+        hardware finding, and at the step of an open dispute (its replay must check there,
+        whatever K became meanwhile)."""
+        pending = self.state.pending
+        return self.covered and (self.now or replicas.due(step, self.every, at_copy)
+                                 or (pending is not None and pending.step == step))
 
     def check(self, step: int, tracked: TrackedState, slot: int, cls: int, rank: int,
               step_time: float | None, copy_every: int | None, at_copy: bool) -> ReplicaVerdict:
@@ -106,7 +117,10 @@ class ReplicaChecks:
     def _proposal(self, step_time: float | None, copy_every: int | None) -> int:
         if self.config.every is not None or len(self.seconds) < 1 or not step_time:
             return self.every
-        k, self.why = replicas.interval(max(self.seconds), step_time, copy_every, self.config)
+        # The median of this rank's checks: one slow gather (a peer late to it) must not
+        # hold K at the cap for the rest of the run.
+        check_s = sorted(self.seconds)[len(self.seconds) // 2]
+        k, self.why = replicas.interval(check_s, step_time, copy_every, self.config)
         return k
 
     def _carry_out(self, actions: list[replicas.Action], sums: Sums, seconds: float,
