@@ -19,10 +19,13 @@ def test_a_disputed_step_is_checked_again_whatever_k_became():
     assert checks.due(14, at_copy=False)
 
 
-def test_k_follows_the_median_check_not_one_slow_gather():
+def test_k_follows_the_mean_of_the_recent_checks():
+    """The budget is about the checks' total time: their mean, not their slowest (one late
+    gather would hold K at the cap) nor their median (which under-counts slow gathers)."""
     checks = ReplicaChecks(SdcConfig(enabled=True), emit=lambda e: None)
-    checks.seconds = [0.001, 0.001, 0.5]  # one check waited half a second for a peer
-    assert checks._proposal(step_time=0.1, copy_every=None) == 2  # 1 ms / (0.5 % of 100 ms)
+    checks.seconds = [0.5] + [0.001] * 9 + [0.011]  # the oldest, out of the last 20: forgotten
+    checks.seconds = [0.5] * 5 + checks.seconds[1:] * 2  # 25 checks; the 5 slow ones oldest
+    assert checks._proposal(step_time=0.1, copy_every=None) == 4  # 2 ms / (0.5 % of 100 ms)
 
 
 def test_what_a_verdict_makes_a_rank_raise():

@@ -10,7 +10,9 @@ back) is the engine's to do (`Engine.check`), where the position changes hands.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from unbroken.errors import JobStopped
 from unbroken.runtime import numerics
-from unbroken.runtime.config import AnomalyConfig
+from unbroken.runtime.config import AnomalyConfig, Remedy
 from unbroken.runtime.numerics import Decision, NumericsState, Sample
 from unbroken.telemetry import schema as ev
 
@@ -116,6 +118,23 @@ class AnomalyDuty:
     def extras(self) -> dict[str, Any]:
         """What the training state must carry for the detectors (`run.track`'s extras)."""
         return {LEDGER: self.ledger} if self.numerics_on else {}
+
+    def without_rollback(self, why: str, rank: int) -> None:
+        """For a loop that cannot follow a rollback (`why`; before `Engine.start`): the
+        numerical anomalies' ROLLBACK remedy becomes SKIP, said once, by rank 0."""
+        n = self.config.numerics
+        if not n.enabled or n.remedy != Remedy.ROLLBACK:
+            return
+        self.config = replace(self.config, numerics=replace(n, remedy=Remedy.SKIP))
+        if rank == 0:
+            print(f"unbroken: {why}: a numerical anomaly's rollback is taken as a skip of its "
+                  "step", file=sys.stderr, flush=True)
+
+    def switched(self) -> None:
+        """A generation switch: a finding awaiting its rerun is forgotten on every rank (a
+        joiner's ledger, from a peer, has none), so the next verdict is the same everywhere:
+        the step is judged afresh."""
+        self.ledger.state = replace(self.ledger.state, pending=None)
 
     def skip_reason(self, step: int) -> str | None:
         """Why `step` is passed over without running, or None if it runs."""

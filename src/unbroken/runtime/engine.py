@@ -312,8 +312,7 @@ class Engine:
                         raise error
                     if verdict.rollback:
                         return
-                # A sharded job's round comes first: a checkpoint of this step persists
-                # from the round's host copy.
+                # A sharded job's round first: a checkpoint persists from its host copy.
                 image = (self.switcher.after_commit(pos.step, self._last_step, self.step_time,
                                                     due, self.checkpoints.interval)
                          if self.switcher is not None else None)
@@ -464,6 +463,7 @@ class Engine:
         except NotNeeded:
             _exit_unneeded(self)  # the job ended before it needed us, or a spare took our rank
         self.joining = False
+        self.anomalies.switched()
         self._move(switch.position)
         self.view = switch.view
         self.owns_group = True  # formed by the runtime: close() tears it down
