@@ -18,11 +18,17 @@ failures (2 with no CUDA device: nothing was checked).
    snapshot round copies the shards into the rank's host buffer (on the CPU), the device's
    peak memory does not grow across the round (no device memory held for snapshots), and a
    rollback two steps later restores every tensor exactly.
+6. **The replica checksum on the device** (issue 27): the integer checksum of a model's
+   parameters and AdamW state computed on the GPU equals the one computed on a CPU copy
+   (integer sums do not depend on the reduction order), its time per GB of state, and
+   whether a step rerun on the same data gives bit-identical gradients with and without
+   `torch.use_deterministic_algorithms` (a rerun's classification compares bitwise unless
+   `rerun_rtol` is given).
 
     .venv/bin/python benchmarks/gpu_check.py
-    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1, 2 and 5 on CPU tensors
+    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1, 2, 5 and 6 on CPU tensors
 
-`--dry-run` runs checks 1, 2 and 5 with CPU tensors, so that the script itself is tested
+`--dry-run` runs checks 1, 2, 5 and 6 with CPU tensors, so that the script itself is tested
 on a machine without a GPU; it proves nothing about CUDA.
 """
 
@@ -239,13 +245,53 @@ def device_error_is_own(root: Path) -> None:
           last)
 
 
+def checksum_on_the_device(_: Path) -> None:
+    from unbroken.runtime.checksum import checksum, state_tensors
+
+    torch.manual_seed(0)
+    big = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(DEVICE)
+    optim = torch.optim.AdamW(big.parameters(), lr=1e-3)
+    x = torch.randn(64, 2048, device=DEVICE)
+    big(x).square().mean().backward()
+    optim.step()
+    tensors = state_tensors(big, [optim])
+    gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
+    on_device = checksum(tensors)
+    on_cpu = checksum([t.cpu() for t in tensors])
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        checksum(tensors)
+    ms = (time.perf_counter() - t0) / 5 * 1e3
+    check("the replica checksum on the device equals the CPU's", on_device == on_cpu,
+          f"{ms:.2f} ms for {gb:.3f} GB of parameters and AdamW state "
+          f"({ms / gb:.1f} ms per GB) on {DEVICE}")
+
+    def grads(deterministic: bool) -> list[torch.Tensor]:
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        try:
+            big.zero_grad(set_to_none=True)
+            big(x).square().mean().backward()
+            return [p.grad.clone() for p in big.parameters()]
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    same = {mode: all(torch.equal(a, b) for a, b in zip(grads(mode), grads(mode), strict=True))
+            for mode in (False, True)}
+    check("a rerun on the same data is bit-identical in deterministic mode", same[True],
+          f"deterministic: {same[True]}, default: {same[False]} (a rerun is compared bitwise "
+          "unless rerun_rtol is given)")
+
+
 def main() -> int:
     global DEVICE
     dry = "--dry-run" in sys.argv[1:]
-    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors, host_copy_of_cuda_shards]
+    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors, host_copy_of_cuda_shards,
+              checksum_on_the_device]
     if dry:
         DEVICE = "cpu"
-        print("dry run: checks 1, 2 and 5 with CPU tensors (nothing about CUDA is shown)")
+        print("dry run: checks 1, 2, 5 and 6 with CPU tensors (nothing about CUDA is shown)")
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing was checked")
         return 2

@@ -229,5 +229,7 @@ def test_the_interval_refuses_nonsense():
 
 
 def test_due_at_multiples_and_copy_steps():
-    assert [s for s in range(1, 31) if due(s, 10, copy_steps=False)] == [10, 20, 30]
-    assert due(13, 10, copy_steps=True)
+    assert [s for s in range(1, 31) if due(s, None, 10, copy_steps=False)][:1] == [10]
+    assert [s for s in range(11, 31) if due(s, 10, 10, copy_steps=False)][:1] == [20]
+    assert not due(17, 16, 17, copy_steps=False)  # K grew from 16 to 17: not a step later
+    assert due(13, 10, 10, copy_steps=True)

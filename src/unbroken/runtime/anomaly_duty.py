@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 LEDGER = "_unbroken_anomalies"
 """The name of the numerics ledger among the tracked extras."""
+SCHEDULE = "_unbroken_replica_checks"
+"""The name of the replica checks' schedule among the tracked extras."""
 
 
 class Ledger:
@@ -117,7 +119,10 @@ class AnomalyDuty:
 
     def extras(self) -> dict[str, Any]:
         """What the training state must carry for the detectors (`run.track`'s extras)."""
-        return {LEDGER: self.ledger} if self.numerics_on else {}
+        extras: dict[str, Any] = {LEDGER: self.ledger} if self.numerics_on else {}
+        if self.replicas is not None:
+            extras[SCHEDULE] = self.replicas
+        return extras
 
     def without_rollback(self, why: str, rank: int) -> None:
         """For a loop that cannot follow a rollback (`why`; before `Engine.start`): the
@@ -131,10 +136,12 @@ class AnomalyDuty:
                   "step", file=sys.stderr, flush=True)
 
     def switched(self) -> None:
-        """A generation switch: a finding awaiting its rerun is forgotten on every rank (a
-        joiner's ledger, from a peer, has none), so the next verdict is the same everywhere:
-        the step is judged afresh."""
+        """A generation switch: a finding awaiting its rerun, and a replica dispute awaiting
+        its replay, are forgotten on every rank (a joiner's state, from a peer, has neither),
+        so the next verdicts are the same everywhere: judged afresh."""
         self.ledger.state = replace(self.ledger.state, pending=None)
+        if self.replicas is not None:
+            self.replicas.state = replace(self.replicas.state, pending=None)
 
     def skip_reason(self, step: int) -> str | None:
         """Why `step` is passed over without running, or None if it runs."""

@@ -2,7 +2,7 @@
 (`runtime/replicas.py`), recorded, and turned into what the engine must do. Main thread
 only; a check is collective on the training group (every rank, at the same committed step).
 
-When: at every multiple of K and before every host copy (a checkpoint of a replicated job:
+When: K steps after the last check, and before every host copy (a checkpoint of a replicated job:
 a copy must be verified to be rolled back to), and at once after a numerical anomaly that
 its rerun did not reproduce. K is `SdcConfig.every`, else measured: each check's time (the
 checksum and the gather, this rank's timer) and the step time give each rank's proposal
@@ -83,19 +83,31 @@ class ReplicaChecks:
         self.covered = True  # False once a gather showed every class of one rank
         self.now = False  # check at the next commit, whatever the schedule
         self.seconds: list[float] = []
+        self.last: int | None = None
+        """The step of the last check (the same on every rank: checks are collective)."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The schedule (K and the last check's step), which every rank must share: a
+        tracked extra, so that a joiner checks when its peers do and a rollback takes the
+        schedule back with the state. The dispute state (`state`) follows the job instead."""
+        return {"every": self.every, "last": -1 if self.last is None else self.last}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.every = int(saved["every"])
+        self.last = None if int(saved["last"]) < 0 else int(saved["last"])
 
     def due(self, step: int, at_copy: bool) -> bool:
         """A check runs after committed `step`: on schedule, before a copy, after a
         hardware finding, and at the step of an open dispute (its replay must check there,
         whatever K became meanwhile)."""
         pending = self.state.pending
-        return self.covered and (self.now or replicas.due(step, self.every, at_copy)
+        return self.covered and (self.now or replicas.due(step, self.last, self.every, at_copy)
                                  or (pending is not None and pending.step == step))
 
     def check(self, step: int, tracked: TrackedState, slot: int, cls: int, rank: int,
               step_time: float | None, copy_every: int | None, at_copy: bool) -> ReplicaVerdict:
         """Check committed step `step` (collective). `cls`: this rank's replica class."""
-        self.now = False
+        self.now, self.last = False, step
         t0 = time.perf_counter()
         tensors = state_tensors(tracked.model, tracked.optimizers)
         total, weighted = checksum(tensors)

@@ -422,7 +422,9 @@ def interval(check_s: float, step_s: float, copy_every: int | None,
     return max(k, 1), "budget"
 
 
-def due(step: int, every: int, copy_steps: bool) -> bool:
-    """A check runs at every multiple of `every` (K) and at every host-copy step
-    (`copy_steps`: this step's state is copied to the host)."""
-    return copy_steps or step % every == 0
+def due(step: int, last: int | None, every: int, copy_steps: bool) -> bool:
+    """A check runs `every` (K) steps after the last one (`last`; None: none yet, counted
+    from 0), and at every host-copy step (`copy_steps`: this step's state is copied to the
+    host). Counted from the last check, not by multiples of K: K changes as checks are
+    timed, and multiples of a changing K fall a step apart (16, then 17)."""
+    return copy_steps or step - (last or 0) >= every
