@@ -94,7 +94,13 @@ class AnomalyDuty:
 
     def __init__(self, config: AnomalyConfig, emit: ev.Emit,
                  file_drain: Callable[[int], bool] | None = None) -> None:
-        """`file_drain(slot)`: ask the leader to move a slot onto a ready spare."""
+        """`file_drain(slot)`: ask the leader to move a slot onto a ready spare. On a GPU
+        outside deterministic mode a rerun is not bit-identical: with no `rerun_rtol` given,
+        it is compared within 1e-3 (`anomaly_config` says which)."""
+        n = config.numerics
+        if n.enabled and not n.rerun_rtol and torch.cuda.is_available() \
+                and not torch.are_deterministic_algorithms_enabled():
+            config = replace(config, numerics=replace(n, rerun_rtol=1e-3))
         self.config = config
         self.emit = emit
         self.ledger = Ledger()
