@@ -7,6 +7,7 @@ worker that read a checkpoint from storage would fail: the state can only come f
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -142,3 +143,42 @@ def test_a_fault_in_the_trainers_own_checkpoint_save_is_recovered_in_place(tmp_p
     assert_recovered_in_place(result, survivor, STEPS)
     assert [f["step"] for f in result.events("fault")] == [10]
     _assert_identical(fault_free, tmp_path / "faulted.pt")
+
+
+ANOMALIES = REPO / "tests" / "scripts" / "hf_anomalies.py"
+
+
+def test_a_persistent_nan_is_skipped_on_every_rank(tmp_path):
+    """Numerical checks on (`unbroken.init(anomalies=...)` handed to `protect`), a NaN in rank
+    1's gradients at step 4 that comes back when the update is run again: the adapter
+    checks each update after its micro-batches' backward, runs the update again on the
+    verdict RERUN, and on SKIPPED makes no optimizer step (the LR schedule held) and goes on.
+    Every rank skips step 4, no step commits a non-finite loss, and the final parameters equal
+    those of a run that passed over step 4 (`run.skip_steps`, honoured at the update's start)."""
+    steps, bad = 10, 4
+    job = ["--steps", str(steps), "--accum", "2", "--save-steps", "100"]
+    flags = ("--nproc-per-node", "2", "--max-restarts", "0", "--exact-reduction")
+    reference = launch(tmp_path / "ref", *flags, script=ANOMALIES, timeout=120,
+                       args=["--skip-steps", str(bad), "--output-dir", str(tmp_path / "ref-out"),
+                             *job, "--final", str(tmp_path / "reference.pt")])
+    assert reference.code == 0, reference.output
+    assert sorted((e["rank"], e["step"], e["reason"]) for e in reference.events("step_skipped")) \
+        == [(0, bad, "asked"), (1, bad, "asked")]
+    result = launch(tmp_path / "run", *flags, "--fault", f"nan:rank=1,step={bad},persistent=1",
+                    script=ANOMALIES, timeout=120,
+                    args=["--output-dir", str(tmp_path / "out"), *job,
+                          "--final", str(tmp_path / "faulted.pt")])
+    assert result.code == 0, result.output
+    assert not result.events("fault") and not result.events("restart")
+    skipped = sorted((e["rank"], e["step"], e["reason"]) for e in result.events("step_skipped"))
+    assert skipped == [(0, bad, "nan"), (1, bad, "nan")]
+    assert [(e["step"], e["cause"]) for e in result.events("anomaly_classified")] == [(bad, "data")]
+    dropped = sorted((e["rank"], e["step"]) for e in result.events("step_dropped"))
+    assert dropped == [(0, bad), (1, bad)]  # the rerun
+    committed = result.events("step")
+    assert sorted(e["step"] for e in committed if e["rank"] == 0) == \
+        [s for s in range(steps) if s != bad]
+    assert len(committed) == 2 * (steps - 1)
+    assert all(math.isfinite(e["loss"]) for e in committed)
+    _assert_identical(torch.load(tmp_path / "reference.pt", weights_only=True),
+                      tmp_path / "faulted.pt")

@@ -6,6 +6,7 @@ from a peer: the job saves no checkpoint, or (the save's test) none the replacem
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -166,3 +167,39 @@ def test_a_lightning_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
     assert_recovered_in_place(result, survivor, STEPS)
     assert [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"] == [1]
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_persistent_nan_is_skipped_on_every_rank(tmp_path):
+    """Numerical checks on (`UnbrokenDDPStrategy(run=unbroken.init(anomalies=...))`), a NaN
+    in rank 1's gradients at step 3 that comes back when the update is run again: the
+    strategy checks each update after its last batch's closure, runs the update again on
+    the verdict RERUN (its earlier batch from its inputs and RNG state), and on SKIPPED makes
+    no update. Every rank skips step 3, no step commits a non-finite loss, and the final
+    parameters equal those of a run that passed over step 3 (`run.skip_steps`, honoured at
+    the update's first batch)."""
+    script = SCRIPTS / "lightning_anomalies.py"
+    steps, bad = 8, 3
+    job = ["--steps", str(steps), "--accum", "2"]
+    flags = ("--nproc-per-node", "2", "--max-restarts", "0")
+    reference = launch(tmp_path / "ref", *flags, script=script, timeout=120,
+                       args=["--skip-steps", str(bad), *job,
+                             "--final", str(tmp_path / "reference.pt")])
+    assert reference.code == 0, reference.output
+    assert sorted((e["rank"], e["step"], e["reason"]) for e in reference.events("step_skipped")) \
+        == [(0, bad, "asked"), (1, bad, "asked")]
+    result = launch(tmp_path / "run", *flags, "--fault", f"nan:rank=1,step={bad},persistent=1",
+                    script=script, timeout=120,
+                    args=[*job, "--final", str(tmp_path / "faulted.pt")])
+    assert result.code == 0, result.output
+    assert not result.events("fault") and not result.events("restart")
+    skipped = sorted((e["rank"], e["step"], e["reason"]) for e in result.events("step_skipped"))
+    assert skipped == [(0, bad, "nan"), (1, bad, "nan")]
+    assert [(e["step"], e["cause"]) for e in result.events("anomaly_classified")] == [(bad, "data")]
+    dropped = sorted((e["rank"], e["step"]) for e in result.events("step_dropped"))
+    assert dropped == [(0, bad), (1, bad)]  # the rerun
+    committed = result.events("step")
+    assert sorted(e["step"] for e in committed if e["rank"] == 0) == \
+        [s for s in range(steps) if s != bad]
+    assert len(committed) == 2 * (steps - 1)
+    assert all(math.isfinite(e["loss"]) for e in committed)
+    _assert_same_params(tmp_path / "reference.pt", tmp_path / "faulted.pt")

@@ -4,8 +4,17 @@ every Trainer a script trains under `unbroken run` (`unbroken.integrations.autom
 What holds (docs/integrations.md):
 - Each optimizer step is a committed step. The engine's `begin` comes as the update starts
   (at the count of its items, which every rank gathers), its `enter` inside the update's
-  first micro-batch, `updating` spans `optimizer.step()`,
+  first micro-batch, `check` at `on_pre_optimizer_step` (after every micro-batch's backward
+  and the clipping), `updating` spans `optimizer.step()`,
   and `commit` comes at `on_step_end` (after the scheduler and `global_step += 1`).
+- The engine's verdict is obeyed (numerical checks, `AnomalyConfig`): a step to rerun
+  runs its micro-batches again on the same inputs, and is clipped and checked again; a
+  step the engine passed over (at `check`, or at `begin`: `run.skip_steps`, a batch an
+  earlier anomaly passes over) makes no optimizer step and leaves the LR schedule where it
+  was, and the Trainer goes on to its next batches; a rollback leaves the epoch and runs it
+  again from the engine's step (5.x, as after a switch; under 4.x, whose loop cannot, a
+  rollback remedy is taken as a skip, said at the start). The check's loss is the update's
+  (`training_step`'s, summed over its micro-batches: their mean).
 - Survivors never leave `train()`. A collective that fails because a peer died, inside
   `training_step` (DDP's all-reduce in backward) or in the count of the update's tokens
   (`_get_num_items_in_batch`), leaves the generation and joins the next one. Then the
@@ -38,8 +47,6 @@ integration. The private Trainer methods used are those of the transformers vers
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 from contextlib import ExitStack
 from typing import Any
@@ -48,13 +55,13 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import ExportableState
 
 import unbroken
 from unbroken.control.worker_env import WorkerEnv
-from unbroken.errors import is_peer_error
-from unbroken.integrations.hf_versions import Rewind, epochs_for
-from unbroken.runtime.engine import Engine
+from unbroken.errors import JobStopped, is_peer_error
+from unbroken.integrations.hf_state import StateOfTrainer, take_slot
+from unbroken.integrations.hf_versions import InlineEpochs, Rewind, epochs_for
+from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
 
@@ -90,39 +97,6 @@ def protect(trainer: Trainer, run: Run | None = None) -> Trainer:
     return trainer
 
 
-_OWN_FIELDS = ("is_local_process_zero", "is_world_process_zero")
-"""`TrainerState` fields that say which process this is: never taken from a peer."""
-
-
-class _StateOfTrainer:
-    """The `TrainerState` as a tracked object, with the stateful callbacks' state (early
-    stopping's patience, for one): `state_dict` is their JSON, read fresh; `load_state_dict`
-    updates the live state and callbacks in place (the Trainer's loop and the callbacks hold
-    them), and the Trainer's counters that derive from the step."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def _stateful(self) -> list[Any]:
-        return [c for c in self.trainer.callback_handler.callbacks if isinstance(c, ExportableState)]
-
-    def state_dict(self) -> dict[str, Any]:
-        state = dataclasses.asdict(self.trainer.state)
-        state["stateful_callbacks"] = {type(c).__name__: c.state() for c in self._stateful()}
-        return {"json": json.dumps(state)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        trainer, loaded = self.trainer, json.loads(state["json"])
-        callbacks = loaded.pop("stateful_callbacks")
-        for own in _OWN_FIELDS:  # this process's, not the peer's
-            loaded.pop(own, None)
-        trainer.state.__dict__.update(loaded)
-        for callback in self._stateful():
-            for name, value in callbacks.get(type(callback).__name__, {}).get("attributes", {}).items():
-                setattr(callback, name, value)
-        trainer._globalstep_last_logged = trainer._initial_global_step = trainer.state.global_step
-
-
 class TrainerSteps:
     """A Trainer's optimizer steps on the engine's step transaction. One per Trainer."""
 
@@ -131,6 +105,7 @@ class TrainerSteps:
         self.engine: Engine = run.engine
         self._training_step = trainer.training_step  # bound: a subclass's override included
         self._num_items = trainer._get_num_items_in_batch
+        self._clip_grad_norm = getattr(trainer, "_clip_grad_norm", None)  # 5.x; 4.x's is inline
         self._epochs = epochs_for(transformers.__version__, trainer)  # where a joiner starts
         trainer.training_step = self.training_step
         trainer._get_num_items_in_batch = self.num_items
@@ -147,9 +122,11 @@ class TrainerSteps:
         self._count: Any = None  # the update's item count, as gathered in this generation
         self._update = ExitStack()
         self._loss = 0.0
+        self._metrics: dict[str, Any] = {}  # the update's, as checked: committed with it
         self._reuse_view = True  # generation 0's DDP is the Trainer's own
         self._drawn = 0  # the step of the update the Trainer's loop draws next
-        self._skip_update = False  # the peers' state already holds this update
+        self._skip_update = False  # no update: the peers' state holds it, or the engine
+        # passed over its step
         self._scheduler_state: dict[str, Any] = {}
         self._exact = False  # --exact-reduction: every DDP built gets exact_allreduce
 
@@ -159,7 +136,7 @@ class TrainerSteps:
         trainer, run = self.trainer, self.run
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
-                  trainer_state=_StateOfTrainer(trainer))
+                  trainer_state=StateOfTrainer(trainer))
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
         self._exact = WorkerEnv.from_environ().exact_reduction
         if self._exact and isinstance(trainer.model_wrapped, DistributedDataParallel):
@@ -168,15 +145,21 @@ class TrainerSteps:
         self._reuse_view = not joining
         if (why := self._epochs.why_not()) is not None:
             self.engine.in_place_unavailable(why)
+        if isinstance(self._epochs, InlineEpochs):
+            self.engine.anomalies.without_rollback(
+                "transformers 4.x's inline epoch loop cannot be run again from an older step",
+                self.engine.position.rank)
         self.engine.start(trainer.state.max_steps, self.build, self.shadow_step,
                           resumed_at=trainer.state.global_step)
         self._drawn = self.engine.position.step
         if run.spare:
-            self._take_slot(self.engine.slot)
+            take_slot(trainer, self.engine.slot)
         if joining:  # after the spare's slot: 4.x's skip wraps the loader's batch sampler
             self._epochs.start_at(self.engine.position.step)
 
     def pre_optimizer_step(self) -> None:
+        if not self._skip_update:
+            self._check()
         if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
             self._scheduler_state = self.trainer.lr_scheduler.state_dict()
         self._update.enter_context(self.engine.updating())
@@ -189,25 +172,10 @@ class TrainerSteps:
             self.trainer.lr_scheduler.load_state_dict(self._scheduler_state)
         step = self.trainer.state.global_step - 1
         if step >= self.engine.position.step:
-            self.engine.commit(step, {"loss": float(self._loss)})  # one sync per step
+            self.engine.commit(step, self._metrics)
 
     def train_end(self) -> None:
         self.engine.finish()
-
-    def _take_slot(self, slot: int) -> None:
-        """A promoted spare built its Trainer as rank 0 of the stand-in world: it takes its
-        slot's identity, where Accelerate and the Trainer keep it (the process index, the
-        data shard's, the state's process-zero flag), before its first batch is drawn."""
-        from accelerate.state import AcceleratorState, PartialState
-
-        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-            if "process_index" in shared:
-                shared["process_index"] = slot
-        loader = self.trainer.callback_handler.train_dataloader
-        sampler = getattr(loader, "batch_sampler", None)
-        if hasattr(sampler, "process_index"):
-            sampler.process_index = slot
-        self.trainer.state.is_world_process_zero = slot == 0
 
     # ------------------------------------------------------------------ the step
     def num_items(self, batches: list, device: Any) -> Any:
@@ -216,6 +184,7 @@ class TrainerSteps:
         `begin` runs here (a switch the leader asked for happens first, so that every member
         of the new generation meets at this count's gather); then the count, recovered."""
         self._micro, self._loss, self._skip_update = [], 0.0, False
+        self._metrics = {}
         self._fetched = (batches, device)
         drawn, self._drawn = self._drawn, self._drawn + 1
         step = self.engine.begin()
@@ -224,6 +193,9 @@ class TrainerSteps:
             step = self.engine.position.step
         elif step < drawn:  # a switch in `begin` took the state back
             self._rewind()
+        elif step > drawn:  # the engine passed over this update's step (`run.skip_steps`, or
+            self._skip_update = True  # a batch an anomaly passes over): no update is made
+            return None
         if self._recount(step):
             return None
         return self._count
@@ -258,6 +230,57 @@ class TrainerSteps:
         self._replay(self._micro[:-1], step)
         return False
 
+    def _check(self) -> None:
+        """The engine's check of the update, after every micro-batch's backward and the
+        clipping, before the optimizer step (collective when numerical checks are on), and
+        its verdict obeyed. RERUN: the engine dropped the update; it starts over as a new try
+        (`begin`, the count, `enter`), its micro-batches run again on the same inputs, clipped
+        and checked again. SKIPPED: the engine passed over the step: no optimizer step, the
+        scheduler set back (`_skip_update`). ROLLED_BACK: the state went back (`Rewind`). A
+        peer's fault met here (the check's gather, a replay) is recovered as in a
+        micro-batch, then the whole update is run again. `JobStopped` propagates."""
+        engine = self.engine
+        step, again = engine.position.step, False
+        while True:
+            try:
+                if again:
+                    engine.enter(step)
+                    self._replay(self._micro, step, reduce_last=True, recovered=False)
+                    self._clip()
+                self._metrics = {"loss": float(self._loss)}  # one sync per step
+                verdict = engine.check(step, self._metrics)
+            except JobStopped:
+                raise
+            except Exception as exc:  # a peer's fault is recovered; anything else re-raised
+                engine.fail(step, exc)
+                if self._recount(step):
+                    return
+                again = True
+                continue
+            if verdict is Verdict.COMMIT:
+                return
+            if verdict is Verdict.SKIPPED:
+                self._skip_update = True
+                return
+            if verdict is Verdict.ROLLED_BACK:
+                self._rewind()
+            engine.begin()  # RERUN: the same step again (a switch asked for comes first)
+            if self._recount(step):
+                return
+            again = True
+
+    def _clip(self) -> None:
+        """The Trainer's gradient clipping, again: it clipped the first try's gradients
+        before `on_pre_optimizer_step`, where the update was run again."""
+        trainer = self.trainer
+        max_norm = trainer.args.max_grad_norm
+        if max_norm is None or max_norm <= 0:
+            return
+        if self._clip_grad_norm is not None:  # 5.x: the Trainer's own (unwrapped)
+            self._clip_grad_norm(trainer.model_wrapped)
+        else:  # 4.x: the loop's inline clipping (DDP; FSDP2 under 4.x is not in place)
+            trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), max_norm)
+
     def _recount(self, step: int) -> bool:
         """The update's count (again, after a switch), recovered; True if the peers' state
         already holds this update (it is skipped). Raises `Rewind` if the state went back."""
@@ -273,17 +296,19 @@ class TrainerSteps:
             except Exception as exc:  # a peer's fault is recovered; anything else re-raised
                 self.engine.fail(step, exc)
 
-    def _replay(self, micro: list, step: int, reduce_last: bool = False) -> None:
+    def _replay(self, micro: list, step: int, reduce_last: bool = False,
+                recovered: bool = True) -> None:
         """Run `micro` (this update's inputs) again in the new generation, their gradient
         reduction deferred as the Trainer defers it (DDP's `no_sync`, FSDP2's
-        `set_requires_gradient_sync(False)`), except the last one's if `reduce_last`."""
+        `set_requires_gradient_sync(False)`), except the last one's if `reduce_last`.
+        `recovered`: after an in-place recovery (said in an event), not a rerun."""
         self._loss = 0.0
         view = self.engine.view
         for i, inputs in enumerate(micro):
             deferred = not (reduce_last and i == len(micro) - 1)
             with _no_sync(view) if deferred else ExitStack():
                 self._loss = self._loss + self._training_step(view, inputs, self._count).detach()
-        if micro:
+        if micro and recovered:
             self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=self.engine.position.gen,
                                                          micro_batches=len(micro)))
 
@@ -359,8 +384,9 @@ class TrainerSteps:
         return long
 
     def _unless_skipped(self, original: Any) -> Any:
-        """The update's optimizer step, unless the peers' state holds it (an instance
-        attribute of the Accelerator's wrapper, which no checkpoint pickles)."""
+        """The update's optimizer step, unless the peers' state holds it or the engine
+        passed over its step (an instance attribute of the Accelerator's wrapper, which no
+        checkpoint pickles)."""
         def step(*args: Any, **kwargs: Any) -> Any:
             return None if self._skip_update else original(*args, **kwargs)
         return step

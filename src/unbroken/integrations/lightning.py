@@ -6,7 +6,18 @@ What holds (docs/integrations.md):
 - Each optimizer step is a committed step (`trainer.global_step`). The engine's `begin` and
   `enter` come at the strategy's `on_train_batch_start` of the update's first batch; the
   last batch's closure (forward, backward, DDP's all-reduce) and the update run inside the
-  strategy's `optimizer_step`; `updating` spans the update, and `commit` follows it.
+  strategy's `optimizer_step`; `check` comes after that closure (its backward, before
+  Lightning's gradient clipping), `updating` spans the update, and `commit` follows it.
+- The engine's verdict is obeyed (numerical checks, `AnomalyConfig`: pass the script's
+  `unbroken.init(anomalies=...)` as `UnbrokenDDPStrategy(run=...)`). RERUN: the update is
+  run again, its earlier batches from their inputs and RNG states, then the last batch's
+  closure, and checked again. A step the engine passed over (at `check`, or at `begin`:
+  `run.skip_steps`, a batch an earlier anomaly passes over) makes no update (its batches
+  still run forward and backward, every rank alike), and its step-interval LR schedulers
+  are not stepped; Lightning counts it as a step and goes on to the next batches. A
+  rollback cannot be followed (Lightning's loops cannot be set back in place): the
+  rollback remedy is taken as a skip, said at the start. The check's loss is the mean of
+  the update's batches' training-step losses.
 - Survivors never leave `fit()`. A collective that fails because a peer died, inside the
   closure, leaves the generation and joins the next one in the strategy's `optimizer_step`:
   the engine brings the committed state, every member builds a fresh DDP on the new group
@@ -39,8 +50,6 @@ version trains unprotected, saying so in one line.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
-from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any
 
@@ -52,8 +61,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
-from unbroken.errors import is_peer_error
-from unbroken.runtime.engine import Engine
+from unbroken.errors import JobStopped, is_peer_error
+from unbroken.integrations.lightning_replay import UpdateBatches
+from unbroken.integrations.lightning_state import LightningState
+from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
 
@@ -78,10 +89,13 @@ def _fake_world() -> bool:
 
 class UnbrokenDDPStrategy(DDPStrategy):
     """Lightning's DDP strategy, whose `fit()` recovers in place (the module's docstring).
-    Outside `fit()` (validate, test, predict) it is Lightning's DDP."""
+    Outside `fit()` (validate, test, predict) it is Lightning's DDP. `run`: an
+    `unbroken.init()` of the script's own (its anomaly checks, checkpoints, skipped steps);
+    default: one made when `fit()` sets up."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, run: Run | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.run = run
         self.local = False
         """A joiner before its first batch: collectives return the local value."""
         self.steps: FitSteps | None = None
@@ -108,7 +122,7 @@ class UnbrokenDDPStrategy(DDPStrategy):
                       "every worker", file=sys.stderr, flush=True)
                 self.local = False
                 return
-            self.steps = FitSteps(trainer, self, init())
+            self.steps = FitSteps(trainer, self, self.run or init())
 
     @property
     def root_device(self) -> torch.device:
@@ -149,7 +163,7 @@ class UnbrokenDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         if self.steps is not None:
-            self.steps.record_loss(out)
+            self.steps.batches.record_loss(out)
         return out
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -224,80 +238,13 @@ def _unprotected(trainer: Any) -> str | None:
     return None
 
 
-def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The RNG state the engine seeds (`enter`): the default generator's, the device's."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return torch.default_generator.get_state(), torch.cuda.get_rng_state() if cuda else None
+class _NoUpdate(Exception):  # noqa: N818
+    """Out of the closure, inside the optimizer's step and before its update: the step
+    makes no update (`verdict`: the engine dropped it to run again, or passed over it)."""
 
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.default_generator.set_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
-
-
-_OWN_KEYS = ("hyper_parameters", "hparams_name", "hparams_type",
-             "datamodule_hyper_parameters", "datamodule_hparams_name")
-"""Checkpoint entries a joiner's script makes itself: they may hold any Python object, and
-state from a peer travels as tensors and plain data only (never unpickled)."""
-
-_REDONE = "unbroken_batches_redone"
-"""The peer's batches of the update in flight already run: the joiner runs them again, its
-strategy collectives local (the peer is past them)."""
-
-_SAVED = "unbroken_checkpoint_saved"
-"""Each `ModelCheckpoint`'s last save (its `_last_global_step_saved`, which its state dict
-lacks): a joiner in the middle of an update must not save again at a step its peer saved
-at (a save's collectives would meet the peer's all-reduce)."""
-_SAVED_ATTRS = ("_last_global_step_saved", "_last_checkpoint_saved")
-
-
-class _LightningState:
-    """What Lightning's checkpoint carries besides the model and optimizers (tracked
-    themselves): loops, callbacks, LR schedulers, precision, datamodule, as one tracked
-    object, in plain data and tensors (the state step packs it; nothing is pickled).
-    `state_dict` dumps it fresh (the committed step's, taken inside the next step
-    or between steps); `load_state_dict` hands it to Lightning's own restore."""
-
-    def __init__(self, steps: FitSteps) -> None:
-        self.steps = steps
-
-    def state_dict(self) -> dict[str, Any]:
-        trainer = self.steps.trainer
-        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        for key in ("state_dict", "optimizer_states"):  # tracked: sent as tensors
-            ckpt.pop(key, None)
-        # The update in flight is not committed: the joiner runs its batches again.
-        redone = len(self.steps.earlier)
-        progress = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]
-        for counts in (progress["total"], progress["current"]):
-            done = counts["completed"] - redone
-            counts.update(ready=done, started=done, processed=done, completed=done)
-        ckpt[_REDONE] = redone
-        ckpt[_SAVED] = {cb.state_key: {a: getattr(cb, a) for a in _SAVED_ATTRS}
-                        for cb in trainer.checkpoint_callbacks}
-        for key in _OWN_KEYS:  # the joiner's script builds its own
-            ckpt.pop(key, None)
-        return ckpt
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        steps = self.steps
-        if not steps.engine.joining:  # its loops ran on: they cannot be set back in place
-            raise RuntimeError("unbroken: a worker already in fit() was sent a peer's "
-                               "Lightning state; it cannot take it in place")
-        ckpt = dict(state)
-        steps.local_batches = int(ckpt.pop(_REDONE, 0))
-        saved = ckpt.pop(_SAVED, {})
-        connector = steps.trainer._checkpoint_connector
-        connector._loaded_checkpoint = ckpt  # loops, schedulers, precision: at fit's restore
-        connector.restore_datamodule()
-        connector.restore_callbacks()
-        for callback in steps.trainer.checkpoint_callbacks:
-            for attr, value in saved.get(callback.state_key, {}).items():
-                setattr(callback, attr, value)
-        fit_loop = ckpt["loops"]["fit_loop"]
-        steps.batches_that_stepped = fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"]
-        steps.from_peer = True
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"no update: {verdict}")
+        self.verdict = verdict
 
 
 class FitSteps:
@@ -312,16 +259,17 @@ class FitSteps:
         self.batches_that_stepped: int | None = None  # a joiner's logger step, from the peer
         self._reuse_view = not run.joining  # generation 0's DDP is Lightning's own
         self.started = False  # engine.start was called
-        # The update's batches before the one in flight, and that one (None: between
-        # updates), each with the RNG state it started with.
-        self.earlier: list[tuple[Any, int, Any]] = []
-        self.current: tuple[Any, int, Any] | None = None
-        self.losses: list[torch.Tensor] = []  # the update's batches' losses, on the device
+        self.batches = UpdateBatches()  # the update in flight's, to run again if redone
+        self.metrics: dict[str, Any] = {}  # the update's, as checked: committed with it
+        self.passing = False  # the update in flight is one the engine passed over (`begin`)
+        self.no_update = False  # the last update made none: its LR schedule holds
         self.local_batches = 0  # a joiner's batches run again with local collectives
         # Rank 0's per-batch raw broadcast of a SIGTERM flag would pair with a joiner's
         # first collective: off (a drain is the agent's, not Lightning's).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-        run.track(trainer.lightning_module, *trainer.optimizers, lightning=_LightningState(self))
+        loop = trainer.fit_loop.epoch_loop
+        loop.update_lr_schedulers = self._unless_no_update(loop.update_lr_schedulers)
+        run.track(trainer.lightning_module, *trainer.optimizers, lightning=LightningState(self))
         if run.joining:
             self._start()
 
@@ -335,6 +283,8 @@ class FitSteps:
             last = trainer.estimated_stepping_batches
             last = int(last) if last != float("inf") else sys.maxsize
         self.started = True
+        self.engine.anomalies.without_rollback("Lightning's loops cannot be set back in place",
+                                               self.engine.position.rank)
         self.engine.start(last, self.build, self.shadow_step, resumed_at=trainer.global_step)
 
     def train_start(self) -> None:
@@ -361,27 +311,28 @@ class FitSteps:
             self.local_batches -= 1
         else:
             self.strategy.local = False
-        if self.current is not None:  # a later batch of the update (accumulation)
-            self.earlier.append(self.current)
-            self.current = (batch, batch_idx, _rng_state())
+        if self.batches.in_update:  # a later batch of the update (accumulation)
+            self.batches.later(batch, batch_idx)
             return
         if self.pending is not None:  # a peer's fault met between steps: recover it now
             exc, self.pending = self.pending, None
             self.engine.fail(self.engine.position.step, exc)
-        if self.engine.begin() is None:  # the engine's last step is committed
+        step = self.engine.begin()
+        if step is None:  # the engine's last step is committed
             self.trainer.should_stop = True
             return
-        self.engine.enter(self.engine.position.step)
-        self.current, self.losses = (batch, batch_idx, _rng_state()), []
-
-    def record_loss(self, out: Any) -> None:
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if isinstance(loss, torch.Tensor):
-            self.losses.append(loss.detach())  # on the device: one host sync, at the commit
+        self.no_update = False
+        # The engine passed over Lightning's step (`run.skip_steps`, or a batch an anomaly
+        # passes over): this update runs its batches and makes no update.
+        self.passing = step > self.trainer.global_step
+        if not self.passing:
+            self.engine.enter(step)
+        self.batches.first(batch, batch_idx)
 
     def optimizer_step(self, step_fn: Any, closure: Any) -> Any:
-        """The strategy's optimizer step (the update's last batch's closure, then the
-        update), recovered in place: see the module's docstring."""
+        """The strategy's optimizer step (the update's last batch's closure, the engine's
+        check, then the update), recovered in place and as the check's verdict says: see
+        the module's docstring."""
         engine = self.engine
         step = engine.position.step
         self.in_step = True
@@ -389,59 +340,89 @@ class FitSteps:
             if self.pending is not None:  # met between this update's batches
                 exc, self.pending = self.pending, None
                 self._fail(step, exc)
+            rerun = False
             while True:
                 try:
-                    out = self._attempt(step_fn, closure)
-                    break
+                    if rerun:  # the same step again, as a new try, on the same inputs
+                        rerun = False
+                        engine.enter(step)
+                        self._redo(step)
+                    out, verdict = self._attempt(step_fn, closure, step)
+                except JobStopped:
+                    raise
                 except Exception as exc:  # a peer's fault is recovered; anything else re-raised
                     self._fail(step, exc)
-            loss = float(torch.stack(self.losses).float().mean()) if self.losses else None
-            self.earlier, self.current, self.losses = [], None, []
-            engine.commit(step, {"loss": loss} if loss is not None else {})
+                    continue
+                if verdict is not Verdict.RERUN:
+                    break
+                engine.begin()  # a switch the leader asked for comes first
+                rerun = True
+            self.batches.clear()
+            if verdict is Verdict.COMMIT:
+                engine.commit(step, self.metrics)
+                return out
+            if self.passing:  # the batches ran after the engine discarded the gradients
+                for optimizer in self.trainer.optimizers:
+                    optimizer.zero_grad()
+            self.passing, self.no_update = False, True
             return out
         finally:
             self.in_step = False
 
     def _fail(self, step: int, exc: Exception) -> None:
         """Leave for the next generation (`engine.fail`), then start the update over in it,
-        as it ran in the old one: the gradients zeroed, the earlier batches run again on the
-        same inputs and RNG states, their reduction deferred (`no_sync`). The batch in
-        flight is then redone by the caller, from its own RNG state (hooks between the
-        batches, a validation say, may have drawn from the RNG: they are not run again)."""
-        engine, trainer = self.engine, self.trainer
-        engine.fail(step, exc)
+        as it ran in the old one (`_redo`)."""
+        self.engine.fail(step, exc)
+        self._redo(step, exc)
+
+    def _redo(self, step: int, exc: Exception | None = None) -> None:
+        """Start the update over, as it ran before: the gradients zeroed, the earlier
+        batches run again on the same inputs and RNG states, their reduction deferred
+        (`no_sync`). The batch in flight is then redone by the caller, from its own RNG
+        state (hooks between the batches, a validation say, may have drawn from the RNG:
+        they are not run again). `exc`: the fault recovered in place before it (None: a
+        rerun the engine's check asked for)."""
+        engine = self.engine
         if engine.position.step > step:
             raise RuntimeError("unbroken: the peers committed a step this worker was still "
                                "running") from exc
-        for optimizer in trainer.optimizers:
-            optimizer.zero_grad()
-        self.losses = []
-        loop = trainer.fit_loop.epoch_loop
-        for batch, batch_idx, rng in self.earlier:
-            _set_rng_state(rng)
-            kwargs = loop._build_kwargs(OrderedDict(), batch, batch_idx)
-            closure = loop.automatic_optimization._make_closure(kwargs, trainer.optimizers[0],
-                                                                batch_idx)
-            with self.strategy.block_backward_sync():
-                closure()
-            closure.consume_result()
-        if self.current is not None:
-            _set_rng_state(self.current[2])
-        if self.earlier:
+        replayed = self.batches.replay(self.trainer, self.strategy)
+        if replayed and exc is not None:
             self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=engine.position.gen,
-                                                         micro_batches=len(self.earlier)))
+                                                         micro_batches=replayed))
 
-    def _attempt(self, step_fn: Any, closure: Any) -> Any:
-        """One try of the update's last batch: its closure, then the update (torn if it
-        raises)."""
+    def _attempt(self, step_fn: Any, closure: Any, step: int) -> tuple[Any, Verdict]:
+        """One try of the update's last batch: its closure, the engine's check, then the
+        update (torn if it raises); with the verdict. Anything but COMMIT (or an update the
+        engine passed over) leaves the optimizer's step before its update (`_NoUpdate`)."""
         engine = self.engine
         with ExitStack() as update:
-            def closure_then_update() -> Any:
+            def closure_then_check_then_update() -> Any:
                 result = closure()
+                if self.passing:
+                    raise _NoUpdate(Verdict.SKIPPED)
+                loss = self.batches.mean_loss()
+                self.metrics = {"loss": loss} if loss is not None else {}
+                verdict = engine.check(step, self.metrics)
+                if verdict is not Verdict.COMMIT:
+                    raise _NoUpdate(verdict)
                 update.enter_context(engine.updating())
                 return result
 
-            return step_fn(closure_then_update)
+            try:
+                return step_fn(closure_then_check_then_update), Verdict.COMMIT
+            except _NoUpdate as no:
+                return None, no.verdict
+
+    def _unless_no_update(self, original: Any) -> Any:
+        """The epoch loop's LR scheduler update: a step-interval one is not stepped after a
+        step that made no update (an instance attribute of the loop, which no checkpoint
+        holds)."""
+        def update_lr_schedulers(interval: str, *args: Any, **kwargs: Any) -> Any:
+            if interval == "step" and self.no_update:
+                return None
+            return original(interval, *args, **kwargs)
+        return update_lr_schedulers
 
     def train_end(self) -> None:
         self.engine.finish()
