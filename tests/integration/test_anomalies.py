@@ -202,14 +202,17 @@ def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
 
 
 def test_a_clean_run_with_jitter_flags_nobody(tmp_path):
-    """2,000 steps on 4 ranks, each rank-step stalled with probability 0.05 by up to 3x the
-    step (random ranks, random steps), with the detector configuration that flags a 1.5x
-    rank: nothing is flagged."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "0", args=[
-        *TINY, "--steps", "2000", "--step-sleep", "0.015", "--stall-prob", "0.05",
+    """2,000 steps, each rank-step stalled with probability 0.05 by up to 3x the step (the
+    ranks and steps chosen at random), with the detector configuration that flags a 1.5x
+    rank: nothing is flagged. (Two ranks on this 2-core machine: with four, CPU contention
+    of ~18 ms steps once made a 1.8x episode of 15 steps, which is a straggler by this
+    measure; docs/anomalies.md says so. The detector's jitter immunity over four ranks is
+    tests/unit/test_stragglers.py's, on seeded series.)"""
+    result = launch(tmp_path / "run", *NPROC, "--max-restarts", "0", args=[
+        *TINY, "--steps", "2000", "--step-sleep", "0.01", "--stall-prob", "0.05",
         "--stall-max", "5", "--stragglers", "drain"], timeout=600)
     assert result.code == 0, result.output
-    # The jitter was there: a stall of up to 5 x 15 ms is up to ~3x the whole step.
+    # The jitter was there: a stall of up to 5 x 10 ms is up to ~3x the whole step.
     times = sorted(e["duration"] for e in result.events("step") if e["rank"] == 0)
     median = times[len(times) // 2]
     assert sum(t > 2 * median for t in times) > 0.02 * len(times), (median, times[-20:])
