@@ -57,6 +57,10 @@ def main() -> None:
                    help="each rank-step, with this probability, sleeps a further uniform "
                         "(0, --stall-max) x --step-sleep (sparse jitter; seeded by step and rank)")
     p.add_argument("--stall-max", type=float, default=3.0)
+    p.add_argument("--wait-for", default=None, metavar="PATH",
+                   help="at step --wait-at, every rank waits (up to 300 s, a declared long "
+                        "phase) until PATH exists (a test holds the job until a spare is ready)")
+    p.add_argument("--wait-at", type=int, default=0)
     a = p.add_argument_group("anomalies (docs/anomalies.md)")
     a.add_argument("--anomalies", action="store_true",
                    help="check every step for NaN, Inf and loss spikes")
@@ -109,6 +113,11 @@ def main() -> None:
         if args.eval_every and step and step % args.eval_every == 0 and run.rank == 0:
             with run.phase("eval"):  # many step times long: no hang timeout runs in it
                 time.sleep(args.eval_seconds)  # stands in for an evaluation pass
+        if args.wait_for and step == args.wait_at:
+            with run.phase("wait"):
+                deadline = time.monotonic() + 300
+                while not os.path.exists(args.wait_for) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
             # The accelerator's time for the step: before the gradients' all-reduce, as a
             # forward and backward would spend it.

@@ -118,19 +118,22 @@ def test_a_bit_flipped_on_rank_2_is_blamed_on_it_alone_and_repaired_in_place(tmp
     assert clean.code == 0, clean.output
     assert all(e["ok"] for e in clean.events("sdc_check"))
     assert {e["step"] for e in clean.events("sdc_check")} >= {5, 10, 15, 20}
-    # Steps wait 1 s each until the spare is ready, so that it is there to take the slot.
+    # Every rank waits at step 12 until the spare is ready, so that it is there to take the
+    # slot (on a loaded 2-core machine a spare took 16 s to warm up).
     go = tmp_path / "spare-ready"
     run_dir = tmp_path / "faulty"
     proc = start(run_dir, "--nproc-per-node", "4", "--spares", "1", "--max-restarts", "1",
                  "--fault", "bitflip:rank=2,step=13,bit=22",
                  args=_args(tmp_path, "faulty", *common, "--checkpoint-dir",
-                            str(tmp_path / "ck1"), "--step-sleep", "1", "--sleep-until",
-                            str(go)))
-    wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 120,
-             "the spare", explain=run_dir)
-    assert max((e["step"] for e in events_of(run_dir, "step")), default=0) < 12
-    go.touch()
+                            str(tmp_path / "ck1"), "--wait-for", str(go), "--wait-at", "12"))
+    try:
+        wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 180,
+                 "the spare", explain=run_dir)
+    finally:
+        go.touch()
     faulty = finish(proc, run_dir)
+    assert not any(e["step"] >= 12 for e in faulty.events("step")
+                   if e["t"] < faulty.events("spare_ready")[0]["t"])
     assert faulty.code == 0, faulty.output
     (mismatch,) = faulty.events("sdc_mismatch")
     assert mismatch["step"] == 15 and mismatch["blamed"] == [2]
@@ -175,13 +178,16 @@ def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
     process, not the rank). The straggler detector flags slot 1 within 50 steps, the slot is
     drained onto the ready spare, and the job's step time returns to what it was."""
     run_dir = tmp_path / "run"
+    go = tmp_path / "spare-ready"  # every rank waits at step 100 until the spare is ready
     proc = start(run_dir, *NPROC, "--spares", "1", "--max-restarts", "0",
                  "--fault", "slow:rank=1,step=120,steps=150,factor=1.5",
-                 args=[*TINY, "--steps", "240", "--step-sleep", "0.08", "--stragglers", "drain"])
-    wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 120,
-             "the spare", explain=run_dir)
-    reached = max((e["step"] for e in events_of(run_dir, "step")), default=0)
-    assert reached < 120, f"the spare was ready only at step {reached}, after the slowdown"
+                 args=[*TINY, "--steps", "240", "--step-sleep", "0.08", "--stragglers", "drain",
+                       "--wait-for", str(go), "--wait-at", "100"])
+    try:
+        wait_for(lambda: events_of(run_dir, "spare_ready") or proc.poll() is not None, 180,
+                 "the spare", explain=run_dir)
+    finally:
+        go.touch()
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
     (flag,) = result.events("straggler_flagged")

@@ -135,8 +135,24 @@ def _pick(checkpoints: list[tuple[int, Path]], record: ev.Emit) -> int | None:
     return next((s for s, p in checkpoints if intact(s, p)), None)
 
 
+INTERNAL_EXTRAS = "extra__unbroken_"
+"""The runtime's own tracked extras (the anomaly detectors' state): a checkpoint saved before
+a detector was turned on lacks them, and is loaded without them (they keep their fresh
+state)."""
+
+
+def _without_missing_internal(state: dict[str, Any], path: Path) -> None:
+    saved = load_metadata(path / ".metadata").state_dict_metadata
+    for key in [k for k in state if k.startswith(INTERNAL_EXTRAS)]:
+        if not any(m == key or m.startswith(f"{key}.") for m in saved):
+            del state[key]
+
+
 def load_into(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
+    """Load checkpoint `path` into `state` in place (tensors only); the runtime's own extras
+    that `path` lacks are left out of `state`."""
     try:
+        _without_missing_internal(state, path)
         check_fits(state, path)
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
                  process_group=group, no_dist=not dist.is_initialized())

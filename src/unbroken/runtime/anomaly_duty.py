@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from unbroken.errors import JobStopped
 from unbroken.runtime import numerics
-from unbroken.runtime.config import AnomalyConfig, Remedy
+from unbroken.runtime.config import AnomalyConfig, Remedy, SdcRemedy
 from unbroken.runtime.numerics import Decision, NumericsState, Sample
 from unbroken.telemetry import schema as ev
 
@@ -70,11 +70,20 @@ def local_numbers(params: Iterable[torch.Tensor], metrics: dict[str, Any]) -> to
     return vec
 
 
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current CUDA device
+    under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather(vec: torch.Tensor) -> list[list[float]]:
     """Every rank's vector, in rank order (collective on the default group: the training
     group of the current generation), one host sync."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [vec.tolist()]
+    vec = vec.to(collective_device())
     world = dist.get_world_size()
     out = torch.empty(world * vec.numel(), dtype=vec.dtype, device=vec.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -106,6 +115,7 @@ class AnomalyDuty:
         self.ledger = Ledger()
         self.asked: set[int] = set()
         """Steps the script asked to pass over (`run.skip_steps`)."""
+        self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self.replicas: ReplicaChecks | None = None
         """The replica checks (SDC), when on."""
         self.stragglers: StragglerWatch | None = None
@@ -133,21 +143,37 @@ class AnomalyDuty:
     def without_rollback(self, why: str, rank: int) -> None:
         """For a loop that cannot follow a rollback (`why`; before `Engine.start`): the
         numerical anomalies' ROLLBACK remedy becomes SKIP, said once, by rank 0."""
-        n = self.config.numerics
-        if not n.enabled or n.remedy != Remedy.ROLLBACK:
-            return
-        self.config = replace(self.config, numerics=replace(n, remedy=Remedy.SKIP))
-        if rank == 0:
-            print(f"unbroken: {why}: a numerical anomaly's rollback is taken as a skip of its "
-                  "step", file=sys.stderr, flush=True)
+        n, said = self.config.numerics, []
+        if n.enabled and n.remedy == Remedy.ROLLBACK:
+            self.config = replace(self.config, numerics=replace(n, remedy=Remedy.SKIP))
+            said.append("a numerical anomaly's rollback is taken as a skip of its step")
+        if self.replicas is not None and self.replicas.config.remedy == SdcRemedy.ROLLBACK:
+            self.replicas.config = replace(self.replicas.config, remedy=SdcRemedy.REPORT)
+            said.append("replicas that disagree are reported, not rolled back")
+        if said and rank == 0:
+            print(f"unbroken: {why}: {'; '.join(said)}", file=sys.stderr, flush=True)
+
+    def save_rng(self) -> None:
+        """At a step's start, when the loop does not seed it (`seed=None`): the RNG states a
+        rerun of the step restores (the CPU's, and CUDA's once initialised)."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._rng = (torch.get_rng_state(), cuda)
+
+    def restore_rng(self) -> None:
+        if self._rng is not None:
+            cpu, cuda = self._rng
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
 
     def switched(self) -> None:
         """A generation switch: a finding awaiting its rerun, and a replica dispute awaiting
         its replay, are forgotten on every rank (a joiner's state, from a peer, has neither),
         so the next verdicts are the same everywhere: judged afresh."""
         self.ledger.state = replace(self.ledger.state, pending=None)
-        if self.replicas is not None:
-            self.replicas.state = replace(self.replicas.state, pending=None)
+        if self.replicas is not None:  # coverage is decided again by the new world's checks
+            r = self.replicas
+            r.state, r.covered, r.now = replace(r.state, pending=None), True, False
 
     def skip_reason(self, step: int) -> str | None:
         """Why `step` is passed over without running, or None if it runs."""
@@ -172,8 +198,15 @@ class AnomalyDuty:
                      at_copy: bool) -> ReplicaVerdict | None:
         """After committed step `pos.step`, before any copy of it (collective): the replica
         check if one is due (its verdict, else None), then the straggler gather if due.
-        `cls`: this rank's replica class; `at_copy`: a host copy of this step follows."""
+        `cls`: this rank's replica class (-1: a sharded model whose replica groups are not
+        known: no checks); `at_copy`: a host copy of this step follows."""
         verdict = None
+        if self.replicas is not None and cls < 0 and self.replicas.covered:
+            self.replicas.covered = False  # every rank: the model is the same kind everywhere
+            if pos.rank == 0:
+                print("unbroken: replica checks are off: this sharded model's replica groups "
+                      "are known only with in-place recovery under `unbroken run`",
+                      file=sys.stderr, flush=True)
         if self.replicas is not None and self.replicas.due(pos.step, at_copy):
             verdict = self.replicas.check(pos.step, tracked, slot, cls, pos.rank, step_time,
                                           copy_every, at_copy)

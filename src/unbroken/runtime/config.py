@@ -45,7 +45,7 @@ class NumericsConfig:
     """NaN, Inf and loss spikes, judged every step after backward and before the update."""
 
     enabled: bool = False
-    """Check every step: one all-gather of 3 numbers per rank on the training group."""
+    """Check every step: one all-gather of 4 numbers per rank on the training group."""
     window: int = 100
     """Accepted steps whose mean loss the spike score compares with."""
     min_history: int = 20
@@ -103,7 +103,7 @@ class StragglerConfig:
     """Ranks persistently slower than their peers, from each rank's own compute time."""
 
     enabled: bool = False
-    """Gather every rank's own step times every `batch` steps on the control group."""
+    """Gather every rank's own step times every `batch` steps on the training group."""
     batch: int = 5
     """Steps per point: each rank's point is the median of its own times over them."""
     target_ratio: float = 1.5

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
 import torch.distributed as dist
 
 from unbroken.control.messages import LeaveReason
@@ -108,7 +107,6 @@ class Engine:
         self._marks = ProgressMarks(heartbeat)
         self._t0 = 0.0
         self.anomalies = AnomalyDuty(s.anomalies, events.emit, file_drain)
-        self._rng: Any = None  # the step's RNG state at enter, for a rerun (seed None)
 
     # ------------------------------------------------------------------ position
     @property
@@ -222,7 +220,7 @@ class Engine:
         if self._resilient and self.settings.seed is not None:
             seed_step(self.settings.seed, step, self.slot)
         elif self.anomalies.numerics_on:  # a rerun draws the same numbers as this run
-            self._rng = torch.get_rng_state()
+            self.anomalies.save_rng()
 
     def check(self, step: int, metrics: dict[str, Any] | None = None) -> Verdict:
         """After backward and before the update: judge the step's loss (`metrics["loss"]`,
@@ -246,13 +244,12 @@ class Engine:
         kind = decision.found.kind if decision.found is not None else None
         if decision.verdict == Verdict.RERUN:
             self.drop(step, f"rerun: {kind}")
-            if self._rng is not None:
-                torch.set_rng_state(self._rng)
+            self.anomalies.restore_rng()
         elif decision.verdict == Verdict.ROLLED_BACK:
             self._watchdog.left()
             self.need_tracked("a step").discard_gradients()
             if self.rollback(f"anomaly: {kind}") is None:
-                self.skip(step, str(kind), metrics)  # nothing to go back to
+                self.skip(step, f"{kind}: no copy to roll back to", metrics)
                 return Verdict.SKIPPED
         elif decision.verdict == Verdict.SKIPPED:
             self.skip(step, str(kind), metrics)
@@ -303,7 +300,8 @@ class Engine:
                 due = self.checkpoints.due(pos.step)
                 sharded = self.switcher.sharded if self.switcher is not None else None
                 verdict = self.anomalies.after_commit(  # replicas checked before any copy
-                    pos, self.slot, sharded.shards.shard_index(pos.rank) if sharded else 0,
+                    pos, self.slot, sharded.shards.shard_index(pos.rank) if sharded
+                    else -int(is_sharded(self.tracked.model)),
                     self.settings.node, self.tracked, self.step_time,
                     self.checkpoints.interval, self.checkpoints.copies(pos.step, self._last_step))
                 if verdict is not None:

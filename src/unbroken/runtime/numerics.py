@@ -230,7 +230,8 @@ def decide(state: NumericsState, sample: Sample, config: NumericsConfig
     found = Found(sample.step, kind, loss, score, sample.bad_ranks(), rerun=False) \
         if kind is not None else None
     entry = Entry(sample.step, pending.kind, cause, sample.batches)
-    state = replace(state, ledger=state.ledger + (entry,))
+    if all((e.step, e.kind) != (entry.step, entry.kind) for e in state.ledger):  # a replay's
+        state = replace(state, ledger=state.ledger + (entry,))  # again: counted once, as merged
     stop = _limit(state, sample.step, config)
     if kind is None:  # a transient fault: the clean rerun is committed
         return (_accept(state, loss, config),
@@ -259,7 +260,10 @@ def _accept(state: NumericsState, loss: float | None, config: NumericsConfig) ->
 
 
 def _limit(state: NumericsState, step: int, config: NumericsConfig) -> Stop | None:
-    recent = tuple(e for e in state.ledger if e.step > step - config.anomaly_window)
+    """The data's findings (reproduced) within the window; a device's (not reproduced) are
+    silent data corruption's to handle, not a reason to end the job."""
+    recent = tuple(e for e in state.ledger if e.step > step - config.anomaly_window
+                   and e.cause == Cause.DATA)
     if len(recent) >= config.max_anomalies:
         return Stop(recent, config.max_anomalies, config.anomaly_window)
     return None

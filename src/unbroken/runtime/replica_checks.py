@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from unbroken.errors import JobStopped, SdcGuilty
 from unbroken.runtime import replicas
+from unbroken.runtime.anomaly_duty import collective_device
 from unbroken.runtime.checksum import checksum, state_tensors
 from unbroken.runtime.config import SdcConfig
 from unbroken.runtime.replicas import ReplicaState, Sums
@@ -33,8 +34,9 @@ FIRST_EVERY = 10
 class ReplicaVerdict:
     """What one check asks of the engine, in this order."""
 
-    clean: bool
-    """The state at this step is verified: a host copy of it may be taken."""
+    clean: bool | None
+    """The state at this step is verified: a host copy of it may be taken (None: nothing
+    to compare it with, no replicas)."""
     rollback: bool = False
     """Every rank rolls back to its newest host copy (verified when it was taken)."""
     replace_me: bool = False
@@ -59,13 +61,13 @@ class ReplicaVerdict:
         return None
 
 
-def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+def gather_ints(values: list[int]) -> list[list[int]]:
     """Every rank's int64 `values`, in rank order (collective on the default group)."""
-    vec = torch.tensor(values, dtype=torch.int64, device=device)
+    vec = torch.tensor(values, dtype=torch.int64, device=collective_device())
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [values]
     world = dist.get_world_size()
-    out = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    out = torch.empty(world * len(values), dtype=torch.int64, device=vec.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(out, vec)
     return out.view(world, -1).tolist()
@@ -111,17 +113,16 @@ class ReplicaChecks:
         t0 = time.perf_counter()
         tensors = state_tensors(tracked.model, tracked.optimizers)
         total, weighted = checksum(tensors)
-        device = tensors[0].device if tensors else torch.device("cpu")
         proposal = self._proposal(step_time, copy_every)
-        rows = gather_ints([total, weighted, slot, cls, proposal], device)
+        rows = gather_ints([total, weighted, slot, cls, proposal])
         seconds = time.perf_counter() - t0
         self.seconds.append(seconds)
         sums = Sums(step=step, sums=tuple((r[0], r[1]) for r in rows),
                     classes=tuple(r[3] for r in rows), slots=tuple(r[2] for r in rows))
         if replicas.coverage(sums.classes).startswith("no replicas"):
-            self.covered = False
-            return ReplicaVerdict(clean=True)
-        if self.config.every is None and len(self.seconds) >= 2:
+            self.covered = False  # until the next switch (every rank: the classes are shared)
+            return ReplicaVerdict(clean=None)
+        if self.config.every is None:  # from the gathered proposals: the same everywhere
             self.every = max(r[4] for r in rows)
         self.state, actions = replicas.decide(self.state, sums, self.config)
         return self._carry_out(actions, sums, seconds, slot, rank, at_copy)

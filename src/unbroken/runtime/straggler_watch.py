@@ -45,7 +45,7 @@ class StragglerWatch:
         if isinstance(view, DDP) and not getattr(view, "_comm_hooks", [True]):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            view.register_comm_hook(None, step_probe.timed(allreduce_hook))
+            view.register_comm_hook(view.process_group, step_probe.timed(allreduce_hook))
 
     def record(self, started: float, ended: float, gen: int) -> None:
         """A committed step that started at `started` and ended at `ended` (perf_counter)."""

@@ -55,7 +55,8 @@ class TrackedState:
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
         for name, obj in self.extra.items():
-            obj.load_state_dict(state[f"extra_{name}"])
+            if f"extra_{name}" in state:  # the runtime's own may be missing from an old one
+                obj.load_state_dict(state[f"extra_{name}"])
         if "rng_cpu" in state["unbroken"]:  # a checkpoint's; state from a peer has none
             torch.set_rng_state(state["unbroken"]["rng_cpu"])
         self.whole = True
