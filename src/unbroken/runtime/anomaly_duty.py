@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from unbroken.errors import JobStopped
 from unbroken.runtime import numerics
+from unbroken.runtime.checksum import local_tensor
 from unbroken.runtime.config import AnomalyConfig, Remedy, SdcRemedy
 from unbroken.runtime.numerics import Decision, NumericsState, Sample
 from unbroken.telemetry import schema as ev
@@ -51,14 +52,10 @@ class Ledger:
         self.state = numerics.merged(self.state, saved["json"])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def local_numbers(params: Iterable[torch.Tensor], metrics: dict[str, Any]) -> torch.Tensor:
     """This rank's `[loss, has loss, gradients' squared norm, batch id]` as float64, on the
     gradients' device (one read of the gradients; no host sync)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     loss, batch = metrics.get("loss"), metrics.get("data")
     vec = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0,
@@ -78,9 +75,10 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def gather(vec: torch.Tensor) -> list[list[float]]:
-    """Every rank's vector, in rank order (collective on the default group: the training
-    group of the current generation), one host sync."""
+def gather(vec: torch.Tensor) -> list[list[Any]]:
+    """Every rank's vector (any dtype: the detectors' floats, the checksums' int64), in rank
+    order (collective on the default group: the training group of the current generation),
+    one host sync."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [vec.tolist()]
     vec = vec.to(collective_device())

@@ -43,7 +43,7 @@ def wrap64(x: int) -> int:
     return (x + _HALF) % _MOD - _HALF
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (asked without importing DTensor), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -55,12 +55,12 @@ def state_tensors(model: torch.nn.Module,
     group, each parameter of the group, the tensor values of its state in sorted key order
     (AdamW's `step`, `exp_avg`, `exp_avg_sq`: the 0-dim step counter included). Buffers are
     left out (they may differ between DDP ranks), and so are non-tensor state values."""
-    out = [_local(p).detach() for p in model.parameters()]
+    out = [local_tensor(p).detach() for p in model.parameters()]
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state.get(p, {})
-                out += [_local(state[k]).detach() for k in sorted(state)
+                out += [local_tensor(state[k]).detach() for k in sorted(state)
                         if isinstance(state[k], torch.Tensor)]
     return out
 

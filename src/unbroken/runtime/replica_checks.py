@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from unbroken.errors import JobStopped, SdcGuilty
 from unbroken.runtime import replicas
-from unbroken.runtime.anomaly_duty import collective_device
+from unbroken.runtime.anomaly_duty import gather
 from unbroken.runtime.checksum import checksum, state_tensors
 from unbroken.runtime.config import SdcConfig
 from unbroken.runtime.replicas import ReplicaState, Sums
@@ -59,18 +58,6 @@ class ReplicaVerdict:
             return SdcGuilty(f"slot {slot}'s replica disagreed with the majority at step "
                              f"{step}: its process is replaced")
         return None
-
-
-def gather_ints(values: list[int]) -> list[list[int]]:
-    """Every rank's int64 `values`, in rank order (collective on the default group)."""
-    vec = torch.tensor(values, dtype=torch.int64, device=collective_device())
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [values]
-    world = dist.get_world_size()
-    out = torch.empty(world * len(values), dtype=torch.int64, device=vec.device)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(out, vec)
-    return out.view(world, -1).tolist()
 
 
 class ReplicaChecks:
@@ -114,7 +101,7 @@ class ReplicaChecks:
         tensors = state_tensors(tracked.model, tracked.optimizers)
         total, weighted = checksum(tensors)
         proposal = self._proposal(step_time, copy_every)
-        rows = gather_ints([total, weighted, slot, cls, proposal])
+        rows = gather(torch.tensor([total, weighted, slot, cls, proposal], dtype=torch.int64))
         seconds = time.perf_counter() - t0
         self.seconds.append(seconds)
         sums = Sums(step=step, sums=tuple((r[0], r[1]) for r in rows),
