@@ -98,4 +98,6 @@ def test_a_noisy_step_time_and_a_declared_long_evaluation_kill_nobody(tmp_path):
     durations = [e["duration"] for e in result.events("step") if e["rank"] == 0]
     assert len(durations) == 600 == summarize(result.run_dir)["steps"]
     durations.sort()
-    assert durations[-20] > 2 * durations[20]  # the jitter was real
+    # The jitter was real: sleeps from 10 to 30 ms spread the steps by about 20 ms (a ratio
+    # would shrink as a loaded machine's compute time grows; the spread does not).
+    assert durations[-20] - durations[20] > 0.01, (durations[20], durations[-20])

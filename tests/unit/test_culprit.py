@@ -205,3 +205,25 @@ def test_a_declared_long_phase_has_no_timeout_and_is_no_step_time():
     assert d.overdue(100.0) is None
     d.observe(Beat(step=2, monotonic=10.0, phase=PHASE_TRAINING, pid=1))
     assert d.timed_steps == 1 and d.step_timeout() == 1.0
+
+
+def test_a_rank_behind_after_a_node_was_unreachable_is_blamed_only_once_its_links_settle():
+    """A cut node's report comes late; the rank behind may wait for its resent bytes."""
+    s = initial_state(0, 4, [0, 1], RestartBudget(3))
+    config = PlannerConfig(stall_limit=60)
+    s, out = _decide(s, config=config, stalls=[StallReport(0, 0, [worker(0), worker(1)])])
+    assert not [c for c in out if isinstance(c, Order)]  # node 1 unreported: cut off
+    late = StallReport(1, 0, [worker(2), worker(3, progress=0)])  # rank 3 behind
+    s, out = _decide(s, now=104.0, config=config, stalls=[late])  # 4 s late
+    assert not [c for c in out if isinstance(c, Order)]
+    s, out = _decide(s, now=107.5, config=config)  # still settling (until 108)
+    assert not [c for c in out if isinstance(c, Order)]
+    s, out = _decide(s, now=108.5, config=config)  # settled, still behind: the culprit
+    assert [c.order.wid for c in out if isinstance(c, Order)] == ["3.0"]
+
+
+def test_a_report_a_moment_late_does_not_delay_the_blame():
+    s = initial_state(0, 4, [0, 1], RestartBudget(3))
+    s, _ = _decide(s, stalls=[StallReport(0, 0, [worker(0), worker(1)])])
+    s, out = _decide(s, now=100.4, stalls=[StallReport(1, 0, [worker(2), worker(3, progress=0)])])
+    assert [c.order.wid for c in out if isinstance(c, Order)] == ["3.0"]

@@ -19,6 +19,9 @@ workers stall) and decides, in this order:
 4. The members behind the others (a lower (step, progress): they have not reached the
    collective the others wait in) are the culprits, if they are at most half the members:
    most ranks behind one means that one did more (an extra forward), not that the rest hang.
+   A node that was unreported for more than `UNREACHABLE_AFTER` (its link was cut) settles
+   first: the ranks behind may wait for its bytes, which TCP resends on a backoff that
+   grows with the outage, so the blame waits as long again as the report was missing.
 5. Every member alive, at the same point, and stalled: no single culprit (a network blip
    that TCP will ride out, a collective that no rank can finish, a shared file system that
    hangs). The planner waits up to its `stall_limit`, then restarts the attempt, charged once.
@@ -56,11 +59,21 @@ class Culprit:
     worker: WorkerProgress
 
 
+UNREACHABLE_AFTER = 1.0
+"""Seconds a member's report may lag the others' before its node is taken as unreachable
+(an agent reports within one look of its workers falling silent)."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     kind: VerdictKind
     reason: str
     culprits: list[Culprit] = field(default_factory=list)
+    behind: bool = False
+    """A KILL for being behind the others (not for a stopped process): the one kind of
+    evidence a partition can fake."""
+    missing: bool = False
+    """A WAIT for a member not reported yet."""
 
 
 def frozen(w: WorkerProgress) -> bool:
@@ -91,7 +104,7 @@ def find_culprits(members: list[str], reports: dict[int, StallReport]) -> Verdic
                        f"stepping (phase {elsewhere[0].worker.phase}): its own timeout bounds it")
     missing = [m for m in members if m not in placed]
     if missing:
-        return Verdict(VerdictKind.WAIT, f"no report yet on worker(s) {missing}")
+        return Verdict(VerdictKind.WAIT, f"no report yet on worker(s) {missing}", missing=True)
     moving = [c for c in placed.values() if c.worker.silent_for <= c.worker.timeout]
     if moving:  # the stall is ending (or this one was never part of it)
         return Verdict(VerdictKind.WAIT, f"rank {moving[0].worker.slot} is moving")
@@ -104,9 +117,20 @@ def find_culprits(members: list[str], reports: dict[int, StallReport]) -> Verdic
                            f"{low[0]} point {low[1]}, the rest further: no single culprit")
         names = ", ".join(f"rank {c.worker.slot} (node {c.node})" for c in behind)
         return Verdict(VerdictKind.KILL, f"{names} behind: step {low[0]} point {low[1]} while "
-                       f"the others wait at step {high[0]} point {high[1]}", behind)
+                       f"the others wait at step {high[0]} point {high[1]}", behind, behind=True)
     return Verdict(VerdictKind.STUCK, f"every rank stalled at step {low[0]} point {low[1]}, "
                    "all alive: no single culprit")
+
+
+def _settle(stalls: Stalls, verdict: Verdict, now: float) -> tuple[float | None, float | None]:
+    """(since when a member has been unreported, until when blame by position waits): a
+    report that lagged more than `UNREACHABLE_AFTER` holds such blame as long again."""
+    if verdict.missing:
+        return (now if stalls.unreported_since is None else stalls.unreported_since,
+                stalls.settle_until)
+    if stalls.unreported_since is not None and now - stalls.unreported_since > UNREACHABLE_AFTER:
+        return None, now + (now - stalls.unreported_since)
+    return None, stalls.settle_until
 
 
 def take_in_stalls(stalls: Stalls, reports: list[StallReport | None], members: list[str],
@@ -128,12 +152,17 @@ def take_in_stalls(stalls: Stalls, reports: list[StallReport | None], members: l
         return Stalls(reports=latest, culprits=stalls.culprits), [], None
     since = now if stalls.since is None else stalls.since
     verdict = find_culprits(members, latest)
+    unreported, settle = _settle(stalls, verdict, now)
+    if verdict.behind and settle is not None and now < settle:
+        verdict = Verdict(VerdictKind.WAIT, f"{verdict.reason}, but a node was unreachable: "
+                          f"its links settle until {settle - now:.1f}s from now")
     out: list[Command] = []
     if verdict.kind != VerdictKind.KILL and stalls.verdict != verdict.kind:
         out.append(Record(ev.Stall(gen=gen, verdict=verdict.kind.value,
                                        reason=verdict.reason)))
     killed = list(stalls.culprits)
-    after = Stalls(reports=latest, since=since, culprits=killed, verdict=verdict.kind.value)
+    after = Stalls(reports=latest, since=since, culprits=killed, verdict=verdict.kind.value,
+                   unreported_since=unreported, settle_until=settle)
     if verdict.kind == VerdictKind.KILL:
         for c in verdict.culprits:
             if c.worker.wid in killed:

@@ -123,6 +123,10 @@ class Stalls:
     since: float | None = None
     culprits: list[str] = field(default_factory=list)
     verdict: str | None = None
+    unreported_since: float | None = None
+    """Since when a member's report has been missing (`culprit.UNREACHABLE_AFTER`)."""
+    settle_until: float | None = None
+    """Until when blame by position waits, after a member was unreachable."""
 
 
 @dataclass(frozen=True)
