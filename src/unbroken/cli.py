@@ -1,4 +1,4 @@
-"""The `unbroken` command: run, demo, report, drain, k8s."""
+"""The `unbroken` command: run, demo, report, drain, k8s, simulate."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from unbroken.exiting import exit_without_teardown
 from unbroken.k8s.flags import add_k8s_flags
 from unbroken.launch.flags.parser import add_run_flags, config_from_args
 from unbroken.launch.flags.values import port, positive_int, seconds
+from unbroken.simulate.cli import add_simulate_flags, run_simulate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +86,9 @@ def _build_parser() -> argparse.ArgumentParser:
     k8s = sub.add_parser("k8s", help="write the Kubernetes manifests of a job: a JobSet (or a "
                                      "TrainJob, a PyTorchJob), with etcd and metrics if asked")
     add_k8s_flags(k8s)
+    simulate = sub.add_parser("simulate", help="what recovery is worth at N GPUs, and how many "
+                                               "spares to buy: a Monte Carlo of one job")
+    add_simulate_flags(simulate)
     return parser
 
 
@@ -175,7 +179,7 @@ def _cmd_k8s(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report, "drain": _cmd_drain,
-                "k8s": _cmd_k8s}
+                "k8s": _cmd_k8s, "simulate": run_simulate}
     try:
         return int(handlers[args.command](args))
     except UserError as exc:

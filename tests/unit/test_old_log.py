@@ -20,6 +20,9 @@ def test_an_old_run_dir_reports_as_it_did(tmp_path):
     expected = json.loads((OLD_RUN / "expected.json").read_text())
     report = build_report([run])
     assert report.pop("run_dir") == str(run)
+    # Added since (issue 28): whether each fault was injected; the rest is as it was then.
+    # The demo injected all three (its log has their `fault_injected` events).
+    assert [f.pop("injected") for f in report["faults"]] == [True, True, True]
     assert json.loads(json.dumps(report, sort_keys=True)) == expected["report"]
     summary = summarize(run)
     summary.pop("run_dir")

@@ -100,6 +100,8 @@ class SeenFault:
     event: ev.Fault
     began: float
     t: float
+    injected: bool = False
+    """Injected by `UNBROKEN_FAULTS` (a `fault_injected` event): a cost, never a rate."""
 
 
 def _worker(e: EventBody) -> bool:
@@ -152,13 +154,13 @@ def _slot_or_rank(e: EventBody) -> int | None:
     return e.slot if e.slot is not None else e.rank
 
 
-def _fault_start(f: ev.Fault, events: list[EventBody]) -> float:
-    """When a fault happened: its injection if injected, a hang's last heartbeat, else its
-    detection."""
+def _fault_start(f: ev.Fault, events: list[EventBody]) -> tuple[float, bool]:
+    """When a fault happened (its injection if injected, a hang's last heartbeat, else its
+    detection), and whether it was injected."""
     slot = _slot_or_rank(f)
     injected = [e.t for e in events if isinstance(e, ev.FaultInjected) and e.t <= f.t
                 and e.attempt == _attempt(f) and _slot_or_rank(e) == slot]
-    return injected[-1] if injected else (f.hang_started or f.t)
+    return (injected[-1], True) if injected else (f.hang_started or f.t, False)
 
 
 def fault_key(f: ev.Fault) -> tuple:
@@ -174,8 +176,8 @@ def distinct_faults(events: Iterable[dict[str, Any] | EventBody]) -> list[SeenFa
     for f in (e for e in events if isinstance(e, ev.Fault)):
         key = fault_key(f)
         first = seen.get(key)
-        seen[key] = SeenFault(f, first.began if first else _fault_start(f, events),
-                              first.t if first else f.t)
+        began, injected = (first.began, first.injected) if first else _fault_start(f, events)
+        seen[key] = SeenFault(f, began, first.t if first else f.t, injected)
     return list(seen.values())
 
 
@@ -332,7 +334,7 @@ def _fault_rows(faults: list[SeenFault], segments: list[Segment],
         rows.append({
             "kind": e.kind, "rank": e.rank, "node": e.node,
             "attempt": _attempt(e), "step": e.step, "t": f.t,
-            "detail": e.detail, "in_place": bool(e.in_place),
+            "detail": e.detail, "in_place": bool(e.in_place), "injected": f.injected,
             "detection": round(f.t - began, 3),
             "cost_s": {k: round(v, 6) for k, v in sorted(cost.items()) if v > 0},
         })

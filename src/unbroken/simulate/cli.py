@@ -1,0 +1,222 @@
+"""`unbroken simulate`: its flags, and the command that runs the simulation and prints it.
+
+Every flag fills a field of `simulate.inputs` (`Job`, `Failures`); bad input is one line
+and exit 2, as everywhere in unbroken."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from typing import Any
+
+from unbroken.errors import ExitCode, UserError
+from unbroken.simulate.inputs import Failures, Job, Kind, Scale
+
+
+def _number(name: str, positive: bool = True, integer: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a number, got {text!r}") from None
+        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be {'positive' if positive else 'zero or more'}, got {text}")
+        return value
+    return parse
+
+
+def _shares(text: str) -> dict[Kind, float]:
+    """`crash=0.7,node_lost=0.2,...`: kinds not named get 0."""
+    out = {k: 0.0 for k in Kind}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        try:
+            out[Kind(name.strip())] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--shares takes KIND=SHARE,... with KIND one of "
+                f"{', '.join(k.value for k in Kind)}, got {part!r}") from None
+    return out
+
+
+def _interval(text: str) -> float | None:
+    if text == "young-daly":
+        return None
+    return _number("--checkpoint-every")(text) * 60
+
+
+def _spares(text: str) -> int | str:
+    return "auto" if text == "auto" else int(_number("--spares", False, True)(text))
+
+
+def add_simulate_flags(p: argparse.ArgumentParser) -> None:
+    d = Job()
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--gpus", type=_number("--gpus", integer=True), default=d.gpus,
+                       help=f"GPUs that train (default {d.gpus})")
+    scale.add_argument("--sweep", action="store_true",
+                       help="every scale from 8 to 131,072 GPUs, doubling")
+    p.add_argument("--gpus-per-node", type=_number("--gpus-per-node", integer=True),
+                   default=d.gpus_per_node)
+    p.add_argument("--days", type=_number("--days"), default=d.days,
+                   help=f"wall time simulated (default {d.days:g})")
+    p.add_argument("--seeds", type=_number("--seeds", integer=True), default=100,
+                   help="runs per strategy, each with its own failure draws (default 100)")
+    p.add_argument("--seed", type=_number("--seed", False, True), default=0,
+                   help="the first seed: the same seed, the same result")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--job-mttf-hours", type=_number("--job-mttf-hours"), default=None,
+                      help="the job's MTTF at --mttf-gpus (default Meta RSC's 1.8 h at 16,384)")
+    rate.add_argument("--gpu-mtbf-hours", type=_number("--gpu-mtbf-hours"), default=None,
+                      help="one GPU's mean time between failures instead")
+    p.add_argument("--mttf-gpus", type=_number("--mttf-gpus", integer=True), default=16384)
+    p.add_argument("--shares", type=_shares, default=None,
+                   help="each failure kind's share, summing to 1 (default from Llama 3: "
+                        "crash=0.75,node_lost=0.2,hang=0.02,sdc=0.01,straggler=0.02)")
+    p.add_argument("--weibull-shape", type=_number("--weibull-shape"), default=1.0,
+                   help="shape of the times between failures (1: exponential)")
+    every = p.add_mutually_exclusive_group()
+    every.add_argument("--checkpoint-every-min", type=_number("--checkpoint-every-min"),
+                       default=None, help="compute minutes between checkpoints")
+    every.add_argument("--checkpoint-every", type=_interval, default=None,
+                       metavar="young-daly|MIN", help="young-daly (the default) or minutes")
+    p.add_argument("--restart-min", type=_number("--restart-min"), default=None,
+                   help="one torchrun-style restart, failure to training again (default: "
+                        "scaled from published restarts, docs/simulate.md)")
+    p.add_argument("--spares", type=_spares, default=d.spares_per_node, metavar="N|auto",
+                   help="spare GPUs per node; auto: find the cheapest reserve")
+    p.add_argument("--standby-nodes", type=_number("--standby-nodes", False, True),
+                   default=d.standby_nodes)
+    p.add_argument("--node-replace-min", type=_number("--node-replace-min"),
+                   default=d.node_replace_s / 60,
+                   help="the scheduler's time to give back a lost node, warm-up included")
+    p.add_argument("--step-s", type=_number("--step-s"), default=d.step_s)
+    p.add_argument("--replica-gpus", type=_number("--replica-gpus", integer=True),
+                   default=None, help="GPUs of one data-parallel replica (default a node)")
+    p.add_argument("--state-gb-per-gpu", type=_number("--state-gb-per-gpu"),
+                   default=d.state_gb_per_gpu)
+    p.add_argument("--target-ettr", type=_number("--target-ettr"), default=None,
+                   help="with --spares auto: the fewest reserved GPUs reaching this ETTR")
+    p.add_argument("--gpu-hour-cost", type=_number("--gpu-hour-cost", False), default=None,
+                   help="price of a GPU-hour, for --spares auto")
+    p.add_argument("--from-run", nargs="+", metavar="RUN_DIR", default=None,
+                   help="take recovery costs (and real fault rates) from these runs")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="each cost halved and doubled: how much the answer rests on it")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--png", metavar="FILE", default=None, help="write the plot")
+    p.add_argument("--html", metavar="FILE", default=None, help="write one HTML page")
+
+
+def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
+    if args.target_ettr is not None and not 0 < args.target_ettr < 1:
+        raise UserError(f"--target-ettr must be between 0 and 1, got {args.target_ettr:g}")
+    failures = Failures(
+        job_mttf_hours=None if args.gpu_mtbf_hours else (args.job_mttf_hours or 1.8),
+        mttf_gpus=int(args.mttf_gpus), gpu_mtbf_hours=args.gpu_mtbf_hours,
+        weibull_shape=args.weibull_shape, **({"shares": args.shares} if args.shares else {}))
+    every = args.checkpoint_every
+    if args.checkpoint_every_min is not None:
+        every = args.checkpoint_every_min * 60
+    job = Job(gpus=int(args.gpus), gpus_per_node=int(args.gpus_per_node), days=args.days,
+              step_s=args.step_s, replica_gpus=int(args.replica_gpus or args.gpus_per_node),
+              checkpoint_every_s=every,
+              spares_per_node=0 if args.spares == "auto" else int(args.spares),
+              standby_nodes=int(args.standby_nodes), node_replace_s=args.node_replace_min * 60,
+              restart_s=None if args.restart_min is None else args.restart_min * 60,
+              state_gb_per_gpu=args.state_gb_per_gpu)
+    return failures, job
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from unbroken.simulate import output, results
+    from unbroken.simulate.validation import llama3_check
+
+    failures, job = inputs_from_args(args)
+    scale = Scale()
+    seeds = int(args.seeds)
+    text: list[str] = []
+    data: dict[str, Any] = {"days": job.days, "seeds": seeds, "seed": int(args.seed)}
+    if args.from_run:
+        from unbroken.simulate.from_run import measure
+
+        measures = measure(args.from_run)
+        text += measures.describe()
+        scale = replace(scale, measured=measures.measured())
+        if measures.gpu_mtbf_hours is not None:
+            failures = replace(failures, job_mttf_hours=None,
+                               gpu_mtbf_hours=measures.gpu_mtbf_hours[0])
+        data["from_run"] = {"lines": measures.describe(),
+                            "gpu_mtbf_hours": measures.gpu_mtbf_hours}
+    data["inputs"] = {"gpus": job.gpus, "gpus_per_node": job.gpus_per_node,
+                      "job_mttf_hours_at_gpus": round(failures.job_mttf_s(job.gpus) / 3600, 4),
+                      "weibull_shape": failures.weibull_shape,
+                      "shares": {k.value: v for k, v in failures.shares.items()},
+                      "spares_per_node": job.spares_per_node, "standby_nodes": job.standby_nodes,
+                      "node_replace_min": job.node_replace_s / 60, "step_s": job.step_s,
+                      "restart_min": None if job.restart_s is None else job.restart_s / 60}
+    if args.sweep:
+        data["sweep"] = results.sweep(failures, job, scale, seeds, int(args.seed))
+        text += output.sweep_table(data["sweep"])
+    else:
+        data.update(results.at_scale(failures, job, scale, seeds, int(args.seed)))
+        text += [f"{job.gpus:,} GPUs ({job.nodes:,} nodes), {job.days:g} days, {seeds} seeds"]
+        text += output.costs_lines(data["costs"]) + output.strategy_table(data)
+    if args.from_run and not args.sweep:
+        data["from_run"]["ettr_range"] = _projection_range(measures, failures, job, scale,
+                                                           min(seeds, 20), int(args.seed))
+        text += ["", f"the runs' uncertainty ({min(seeds, 20)} seeds): ETTR with every measured "
+                 "cost at its lowest and a real fault rate at its 95 % bounds, then the "
+                 "highest"] + [f"  {k}: {lo:.4f} to {hi:.4f}" for k, (lo, hi) in
+                               data["from_run"]["ettr_range"].items()]
+    if args.sensitivity and not args.sweep:
+        data["sensitivity"] = results.sensitivity(failures, job, scale, min(seeds, 20),
+                                                  int(args.seed))
+        text += ["", f"sensitivity ({min(seeds, 20)} seeds): ETTR with one cost x0.5 and x2 "
+                 "(change)"] + output.sensitivity_table(data["sensitivity"])
+    if args.spares == "auto":
+        from unbroken.simulate.planning import plan_spares
+
+        plan = plan_spares(failures, job, scale, min(seeds, 20), args.gpu_hour_cost,
+                           args.target_ettr)
+        data["plan"] = {"why": plan.why, "options": [vars(o) for o in plan.options],
+                        "chosen": vars(plan.chosen) if plan.chosen else None}
+        text += ["", f"capacity plan ({min(seeds, 20)} seeds):"] + output.plan_table(plan)
+    check = llama3_check(seeds=min(seeds, 100))
+    data["llama3_check"] = {"ettr": round(check.ettr, 4),
+                            "ettr_ci": [round(x, 4) for x in check.ettr_ci],
+                            "published": check.published, "published_is": "a lower bound",
+                            "inputs": check.inputs, "sensitivity": check.sensitivity}
+    text += ["", f"llama3_check: a restart-style job at Llama 3's interruption rate gives ETTR "
+             f"{check.ettr:.3f}; published: > {check.published:.2f} ({check.inputs})"]
+    for path, write in ((args.png, output.write_png), (args.html, None)):
+        if path:
+            written = write(data, path) if write else output.write_html(data, text, path)
+            print(f"wrote {written}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(data, separators=(",", ":")))
+    else:
+        print("\n".join(text))
+    return ExitCode.SUCCESS
+
+
+def _projection_range(measures, failures: Failures, job: Job, scale: Scale, seeds: int,
+                      seed: int) -> dict[str, list[float]]:
+    """Each strategy's ETTR at the optimistic end of what the runs measured (every cost at
+    its lowest, the fault rate at its lower bound) and at the pessimistic end."""
+    from unbroken.simulate import results
+
+    ends = []
+    for bound, mtbf_at in (("low", 2), ("high", 1)):
+        f = failures
+        if measures.gpu_mtbf_hours is not None and math.isfinite(measures.gpu_mtbf_hours[mtbf_at]):
+            f = replace(failures, job_mttf_hours=None,
+                        gpu_mtbf_hours=measures.gpu_mtbf_hours[mtbf_at])
+        ends.append(results.at_scale(f, job, replace(scale, measured=measures.measured(bound)),
+                                     seeds, seed))
+    return {s: sorted([ends[0][s]["ettr"], ends[1][s]["ettr"]])
+            for s in ("torchrun", "in_place", "spares", "spares_standby")}

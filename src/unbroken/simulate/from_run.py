@@ -1,0 +1,159 @@
+"""Recovery costs, and real fault rates, from the event logs of the user's own runs.
+
+`measure(run_dirs)` reads each run's goodput report (`telemetry.report.build_report`) and
+takes, as medians with their range over the sample:
+
+- the in-place switch (`gen_up` durations of generations that recovered a fault), and a
+  spare's (those that followed a `spare_promoted`);
+- detection by kind (`faults[].detection`), and a full restart (a fault recovered by a
+  restart: its rank-seconds of recovery per rank);
+- the checkpoint's stall and its time to durable.
+
+Rates come only from faults that were not injected: an injected fault (the demo's, the
+tests', `UNBROKEN_FAULTS`) shows what recovery costs, never how often real faults happen.
+The rate per GPU-hour has an exact Poisson 95 % interval (Garwood), so that a handful of
+faults says how little it knows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from unbroken.errors import UserError
+from unbroken.simulate.inputs import MEASURED, Measured
+
+RECOVERY = ("infrastructure_recovery", "program_startup", "init_rendezvous",
+            "checkpoint_restore", "idle")
+"""What a full restart's downtime is made of, in a fault's `cost_s`."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A cost measured `n` times: its median and range."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+
+@dataclass(frozen=True)
+class RunMeasures:
+    runs: int
+    gpu_hours: float
+    real_faults: int
+    injected_faults: int
+    costs: dict[str, Spread] = field(default_factory=dict)
+    """`Measured` field name -> what the runs showed."""
+    gpu_mtbf_hours: tuple[float, float, float] | None = None
+    """(estimate, low, high) from real faults; None when none was real."""
+    workers: int = 0
+
+    def measured(self, bound: str = "median") -> Measured:
+        """`Measured` with the runs' costs (`bound`: median, low or high) in place of ours."""
+        values = {k: getattr(s, bound) for k, s in self.costs.items()}
+        return replace(MEASURED, workers=self.workers or MEASURED.workers, **values)
+
+    def describe(self) -> list[str]:
+        lines = [f"from {self.runs} run(s): {self.gpu_hours:.3f} GPU-hours, "
+                 f"{self.real_faults} real fault(s), {self.injected_faults} injected"]
+        for k, s in self.costs.items():
+            lines.append(f"  {k}: median {s.median:.3f} s (range {s.low:.3f}-{s.high:.3f}, "
+                         f"n={s.n}), measured at {self.workers} workers")
+        if self.gpu_mtbf_hours is None:
+            why = ("no fault was real: injected faults give costs, never rates" if
+                   self.injected_faults else "no fault happened")
+            lines.append(f"  fault rate: not derived ({why}); the failure model's rate is used")
+        else:
+            est, lo, hi = self.gpu_mtbf_hours
+            lines.append(f"  GPU MTBF from real faults: {est:,.0f} h (95 % {lo:,.0f}-"
+                         f"{hi:,.0f} h)")
+        return lines
+
+
+def _spread(values: list[float]) -> Spread | None:
+    values = [v for v in values if v is not None and math.isfinite(v) and v >= 0]
+    if not values:
+        return None
+    return Spread(statistics.median(values), min(values), max(values), len(values))
+
+
+def _chi2(p: float, df: float) -> float:
+    """The chi-square quantile (Wilson-Hilferty): within 1 % for the counts met here."""
+    z = statistics.NormalDist().inv_cdf(p)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def poisson_mtbf(count: int, exposure_h: float) -> tuple[float, float, float]:
+    """MTBF estimate and its 95 % interval for `count` failures in `exposure_h` GPU-hours."""
+    low_rate = _chi2(0.025, 2 * count) / 2 / exposure_h if count else 0.0
+    high_rate = _chi2(0.975, 2 * count + 2) / 2 / exposure_h
+    return exposure_h / count, 1 / high_rate, (1 / low_rate if low_rate else math.inf)
+
+
+def measure(run_dirs: list[str | Path]) -> RunMeasures:
+    """What the runs in `run_dirs` measured (one dir per run; a run whose nodes kept their
+    own dirs is not split here: give one of its dirs, or merge them first)."""
+    from unbroken.telemetry.report import build_report
+
+    reports = []
+    for d in run_dirs:
+        path = Path(d)
+        if not (path / "events.jsonl").exists() and not any(path.glob("**/events.jsonl")):
+            raise UserError(f"{d}: no event log (events.jsonl) here: is it the run dir of a "
+                            "run (`unbroken run --run-dir`)?")
+        try:
+            reports.append(build_report([path]))
+        except ValueError as exc:
+            raise UserError(f"{d}: {exc}: the run dir holds no events") from None
+    return from_reports(reports)
+
+
+def from_reports(reports: list[dict[str, Any]]) -> RunMeasures:
+    """`measure` on goodput reports already built (pure)."""
+    switch, spare, restart = [], [], []
+    detect: dict[str, list[float]] = {"crash": [], "hang": [], "node_lost": []}
+    stall, durable = [], []
+    real = injected = 0
+    gpu_hours = 0.0
+    workers = 0
+    for r in reports:
+        world = r.get("world_size") or 0
+        workers = max(workers, world)
+        gpu_hours += (r.get("wall_s") or 0.0) * world / 3600
+        promoted = [s["t"] for s in r.get("spares", []) if s["event"] == "promoted"]
+        for g in r.get("recoveries", []):
+            if not g["faults"]:
+                continue  # a planned grow-back
+            began = g["t"] - g["duration"]
+            used_spare = any(began - 1.0 <= t <= g["t"] for t in promoted)
+            (spare if used_spare else switch).append(g["duration"])
+        for f in r.get("faults", []):
+            if f.get("injected"):
+                injected += 1
+            else:
+                real += 1
+            kind = "crash" if f["kind"] in ("crash", "exception") else f["kind"]
+            if kind in detect:
+                detect[kind].append(f["detection"])
+            if not f["in_place"] and world:
+                restart.append(sum(f["cost_s"].get(c, 0.0) for c in RECOVERY) / world)
+        for c in r.get("checkpoints", []):
+            if c["ok"]:
+                stall.append(c["stall"])
+                durable.append(c["durable"])
+    found = {
+        "switch_s": _spread(switch), "spare_s": _spread(spare),
+        "crash_detect_s": _spread(detect["crash"]), "hang_detect_s": _spread(detect["hang"]),
+        "node_detect_s": _spread(detect["node_lost"]), "full_restart_s": _spread(restart),
+        "checkpoint_stall_s": _spread(stall), "checkpoint_durable_s": _spread(durable),
+    }
+    costs = {k: v for k, v in found.items() if v is not None}
+    mtbf = poisson_mtbf(real, gpu_hours) if real and gpu_hours > 0 else None
+    return RunMeasures(runs=len(reports), gpu_hours=gpu_hours, real_faults=real,
+                       injected_faults=injected, costs=costs, gpu_mtbf_hours=mtbf,
+                       workers=workers)
