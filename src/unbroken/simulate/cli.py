@@ -152,6 +152,17 @@ def run_simulate(args: argparse.Namespace) -> int:
                                gpu_mtbf_hours=measures.gpu_mtbf_hours[0])
         data["from_run"] = {"lines": measures.describe(),
                             "gpu_mtbf_hours": measures.gpu_mtbf_hours}
+    if args.spares == "auto":  # plan first: the tables then show the chosen reserve
+        from unbroken.simulate.planning import plan_spares
+
+        plan = plan_spares(failures, job, scale, min(seeds, 20), args.gpu_hour_cost,
+                           args.target_ettr)
+        data["plan"] = {"why": plan.why, "options": [vars(o) for o in plan.options],
+                        "chosen": vars(plan.chosen) if plan.chosen else None}
+        text += [f"capacity plan ({min(seeds, 20)} seeds):"] + output.plan_table(plan) + [""]
+        if plan.chosen is not None:
+            job = replace(job, spares_per_node=plan.chosen.spares_per_node,
+                          standby_nodes=plan.chosen.standby_nodes)
     data["inputs"] = {"gpus": job.gpus, "gpus_per_node": job.gpus_per_node,
                       "job_mttf_hours_at_gpus": round(failures.job_mttf_s(job.gpus) / 3600, 4),
                       "weibull_shape": failures.weibull_shape,
@@ -178,14 +189,6 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                   int(args.seed))
         text += ["", f"sensitivity ({min(seeds, 20)} seeds): ETTR with one cost x0.5 and x2 "
                  "(change)"] + output.sensitivity_table(data["sensitivity"])
-    if args.spares == "auto":
-        from unbroken.simulate.planning import plan_spares
-
-        plan = plan_spares(failures, job, scale, min(seeds, 20), args.gpu_hour_cost,
-                           args.target_ettr)
-        data["plan"] = {"why": plan.why, "options": [vars(o) for o in plan.options],
-                        "chosen": vars(plan.chosen) if plan.chosen else None}
-        text += ["", f"capacity plan ({min(seeds, 20)} seeds):"] + output.plan_table(plan)
     check = llama3_check(seeds=min(seeds, 100))
     data["llama3_check"] = {"ettr": round(check.ettr, 4),
                             "ettr_ci": [round(x, 4) for x in check.ettr_ci],

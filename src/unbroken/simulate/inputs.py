@@ -219,7 +219,7 @@ class Job:
         return self.days * 86400.0
 
 
-def _loglog_fit(points: Mapping[int, float]) -> tuple[float, float]:
+def power_fit(points: Mapping[int, float]) -> tuple[float, float]:
     """(a, b) of cost = a x N^b, least squares in log space."""
     xs = [math.log(n) for n in points]
     ys = [math.log(v) for v in points.values()]
@@ -229,7 +229,7 @@ def _loglog_fit(points: Mapping[int, float]) -> tuple[float, float]:
     return math.exp(my - b * mx), b
 
 
-def _loglin_fit(points: Mapping[int, float]) -> tuple[float, float]:
+def log_fit(points: Mapping[int, float]) -> tuple[float, float]:
     """(a, b) of cost = a + b x log2(N), through the points' least squares."""
     xs = [math.log2(n) for n in points]
     ys = list(points.values())
@@ -261,7 +261,7 @@ class Scale:
         return value * self.factor.get(name, 1.0)
 
     def comm_setup_s(self, gpus: int) -> float:
-        a, b = _loglin_fit(self.published.in_place_s)
+        a, b = log_fit(self.published.in_place_s)
         return max(0.0, a + b * math.log2(max(gpus, 1)))
 
     def switch_s(self, job: Job) -> float:
@@ -276,7 +276,7 @@ class Scale:
     def restart_s(self, job: Job) -> float:
         if job.restart_s is not None:
             return self._x("restart", job.restart_s)
-        a, b = _loglog_fit(self.published.restart_s)
+        a, b = power_fit(self.published.restart_s)
         return self._x("restart", max(self.measured.full_restart_s, a * job.gpus ** b))
 
     def detect_s(self, kind: Kind, job: Job) -> float:

@@ -20,7 +20,17 @@ import numpy as np
 from unbroken.checkpoint.interval import daly_interval
 from unbroken.simulate.draws import draw
 from unbroken.simulate.engine import Checkpoints, simulate
-from unbroken.simulate.inputs import PUBLISHED, Failures, Job, Kind, Published, Scale, Strategy
+from unbroken.simulate.inputs import (
+    PUBLISHED,
+    Failures,
+    Job,
+    Kind,
+    Published,
+    Scale,
+    Strategy,
+    power_fit,
+)
+from unbroken.simulate.results import ci95
 
 ONLY_CRASHES = {kind: (1.0 if kind == Kind.CRASH else 0.0) for kind in Kind}
 
@@ -155,19 +165,13 @@ def llama3_check(seeds: int = 100, published: Published = PUBLISHED,
                              "ettr": round(float(run(job).mean()), 4)})
     ck = Checkpoints.for_job(base, scale, failures)
     return Llama3Check(
-        ettr=float(ettr.mean()), ettr_ci=_ci(ettr), published=published.llama3_ettr,
+        ettr=float(ettr.mean()), ettr_ci=tuple(ci95(ettr)), published=published.llama3_ettr,
         inputs={"mttf_hours": round(mttf_h, 3), "restart_min": round(LLAMA3_RESTART_S / 60, 2),
                 "checkpoint_every_min": round(ck.every_s / 60, 2),
                 "checkpoint_stall_s": round(ck.stall_s, 3),
                 "checkpoint_persist_s": round(ck.persist_s, 2),
                 "planned_interruptions": published.llama3_planned},
         sensitivity=rows)
-
-
-def _ci(values: np.ndarray) -> tuple[float, float]:
-    """95 % confidence interval of the mean over seeds (normal approximation)."""
-    half = 1.96 * float(values.std(ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-    return float(values.mean()) - half, float(values.mean()) + half
 
 
 @dataclass(frozen=True)
@@ -192,12 +196,7 @@ def rsc_fit(published: Published = PUBLISHED, gpus_per_node: int = 8) -> RscFit:
     def model(r: float, g: int) -> float:
         return 24.0 / (max(1, g // gpus_per_node) * r)
 
-    xs = [math.log(g) for g in points]
-    ys = [math.log(h) for h in points.values()]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / \
-        sum((x - mx) ** 2 for x in xs)
-    a = math.exp(my - b * mx)
+    a, b = power_fit(points)
     return RscFit(
         fitted_rate_per_node_day=rate,
         fitted_ratio={g: model(rate, g) / h for g, h in points.items()},
