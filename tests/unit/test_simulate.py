@@ -208,3 +208,11 @@ def test_costs_grow_with_scale_as_the_model_states():
     assert scale.restart_s(big) > scale.restart_s(small) > 60
     assert 19 < scale.switch_s(small) < scale.switch_s(big) < 30  # TrainMover: ~20 s
     assert scale.restart_s(replace(big, restart_s=120.0)) == 120.0
+
+
+def test_the_best_interval_is_young_dalys_for_restarts_and_longer_in_place():
+    from unbroken.simulate.cli import _best_interval
+
+    best = _best_interval(Failures(), Job(gpus=16384, days=10), Scale(), 5, 0)
+    assert best["torchrun"]["daly_waste"] <= best["torchrun"]["best_waste"] * 1.01
+    assert best["in_place"]["best_s"] > best["in_place"]["daly_s"]  # failures lose no work

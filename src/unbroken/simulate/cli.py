@@ -107,6 +107,8 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
                    help="take recovery costs (and real fault rates) from these runs")
     p.add_argument("--sensitivity", action="store_true",
                    help="each cost halved and doubled: how much the answer rests on it")
+    p.add_argument("--best-interval", action="store_true",
+                   help="the checkpoint interval that wastes least, against Young/Daly's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", default=None, help="write the plot")
     p.add_argument("--html", metavar="FILE", default=None, help="write one HTML page")
@@ -189,6 +191,13 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                   int(args.seed))
         text += ["", f"sensitivity ({min(seeds, 20)} seeds): ETTR with one cost x0.5 and x2 "
                  "(change)"] + output.sensitivity_table(data["sensitivity"])
+    if args.best_interval and not args.sweep:
+        data["best_interval"] = _best_interval(failures, job, scale, min(seeds, 20),
+                                               int(args.seed))
+        text += ["", f"checkpoint interval ({min(seeds, 20)} seeds, common draws):"] + [
+            f"  {k}: best {v['best_s']:.0f} s (waste {v['best_waste']:.5f}); Young/Daly "
+            f"{v['daly_s']:.0f} s (waste {v['daly_waste']:.5f})"
+            for k, v in data["best_interval"].items()]
     check = llama3_check(seeds=min(seeds, 100))
     data["llama3_check"] = {"ettr": round(check.ettr, 4),
                             "ettr_ci": [round(x, 4) for x in check.ettr_ci],
@@ -223,3 +232,23 @@ def _projection_range(measures, failures: Failures, job: Job, scale: Scale, seed
                                      seeds, seed))
     return {s: sorted([ends[0][s]["ettr"], ends[1][s]["ettr"]])
             for s in ("torchrun", "in_place", "spares", "spares_standby")}
+
+
+def _best_interval(failures: Failures, job: Job, scale: Scale, seeds: int,
+                   seed: int) -> dict[str, dict[str, float]]:
+    """Each strategy's waste over a grid of checkpoint intervals around Young/Daly's (the
+    checkpointer's own `daly_interval`), on the same draws."""
+    from unbroken.simulate.engine import Checkpoints
+    from unbroken.simulate.inputs import Strategy
+    from unbroken.simulate.validation import interval_sweep
+
+    ck = Checkpoints.for_job(job, scale, failures)
+    out = {}
+    for strategy in (Strategy.TORCHRUN, Strategy.IN_PLACE):
+        sweep = interval_sweep(failures, job, scale, seeds, ck.stall_s, ck.persist_s,
+                               strategy, points=13, seed=seed)
+        out[strategy.value] = {"best_s": round(sweep.best_s, 1),
+                               "best_waste": round(sweep.best_waste, 6),
+                               "daly_s": round(sweep.daly_s, 1),
+                               "daly_waste": round(sweep.daly_waste, 6)}
+    return out

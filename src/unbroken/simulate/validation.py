@@ -92,10 +92,11 @@ class IntervalSweep:
 
 def interval_sweep(failures: Failures, job: Job, scale: Scale, seeds: int,
                    stall_s: float, persist_s: float = 0.0,
-                   strategy: Strategy = Strategy.TORCHRUN, points: int = 25) -> IntervalSweep:
+                   strategy: Strategy = Strategy.TORCHRUN, points: int = 25,
+                   seed: int = 0) -> IntervalSweep:
     """The strategy's waste over a log grid of checkpoint intervals around Daly's, and at
     Daly's own, on common random numbers."""
-    draws = draw(failures, job, seeds)
+    draws = draw(failures, job, seeds, seed)
     mttf = failures.job_mttf_s(job.gpus)
     daly = max(daly_interval(stall_s, mttf), persist_s)
 
