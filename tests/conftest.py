@@ -6,6 +6,7 @@ its run is still alive (an agent, a worker, or a worker's child).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -181,9 +182,43 @@ def event_trace(run_dir: Path, last: int = 60) -> str:
                      + " ".join(f"{k}={e[k]}" for k in keep if k in e) for e in rows)
 
 
+_TAIL: dict[Path, tuple[int, int, list[dict]]] = {}
+"""Each log's inode, bytes parsed and events so far: `wait_for` polls a log every 50 ms,
+and parsing all of it each time cost the test process seconds of CPU per test."""
+
+
+def _events_so_far(path: Path) -> list[dict]:
+    """The log's events in time order, parsing only the whole lines appended since the last
+    call (a torn line is skipped, as `read_events` does). A rotated log (`path.1` exists)
+    is read whole by `read_events`, which knows rotation."""
+    if path.with_name(path.name + ".1").exists():
+        _TAIL.pop(path, None)
+        return read_events(path)
+    ino = path.stat().st_ino
+    seen = _TAIL.get(path)
+    offset, events = (seen[1], seen[2]) if seen is not None and seen[0] == ino else (0, [])
+    with open(path, "rb") as fh:
+        if fh.seek(0, os.SEEK_END) < offset:  # truncated or replaced: start again
+            offset, events = 0, []
+        fh.seek(offset)
+        data = fh.read()
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    if end:
+        events.sort(key=lambda e: e.get("t", 0.0))
+    _TAIL[path] = (ino, offset + end, events)
+    return events
+
+
 def events_of(run_dir: Path, name: str) -> list[dict]:
     path = run_dir / "events.jsonl"
-    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+    return [e for e in _events_so_far(path) if e["event"] == name] if path.exists() else []
 
 
 def events_in(run_dirs, name: str | None = None) -> list[dict]:

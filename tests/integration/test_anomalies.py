@@ -208,14 +208,14 @@ def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
 
 
 def test_a_clean_run_with_jitter_flags_nobody(tmp_path):
-    """2,000 steps, each rank-step stalled with probability 0.05 by up to 3x the step (the
+    """1,000 steps, each rank-step stalled with probability 0.05 by up to 3x the step (the
     ranks and steps chosen at random), with the detector configuration that flags a 1.5x
     rank: nothing is flagged. (Two ranks on this 2-core machine: with four, CPU contention
     of ~18 ms steps once made a 1.8x episode of 15 steps, which is a straggler by this
     measure; docs/anomalies.md says so. The detector's jitter immunity over four ranks is
     tests/unit/test_stragglers.py's, on seeded series.)"""
     result = launch(tmp_path / "run", *NPROC, "--max-restarts", "0", args=[
-        *TINY, "--steps", "2000", "--step-sleep", "0.01", "--stall-prob", "0.05",
+        *TINY, "--steps", "1000", "--step-sleep", "0.01", "--stall-prob", "0.05",
         "--stall-max", "5", "--stragglers", "drain"], timeout=600)
     assert result.code == 0, result.output
     # The jitter was there: a stall of up to 5 x 10 ms is up to ~3x the whole step.

@@ -143,7 +143,7 @@ def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
     assert len(second.events("fault")) == 1  # only the first run's
 
 
-def test_warm_interpreters_become_the_restarted_workers(tmp_path):
+def test_warm_interpreters_become_the_restarted_workers(tmp_path, warm_pool):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--on-fault", "restart",
                  args=["--steps", "100000", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),

@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import SCRIPTS, events_of, finish, start, wait_for
 
 from unbroken.runtime.warm_imports import MODULES_FILE
+
+pytestmark = pytest.mark.usefixtures("warm_pool")
 
 _WARM_INTERPRETER = """
 import json, sys
