@@ -168,6 +168,12 @@ def test_bad_failure_inputs_are_one_clear_error():
     (["--shares", "crash=0.4,hang=0.4"], "must sum to 1"),
     (["--shares", "meteor=1"], "--shares takes KIND=SHARE"),
     (["--target-ettr", "1.5", "--spares", "auto"], "--target-ettr must be between 0 and 1"),
+    (["--target-ettr", "0.99"], "are for --spares auto"),
+    (["--sweep", "--spares", "auto"], "works at one scale"),
+    (["--sweep", "--gpus-per-node", "3"], "--gpus-per-node must divide 8"),
+    (["--shares", "crash=nan,hang=1"], "must not be negative"),
+    (["--weibull-shape", "0.004"], "--weibull-shape must be between 0.1 and 20"),
+    (["--job-mttf-hours", "1e-9"], "too many to simulate"),
 ])
 def test_the_command_refuses_bad_input_in_one_line_with_exit_2(argv, says, capsys):
     try:
@@ -216,3 +222,35 @@ def test_the_best_interval_is_young_dalys_for_restarts_and_longer_in_place():
     best = _best_interval(Failures(), Job(gpus=16384, days=10), Scale(), 5, 0)
     assert best["torchrun"]["daly_waste"] <= best["torchrun"]["best_waste"] * 1.01
     assert best["in_place"]["best_s"] > best["in_place"]["daly_s"]  # failures lose no work
+
+
+def test_no_category_goes_negative_whatever_fails_and_however_often():
+    """Windows (shrunk, slowed) and lost work are charged only on compute that happened:
+    one kind of failure at a time, at 131,072 GPUs (a failure every 13 min)."""
+    job = Job(gpus=131072, days=2)
+    for kind in Kind:
+        failures = Failures(shares={k: 1.0 if k == kind else 0.0 for k in Kind})
+        draws = draw(failures, job, 3)
+        for s in Strategy:
+            out = simulate(draws, job, failures, Scale(), s)  # checks itself
+            assert (0 <= out.ettr).all() and (out.ettr <= 1).all(), (kind, s)
+
+
+def test_a_failure_during_the_wait_for_the_only_node_does_not_end_the_wait():
+    from unbroken.simulate.draws import KINDS, Draws
+    from unbroken.telemetry.categories import Category
+
+    job = Job(gpus=8, days=1, node_replace_s=6 * 3600)  # one node: nothing to shrink to
+    draws = Draws(t=np.array([[1000.0, 2000.0]]),
+                  kind=np.array([[KINDS.index(Kind.NODE_LOST), KINDS.index(Kind.HANG)]]),
+                  node=np.array([[0, 0]]))
+    out = simulate(draws, job, Failures(), Scale(), Strategy.IN_PLACE)
+    assert out.seconds[Category.INFRASTRUCTURE_RECOVERY][0] >= 6 * 3600
+
+
+def test_checkpoints_are_never_closer_than_their_persist_time():
+    assert Checkpoints(every_s=1.0, stall_s=0.0, persist_s=64.0).every_s == 64.0
+
+
+def test_the_poisson_interval_is_exact():
+    assert poisson_mtbf(1, 10.0) == pytest.approx((10.0, 1.7948, 394.98), rel=1e-3)

@@ -114,9 +114,25 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="FILE", default=None, help="write one HTML page")
 
 
-def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
+def _refuse_combinations(args: argparse.Namespace) -> None:
+    """Flags that would be ignored together: one line saying so, not a silent drop."""
     if args.target_ettr is not None and not 0 < args.target_ettr < 1:
         raise UserError(f"--target-ettr must be between 0 and 1, got {args.target_ettr:g}")
+    if args.spares != "auto" and (args.target_ettr is not None or args.gpu_hour_cost is not None):
+        raise UserError("--target-ettr and --gpu-hour-cost are for --spares auto")
+    if args.sweep:
+        for name, given in (("--spares auto", args.spares == "auto"),
+                            ("--sensitivity", args.sensitivity),
+                            ("--best-interval", args.best_interval)):
+            if given:
+                raise UserError(f"{name} works at one scale: give --gpus N, not --sweep")
+        if 8 % args.gpus_per_node:
+            raise UserError(f"--sweep runs 8 to 131,072 GPUs: --gpus-per-node must divide 8, "
+                            f"got {args.gpus_per_node}")
+
+
+def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
+    _refuse_combinations(args)
     failures = Failures(
         job_mttf_hours=None if args.gpu_mtbf_hours else (args.job_mttf_hours or 1.8),
         mttf_gpus=int(args.mttf_gpus), gpu_mtbf_hours=args.gpu_mtbf_hours,
@@ -124,7 +140,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
     every = args.checkpoint_every
     if args.checkpoint_every_min is not None:
         every = args.checkpoint_every_min * 60
-    job = Job(gpus=int(args.gpus), gpus_per_node=int(args.gpus_per_node), days=args.days,
+    job = Job(gpus=8 if args.sweep else int(args.gpus), gpus_per_node=int(args.gpus_per_node), days=args.days,
               step_s=args.step_s, replica_gpus=int(args.replica_gpus or args.gpus_per_node),
               checkpoint_every_s=every,
               spares_per_node=0 if args.spares == "auto" else int(args.spares),
@@ -149,7 +165,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         measures = measure(args.from_run)
         text += measures.describe()
         scale = replace(scale, measured=measures.measured())
-        if measures.gpu_mtbf_hours is not None:
+        if measures.gpu_mtbf_hours is not None and args.job_mttf_hours is None \
+                and args.gpu_mtbf_hours is None:  # a rate given on the command line wins
             failures = replace(failures, job_mttf_hours=None,
                                gpu_mtbf_hours=measures.gpu_mtbf_hours[0])
         data["from_run"] = {"lines": measures.describe(),
@@ -158,7 +175,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         from unbroken.simulate.planning import plan_spares
 
         plan = plan_spares(failures, job, scale, min(seeds, 20), args.gpu_hour_cost,
-                           args.target_ettr)
+                           args.target_ettr, seed=int(args.seed))
         data["plan"] = {"why": plan.why, "options": [vars(o) for o in plan.options],
                         "chosen": vars(plan.chosen) if plan.chosen else None}
         text += [f"capacity plan ({min(seeds, 20)} seeds):"] + output.plan_table(plan) + [""]
@@ -198,7 +215,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"  {k}: best {v['best_s']:.0f} s (waste {v['best_waste']:.5f}); Young/Daly "
             f"{v['daly_s']:.0f} s (waste {v['daly_waste']:.5f})"
             for k, v in data["best_interval"].items()]
-    check = llama3_check(seeds=min(seeds, 100))
+    check = llama3_check(seeds=min(seeds, 100), seed=int(args.seed))
     data["llama3_check"] = {"ettr": round(check.ettr, 4),
                             "ettr_ci": [round(x, 4) for x in check.ettr_ci],
                             "published": check.published, "published_is": "a lower bound",

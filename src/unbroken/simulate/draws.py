@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from unbroken.errors import UserError
 from unbroken.simulate.inputs import Failures, Job, Kind
 
 KINDS = tuple(Kind)
 """Kinds by index: `Draws.kind` holds indices into this tuple."""
+
+MAX_FAILURES = 20_000_000
+"""Failures over all seeds beyond which a simulation is refused (a rate mistyped by
+orders of magnitude would otherwise run for hours); the default sweep's largest point draws
+about 600,000."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,6 @@ class Draws:
     t: np.ndarray  # (seeds, F) seconds from the job's start
     kind: np.ndarray  # (seeds, F) index into KINDS
     node: np.ndarray  # (seeds, F) the node it hit
-    u: np.ndarray  # (seeds, F) a uniform draw per failure, for the strategies' own choices
 
     @property
     def seeds(self) -> int:
@@ -44,6 +49,10 @@ def draw(failures: Failures, job: Job, seeds: int, seed: int = 0) -> Draws:
     k = failures.weibull_shape
     scale = mttf / math.gamma(1.0 + 1.0 / k)  # the Weibull scale whose mean is the MTTF
     expected = horizon / mttf
+    if expected * seeds > MAX_FAILURES:
+        raise UserError(f"{expected:,.0f} failures per run (a job MTTF of {mttf:.3g} s at "
+                        f"{job.gpus:,} GPUs) x {seeds} seeds is too many to simulate: is the "
+                        "failure rate right?")
     width = max(8, int(expected + 8.0 * math.sqrt(expected) + 16))
     while True:
         gaps = scale * rng.weibull(k, size=(seeds, width)) if k != 1.0 else \
@@ -58,5 +67,4 @@ def draw(failures: Failures, job: Job, seeds: int, seed: int = 0) -> Draws:
     shares = np.array([failures.shares.get(kind, 0.0) for kind in KINDS])
     kind = rng.choice(len(KINDS), size=t.shape, p=shares / shares.sum())
     node = rng.integers(0, job.nodes, size=t.shape)
-    u = rng.random(size=t.shape)
-    return Draws(t=t, kind=kind, node=node, u=u)
+    return Draws(t=t, kind=kind, node=node)

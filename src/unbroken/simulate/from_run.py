@@ -5,8 +5,10 @@ takes, as medians with their range over the sample:
 
 - the in-place switch (`gen_up` durations of generations that recovered a fault), and a
   spare's (those that followed a `spare_promoted`);
-- detection by kind (`faults[].detection`), and a full restart (a fault recovered by a
-  restart: its rank-seconds of recovery per rank);
+- detection of a crash and of a lost node (`faults[].detection`; a hang's is mostly the
+  run's own timeout, which the scale model sets from the step), and a full restart (a
+  fault recovered by a restart: its rank-seconds of recovery per rank), which the scale
+  model takes as a floor under the published restarts at scale;
 - the checkpoint's stall and its time to durable.
 
 Rates come only from faults that were not injected: an injected fault (the demo's, the
@@ -82,17 +84,32 @@ def _spread(values: list[float]) -> Spread | None:
     return Spread(statistics.median(values), min(values), max(values), len(values))
 
 
-def _chi2(p: float, df: float) -> float:
-    """The chi-square quantile (Wilson-Hilferty): within 1 % for the counts met here."""
-    z = statistics.NormalDist().inv_cdf(p)
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+def _poisson_cdf(k: int, mu: float) -> float:
+    """P(X <= k) for X ~ Poisson(mu)."""
+    if k < 0:
+        return 0.0
+    if mu <= 0:
+        return 1.0
+    return min(1.0, sum(math.exp(i * math.log(mu) - mu - math.lgamma(i + 1))
+                        for i in range(k + 1)))
+
+
+def _solve_mu(k: int, target: float) -> float:
+    """The mean mu with P(X <= k; mu) = target (decreasing in mu), by bisection."""
+    lo, hi = 0.0, k + 20.0 * math.sqrt(k + 1) + 20.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _poisson_cdf(k, mid) > target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def poisson_mtbf(count: int, exposure_h: float) -> tuple[float, float, float]:
-    """MTBF estimate and its 95 % interval for `count` failures in `exposure_h` GPU-hours."""
-    low_rate = _chi2(0.025, 2 * count) / 2 / exposure_h if count else 0.0
-    high_rate = _chi2(0.975, 2 * count + 2) / 2 / exposure_h
-    return exposure_h / count, 1 / high_rate, (1 / low_rate if low_rate else math.inf)
+    """MTBF estimate and its exact (Garwood) 95 % interval for `count` failures in
+    `exposure_h` GPU-hours: the Poisson means whose tails hold 2.5 % at the count."""
+    high_mu = _solve_mu(count, 0.025)
+    low_mu = _solve_mu(count - 1, 0.975) if count else 0.0
+    return (exposure_h / count if count else math.inf, exposure_h / high_mu,
+            exposure_h / low_mu if low_mu else math.inf)
 
 
 def measure(run_dirs: list[str | Path]) -> RunMeasures:
@@ -108,8 +125,9 @@ def measure(run_dirs: list[str | Path]) -> RunMeasures:
                             "run (`unbroken run --run-dir`)?")
         try:
             reports.append(build_report([path]))
-        except ValueError as exc:
-            raise UserError(f"{d}: {exc}: the run dir holds no events") from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"{d}: its event log cannot be read as a run's ({exc}): is it "
+                            "the run dir of a run (`unbroken run --run-dir`)?") from None
     return from_reports(reports)
 
 
@@ -148,7 +166,9 @@ def from_reports(reports: list[dict[str, Any]]) -> RunMeasures:
                 durable.append(c["durable"])
     found = {
         "switch_s": _spread(switch), "spare_s": _spread(spare),
-        "crash_detect_s": _spread(detect["crash"]), "hang_detect_s": _spread(detect["hang"]),
+        # (a hang's detection is left out: it is mostly the run's own hang timeout, which at
+        # scale is 3 x the step, not what a small run's steps gave)
+        "crash_detect_s": _spread(detect["crash"]),
         "node_detect_s": _spread(detect["node_lost"]), "full_restart_s": _spread(restart),
         "checkpoint_stall_s": _spread(stall), "checkpoint_durable_s": _spread(durable),
     }

@@ -18,7 +18,7 @@ from unbroken.errors import UserError
 
 
 class Kind(StrEnum):
-    """What failed. Each kind is handled differently by each strategy (`engine.outcomes`)."""
+    """What failed. Each kind is handled differently by each strategy (`engine._outcome`)."""
 
     CRASH = "crash"
     """One GPU's worker is lost and its GPU is out until its node is repaired (GPU, HBM,
@@ -137,9 +137,12 @@ class Failures:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if self.mttf_gpus <= 0 or not self.weibull_shape > 0:
-            raise UserError("--mttf-gpus and --weibull-shape must be positive")
-        if any(v < 0 for v in self.shares.values()):
+        if self.mttf_gpus <= 0:
+            raise UserError("--mttf-gpus must be positive")
+        if not 0.1 <= self.weibull_shape <= 20:
+            raise UserError(f"--weibull-shape must be between 0.1 and 20, got "
+                            f"{self.weibull_shape:g}")
+        if any(not math.isfinite(v) or v < 0 for v in self.shares.values()):
             raise UserError(f"failure shares must not be negative: {dict(self.shares)}")
         total = sum(self.shares.values())
         if abs(total - 1.0) > 1e-6:

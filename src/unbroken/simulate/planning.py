@@ -52,11 +52,11 @@ def strategy_for(spares_per_node: int, standby_nodes: int) -> Strategy:
 
 def plan_spares(failures: Failures, job: Job, scale: Scale, seeds: int,
                 gpu_hour_cost: float | None = None,
-                target_ettr: float | None = None) -> SparesPlan:
+                target_ettr: float | None = None, seed: int = 0) -> SparesPlan:
     """Every candidate reserve on common draws, and the choice: the fewest reserved GPUs
     reaching `target_ettr` if given, else the least GPU-hours in all (priced if a cost is
     given: the same choice, in money)."""
-    draws = draw(failures, job, seeds)
+    draws = draw(failures, job, seeds, seed)
     hours = job.horizon_s / 3600.0
     options = []
     for spares in SPARES_PER_NODE:
