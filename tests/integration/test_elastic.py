@@ -50,7 +50,7 @@ def _job(endpoint: str, *flags: str, steps: int, ckpt: str, pet_only: bool,
                "PET_MAX_RESTARTS": "2", "PET_RDZV_CONF": "last_call_timeout=3"}
         job = ["--node-timeout", "2"]
     args = ["--steps", str(steps), *TINY, "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "5", "--step-sleep", str(step_sleep), *pace]
+            "--checkpoint-every", "20", "--step-sleep", str(step_sleep), *pace]
     return [*job, *flags, str(EXAMPLE), *args], pet
 
 

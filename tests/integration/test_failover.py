@@ -53,7 +53,7 @@ def _agent(hosts, i: int, *flags: str, node: int | None = None, steps: int = 300
         "--rdzv-id", "job", "--nnodes", "2" if "--standby" in flags else "3",
         "--node-rank", str(node), "--rdzv-timeout", "60", *flags,
         str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(steps), *TINY,
-        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20")
     return hosts.agent(i, cmd, shared=[ckpt], env=env)
 
 

@@ -59,7 +59,7 @@ def _assert_in_place(result, faults: list[tuple[str, int]], replaced: set[int]) 
 
 def test_sigkill_at_a_random_step_survivors_keep_their_processes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "4", "--max-restarts", "2", args=ARGS)
+    proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2", args=ARGS)
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
     victim = started[0]["pids"]["2"]
     kill_at = random.Random().randint(5, 25)
@@ -163,7 +163,7 @@ def test_two_workers_killed_at_once(tmp_path):
 
 def test_kill_during_a_recovery(tmp_path):
     """Rank 2 dies while the group re-forms after rank 1's death: a second plan follows."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "3",
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3",
                     "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=0,at=join",
                     args=ARGS)
     _assert_in_place(result, [("crash", 1), ("crash", 2)], replaced={1, 2})

@@ -35,7 +35,7 @@ def _node(hosts, node_rank, *extra, steps=40, host=None, script_args=()):
         "--master-port", str(PORT), "--nnodes", "2", "--node-rank", str(node_rank),
         "--nproc-per-node", "2", "--rdzv-id", "job", "--max-restarts", "2",
         "--node-timeout", "2", "--rdzv-timeout", "60", *extra, str(EXAMPLE),
-        "--steps", str(steps), *TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+        "--steps", str(steps), *TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
         *script_args)
     return hosts.agent(host, cmd, shared=[ckpt])
 

@@ -148,6 +148,10 @@ def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
     wait_for(lambda: events_of(run_dir, "gen_up"), 60, "the spare's generation")
     os.kill(promoted[0]["pid"], signal.SIGKILL)  # the spare, now rank 1, dies in turn
     wait_for(lambda: len(events_of(run_dir, "gen_up")) >= 2, 60, "the second recovery")
+    # Then slot 1 is refilled (a new spare, or a replacement started cold) before the job
+    # runs out at full speed: the world is whole again.
+    wait_for(lambda: [e for e in events_of(run_dir, "gen_up")[1:] if e["world_size"] == 2],
+             120, "slot 1 refilled", explain=run_dir)
     fast.touch()
     result = finish(proc, run_dir)
     assert result.code == 0, result.output
