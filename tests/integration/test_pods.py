@@ -108,7 +108,9 @@ def test_a_deleted_training_pod_hands_its_ranks_to_the_standby_and_returns_as_on
     try:
         node0, node1, standby = run.pod("node", 0), run.pod("node", 1), run.pod("standby", 0)
         wait_for(lambda: events(standby, "spare_ready"), 180, "the standby pod's spare")
-        wait_for(lambda: steps_at_least(node0, 10), 120, "step 10")
+        # Both nodes past step 10, so node 1's agent has seen its worker in the resilient
+        # loop (a SIGTERM before that is a plain stop: CI once deleted it that early).
+        wait_for(lambda: steps_at_least(node0, 10) and steps_at_least(node1, 10), 120, "step 10")
         run.delete_pod(node1)  # kubectl delete pod: SIGTERM, then the grace period
         wait_for(lambda: node1.ended, 60, "the deleted pod to end")
         assert node1.code == 143, node1.log()
