@@ -6,7 +6,6 @@ its run is still alive (an agent, a worker, or a worker's child).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.telemetry.events import read_events
+from unbroken.telemetry.events import parse_lines, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
@@ -203,13 +202,7 @@ def _events_so_far(path: Path) -> list[dict]:
         fh.seek(offset)
         data = fh.read()
     end = data.rfind(b"\n") + 1
-    for line in data[:end].splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict):
-            events.append(event)
+    events += parse_lines(data[:end].splitlines())
     if end:
         events.sort(key=lambda e: e.get("t", 0.0))
     _TAIL[path] = (ino, offset + end, events)

@@ -318,14 +318,22 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     events = []
     for fh in handles:
         with fh:
-            for line in fh:
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(event, dict):
-                    events.append(event)
+            events += parse_lines(fh)
     events.sort(key=lambda e: e.get("t", 0.0))
+    return events
+
+
+def parse_lines(lines: Any) -> list[dict[str, Any]]:
+    """The events among a log's lines (text or bytes); torn lines (a killed writer, a full
+    disk) and lines that are not objects are skipped."""
+    events = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 
