@@ -6,19 +6,25 @@ by the node-0 agent) and etcd (a separate service, with an elected leader).
    the host). The figure is the time from the kill to the first step completed by the job
    that goes on (a later attempt or generation), median of `--tries`. With the TCPStore the
    job is lost (the followers give up after their retry window): `null`.
-2. **Planning latency** with 1, 8, 64 and 512 simulated agents: light processes that speak
-   the protocol (each agent keeps its liveness lease and hosts one member), against the real
-   `LeaseWatch` and `PlanExecutor` looking as the leader does (every 50 ms idle, 2 ms busy).
-   A member dies; at the same instant every survivor writes its departure (as survivors
-   whose collective failed do). The figure is the time from the death published to the
-   next generation's plan written: `plan_ms`; `planner_ms` is the planner's own share,
-   from the last departure written to the plan.
+2. **The control plane at 8 to 2,048 agents** (`sim_agents.py`): simulated followers in 8
+   processes, each running the follower's real control look (its watch, its election
+   check, its reads, its lease) at the pace of a training node's agent, and the leader's
+   real planner, lease watch and claim check. First IDLE_S seconds of nothing: each
+   follower's requests per second (its lease included), the leader's, the requests one
+   idle leader look makes (asserted equal at every agent count), etcd's CPU. Then a member
+   dies and at once every survivor appends its departure: `plan_ms`, the death published
+   to the next generation's plan written, split into `writes_ms` (to the last departure
+   written: the survivors' cost) and `planner_ms` (from there to the plan).
 3. **Steady-state step overhead** of etcd: the same 2-node job with no faults on each
-   backend, alternating rounds; median time between rank 0's steps.
+   backend, a `--step-sleep` step (50 ms), in alternating rounds; the overhead is the median
+   of the rounds' paired ratios, with their spread.
 
-    .venv/bin/python benchmarks/failover.py --tries 5
+etcd's data directory is on tmpfs (/dev/shm): the figures are the control plane's, not a
+disk's fsyncs.
 
-The last line printed is one JSON object with the figures (keys named in issue 11).
+    .venv/bin/python benchmarks/failover.py --tries 5 --rounds 5
+
+The last line printed is one JSON object with the figures (keys named in issues 11 and 29).
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -39,12 +44,12 @@ from harness import (
     REPO,
     EventTail,
     alternate,
-    change_pct,
     emit,
     epoch,
     free_port,
     kill_everything,
     launch,
+    paired_ratios,
     step_period,
     temp_root,
     track,
@@ -58,18 +63,7 @@ sys.path.insert(0, str(REPO / "tests"))  # start_etcd: the tests' one-member etc
 from conftest import start_etcd  # noqa: E402
 
 from unbroken.control.address import BackendKind, ControlAddress, open_backend  # noqa: E402
-from unbroken.control.channel import Channel  # noqa: E402
-from unbroken.control.lease import LeaseWatch  # noqa: E402
-from unbroken.control.messages import Departure, Fault, FaultKind, LeaveReason  # noqa: E402
-from unbroken.control.schema import AttemptKeys, agent_lease  # noqa: E402
-from unbroken.control.signing import Signer  # noqa: E402
 from unbroken.control.tcp import serve_store  # noqa: E402
-from unbroken.launch.budget import RestartBudget  # noqa: E402
-from unbroken.launch.plan_executor import PlanExecutor  # noqa: E402
-from unbroken.launch.planner import PlannerConfig, initial_state  # noqa: E402
-
-SECRET = b"b" * 32
-LEASE_PERIOD = 2.0  # a follower's, at the default --node-timeout of 10 s
 
 
 # ---------------------------------------------------------------- 1. leader host lost
@@ -124,100 +118,84 @@ def failover_once(backend: str, endpoint: str, root: Path) -> float | None:
 
 
 # ---------------------------------------------------------------- 2. planning latency
-def _address(backend: str, endpoint: str) -> ControlAddress:
-    return ControlAddress(BackendKind(backend), (endpoint,))
+IDLE_S = 5.0  # the idle window over which request rates are counted
 
 
-def _simulated_agents(backend: str, endpoint: str, run_id: str, nodes: list[int], dead: int,
-                      go: mp.Event, done: mp.Queue, stop: mp.Event, ready: mp.Queue,
-                      threads: int = 16) -> None:
-    """Agents `nodes`, each with a lease and one member (`<node>.0`); on `go`, every one
-    of them leaves generation 0 (the dead member excepted), `threads` at a time, each on a
-    connection of its own, as agents on separate hosts would."""
-    open_ = lambda: Channel(open_backend(_address(backend, endpoint), run_id, 10.0),  # noqa: E731
-                            Signer(SECRET))
-    ch = open_()
-    g = AttemptKeys(0).gen(0)
-    leavers = [k for k in nodes if k != dead]
-    parts = [leavers[i::threads] for i in range(min(threads, len(leavers)))]
-    channels = [open_() for _ in parts]
-    for k in nodes:
-        ch.backend.refresh_lease(agent_lease(k, f"sim{k}").key)
-    ready.put(os.getpid())  # connected (not part of the latency measured)
-
-    def leave(channel: Channel, part: list[int]) -> None:
-        for k in part:
-            channel.append(g.departures, Departure(wid=f"{k}.0", gen=0, step=10,
-                                                  holds_state=True, reason=LeaveReason.PEER,
-                                                  t=time.time()))
-
-    next_refresh = 0.0
-    left = False
-    while not stop.is_set():
-        if time.monotonic() >= next_refresh:
-            for k in nodes:
-                ch.backend.refresh_lease(agent_lease(k, f"sim{k}").key)
-            next_refresh = time.monotonic() + LEASE_PERIOD
-        if not left and go.wait(0.01):
-            workers = [threading.Thread(target=leave, args=(c, p))
-                       for c, p in zip(channels, parts, strict=True)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            done.put(time.time())
-            left = True
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def plan_latency(backend: str, endpoint: str, n: int, procs: int = 4) -> tuple[float, float]:
-    """(fault published -> plan written, last departure -> plan written), in ms."""
+def plan_latency(backend: str, endpoint: str, n: int, etcd_pid: int | None,
+                 procs: int = 8) -> dict[str, float | None]:
+    """n simulated followers and the leader, idle for IDLE_S, then one death: the figures
+    of part 2 (see the module's docstring)."""
+    from sim_agents import Leader, Signals, requests_of, run_followers
+
     run_id = f"plan{n}-{time.monotonic_ns()}"
     served = None
     if backend == "tcp":
-        served, port = serve_store("127.0.0.1", 0, 60)
+        served, port = serve_store("127.0.0.1", 0, 120)
         endpoint = f"127.0.0.1:{port}"
-    ch = Channel(open_backend(_address(backend, endpoint), run_id, 10.0), Signer(SECRET))
-    world = n + 1  # slot 0 on the leader's own node, slots 1..n on the simulated agents
-    state = initial_state(0, world, {k: [k] for k in range(world)}, RestartBudget(10))
-    executor = PlanExecutor(ch, state, PlannerConfig(), lambda *a, **k: None, lambda s: None)
-    leases = LeaseWatch(ch.backend)
-    ctx = mp.get_context("fork")
-    go, stop, done, ready = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
-    groups = [list(range(1 + i, world, procs)) for i in range(min(procs, n))]
-    children = [ctx.Process(target=_simulated_agents, args=(backend, endpoint, run_id, g, n,
-                                                            go, done, stop, ready)) for g in groups]
+    Leader.claim(backend, endpoint, run_id)
+    ctx = mp.get_context("fork")  # before the leader's threads: a fork copies no thread
+    sig = Signals(ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue())
+    groups = [list(range(1 + i, n + 1, procs)) for i in range(min(procs, n))]
+    children = [ctx.Process(target=run_followers, args=(backend, endpoint, run_id, g, n, sig, n))
+                for g in groups]
     for c in children:
         c.start()
-    keys = AttemptKeys(0)
+    leader = Leader(backend, endpoint, run_id, n)
     try:
         for _ in children:
-            ready.get(timeout=120)
-        watched = [agent_lease(k, f"sim{k}") for k in range(1, world)]
-        t_end = time.monotonic() + 1.0
-        while time.monotonic() < t_end:  # idle looks, as the leader makes them
-            leases.silent_many(watched, time.monotonic())
-            executor.look(lambda: 10, [], [])
-            time.sleep(0.05)
-        published = time.time()
-        ch.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=n, slot=n, wid=f"{n}.0", node=n,
-                                     attempt=0, in_place=True, t=published))
-        go.set()
-        ch.append(keys.gen(0).departures, Departure(wid="0.0", gen=0, step=10, holds_state=True,
-                                                   reason=LeaveReason.PEER, t=time.time()))
-        while executor.state.gen == 0:
-            leases.silent_many(watched, time.monotonic())
-            executor.look(lambda: 10, [], [])
-            time.sleep(0.002 if executor.state.busy else 0.05)
+            sig.ready.get(timeout=600)
+        settle = time.monotonic() + 2.0
+        while time.monotonic() < settle:
+            leader.look()
+            leader.pace()
+        looks0, req0, lease0 = leader.looks, requests_of(leader.backend), requests_of(leader.lease)
+        cpu0 = _cpu_s(etcd_pid) if etcd_pid else 0.0
+        sig.measure.set()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < IDLE_S:
+            leader.look()
+            leader.pace()
+        idle = time.monotonic() - t0
+        look_req = requests_of(leader.backend) - req0
+        figures: dict[str, float | None] = {
+            "leader_look_requests": round(look_req / max(1, leader.looks - looks0), 3),
+            "leader_requests_s": round((look_req + requests_of(leader.lease) - lease0) / idle, 2),
+            "etcd_cpu_idle": round((_cpu_s(etcd_pid) - cpu0) / idle, 3) if etcd_pid else None}
+        cpu1 = _cpu_s(etcd_pid) if etcd_pid else 0.0
+        published = leader.publish_death(n)
+        sig.go.set()
+        while leader.state.gen == 0:
+            leader.look()
+            leader.pace()
         planned = time.time()
-        last_left = max(done.get(timeout=60) for _ in children)
-        return 1000 * (planned - published), 1000 * max(0.0, planned - last_left)
+        figures["etcd_cpu_plan_s"] = round(_cpu_s(etcd_pid) - cpu1, 3) if etcd_pid else None
+        sig.stop.set()
+        got = [sig.out.get(timeout=120) for _ in children]
+        last_left = max(f.last_left for f in got)
+        figures.update({
+            "plan_ms": round(1000 * (planned - published), 1),
+            "writes_ms": round(1000 * max(0.0, last_left - published), 1),
+            "planner_ms": round(1000 * max(0.0, planned - last_left), 1),
+            "follower_requests_s": round(sum(f.idle_requests for f in got)
+                                         / sum(f.idle_s * f.agents for f in got), 3)})
+        return figures
     finally:
-        stop.set()
+        sig.stop.set()
         for c in children:
-            c.join(10)
-        del served  # closes a TCPStore served here
+            c.join(30)
+            if c.is_alive():
+                c.kill()
+        leader.backend.watch(None)
         if backend == "etcd":
-            ch.backend.delete_prefix()
+            leader.backend.stop_retrying()
+            open_backend(ControlAddress(BackendKind.ETCD, (endpoint,)), run_id, 10.0).delete_prefix()
+        del served  # closes a TCPStore served here
 
 
 # ---------------------------------------------------------------- 3. steady state
@@ -251,41 +229,54 @@ def steady_step(backend: str, endpoint: str, root: Path, steps: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tries", type=int, default=5, help="leader kills on etcd (median)")
-    p.add_argument("--agents", default="1,8,64,512", help="simulated agent counts")
+    p.add_argument("--agents", default="8,64,512,2048", help="simulated agent counts")
     p.add_argument("--rounds", type=int, default=3, help="steady-state rounds per backend")
-    p.add_argument("--steady-steps", type=int, default=500)
+    p.add_argument("--steady-steps", type=int, default=300)
+    p.add_argument("--step-sleep", type=float, default=0.05, help="the steady state's step")
+    p.add_argument("--parts", default="failover,plan,steady", help="which parts to run")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     root = temp_root("unbroken-failover-")  # a SIGTERM ends the agents and etcd (harness)
-    etcd = start_etcd("127.0.0.1", root / "etcd")
+    shm = temp_root("unbroken-etcd-", dir="/dev/shm")  # etcd's data on tmpfs
+    etcd = start_etcd("127.0.0.1", shm / "etcd")
     track(etcd.proc)
+    fail: dict[str, list] = {"etcd": [], "tcp": []}
+    plan: dict[str, dict[str, dict]] = {"etcd": {}, "tcp": {}}
+    steady: dict[str, list] = {"etcd": [], "tcp": []}
     try:
         def show_fail(i: int, backend: str, t: float | None) -> None:
             print(f"failover try {i + 1} {backend:4s} "
                   + (f"{t:.3f}s" if t is not None else "job lost"), flush=True)
 
-        # The TCPStore loses the job every time: one try shows it.
-        fail = alternate(["etcd", "tcp"], args.tries,
-                         lambda backend, i: failover_once(backend, etcd.endpoint,
-                                                          root / f"fail-{backend}-{i}"),
-                         tries={"tcp": 1}, report=show_fail)
-        plan: dict[str, dict[str, float | None]] = {"etcd": {}, "tcp": {}}
-        planner: dict[str, dict[str, float | None]] = {"etcd": {}, "tcp": {}}
-        for n in (int(x) for x in args.agents.split(",")):
+        if "failover" in parts:  # the TCPStore loses the job every time: one try shows it
+            fail = alternate(["etcd", "tcp"], args.tries,
+                             lambda backend, i: failover_once(backend, etcd.endpoint,
+                                                              root / f"fail-{backend}-{i}"),
+                             tries={"tcp": 1}, report=show_fail)
+        for n in (int(x) for x in args.agents.split(",") if "plan" in parts):
             for backend in ("tcp", "etcd"):
-                total, own = plan_latency(backend, etcd.endpoint, n)
-                plan[backend][str(n)], planner[backend][str(n)] = round(total, 1), round(own, 1)
-                print(f"planning {backend:4s} {n:4d} agents: fault -> plan {total:7.1f} ms "
-                      f"(planner's own share {own:6.1f} ms)", flush=True)
+                got = plan_latency(backend, etcd.endpoint, n,
+                                   etcd.proc.pid if backend == "etcd" else None)
+                plan[backend][str(n)] = got
+                print(f"planning {backend:4s} {n:5d} agents: fault -> plan {got['plan_ms']:8.1f} ms"
+                      f" (survivors' writes {got['writes_ms']:8.1f} ms, planner "
+                      f"{got['planner_ms']:6.1f} ms); idle: follower "
+                      f"{got['follower_requests_s']:.2f} req/s, leader "
+                      f"{got['leader_requests_s']:.2f} req/s, "
+                      f"{got['leader_look_requests']} req/look; etcd CPU idle "
+                      f"{got['etcd_cpu_idle']}, planning {got['etcd_cpu_plan_s']} s", flush=True)
 
         def show_steady(i: int, backend: str, t: float | None) -> None:
             print(f"steady round {i + 1} {backend:4s} "
                   + (f"{1000 * t:.2f} ms/step" if t else "FAILED"), flush=True)
 
-        steady = alternate(["tcp", "etcd"], args.rounds,
-                           lambda backend, i: steady_step(backend, etcd.endpoint,
-                                                          root / f"steady-{backend}-{i}",
-                                                          args.steady_steps),
-                           reverse=False, report=show_steady)
+        if "steady" in parts:
+            model = [*TINY, "--step-sleep", str(args.step_sleep)]
+            steady = alternate(["tcp", "etcd"], args.rounds,
+                               lambda backend, i: steady_step(backend, etcd.endpoint,
+                                                              root / f"steady-{backend}-{i}",
+                                                              args.steady_steps, model),
+                               report=show_steady)
     finally:
         etcd.stop()
 
@@ -294,22 +285,38 @@ def main() -> None:
         ok = [v for v in values if v is not None]
         return round(statistics.median(ok), 3) if ok and len(ok) == len(values) else None
 
-    tcp_ok = [t for t in steady["tcp"] if t is not None]
-    etcd_ok = [t for t in steady["etcd"] if t is not None]
-    tcp_step = statistics.median(tcp_ok) if tcp_ok else None
-    etcd_step = statistics.median(etcd_ok) if etcd_ok else None
-    overhead = change_pct(etcd_step, tcp_step) if tcp_step and etcd_step else None
+    pairs = paired_ratios(steady["tcp"], steady["etcd"])
+    overhead = round(100 * statistics.median(pairs), 2) if pairs else None
+    spread = [round(100 * min(pairs), 2), round(100 * max(pairs), 2)] if pairs else None
     print(f"failover median: etcd {median(fail['etcd'])}s over {len(fail['etcd'])} tries, "
           f"tcpstore {median(fail['tcp'])} (null: the job is lost with node 0)")
-    print(f"steady state: tcpstore {1000 * (tcp_step or 0):.2f} ms/step, etcd "
-          f"{1000 * (etcd_step or 0):.2f} ms/step: etcd overhead {overhead}%")
+    print(f"steady state at a {1000 * args.step_sleep:.0f} ms step: etcd costs {overhead}% "
+          f"(paired rounds, spread {spread})")
+    etcd_plan, tcp_plan = plan["etcd"], plan["tcp"]
+    looks = {n: f["leader_look_requests"] for n, f in etcd_plan.items()}
+    if len(set(looks.values())) > 1:
+        raise SystemExit(f"an idle look's requests grow with the agents: {looks}")
+    biggest = max(etcd_plan, key=int, default=None)
     emit({
         "etcd": {"failover_median_s": median(fail["etcd"]), "failover_s": fail["etcd"],
-                 "plan_ms": plan["etcd"], "planner_ms": planner["etcd"]},
-        "tcpstore": {"failover_median_s": median(fail["tcp"]), "plan_ms": plan["tcp"],
-                     "planner_ms": planner["tcp"]},
-        "etcd_step_overhead_pct": overhead,
-        "step_s": {"tcpstore": tcp_step, "etcd": etcd_step},
+                 "plan_ms": {n: f["plan_ms"] for n, f in etcd_plan.items()},
+                 "writes_ms": {n: f["writes_ms"] for n, f in etcd_plan.items()},
+                 "planner_ms": {n: f["planner_ms"] for n, f in etcd_plan.items()},
+                 "idle_requests_per_agent_s": etcd_plan[biggest]["follower_requests_s"]
+                 if biggest else None,
+                 "leader_requests_s": etcd_plan[biggest]["leader_requests_s"] if biggest else None,
+                 "idle_look_requests": looks,
+                 "cpu_idle": {n: f["etcd_cpu_idle"] for n, f in etcd_plan.items()},
+                 "cpu_plan_s": {n: f["etcd_cpu_plan_s"] for n, f in etcd_plan.items()},
+                 "data_dir": "tmpfs"},
+        "tcpstore": {"failover_median_s": median(fail["tcp"]),
+                     "plan_ms": {n: f["plan_ms"] for n, f in tcp_plan.items()},
+                     "writes_ms": {n: f["writes_ms"] for n, f in tcp_plan.items()},
+                     "planner_ms": {n: f["planner_ms"] for n, f in tcp_plan.items()},
+                     "idle_requests_per_agent_s": {n: f["follower_requests_s"]
+                                                   for n, f in tcp_plan.items()}},
+        "etcd_step_overhead_pct": overhead, "etcd_step_overhead_spread_pct": spread,
+        "step_s": steady,
     })
 
 

@@ -3,7 +3,10 @@ keep the protocol in one place (no key built outside the schema, no arrow runnin
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from conftest import wait_for
 
 from unbroken.control.channel import Channel
 from unbroken.control.etcd import EtcdBackend
@@ -18,7 +21,7 @@ from unbroken.control.messages import (
     Status,
     SwitchTarget,
 )
-from unbroken.control.schema import RESULT, AttemptKeys
+from unbroken.control.schema import RESULT, AttemptKeys, leader_watch
 from unbroken.control.tcp import TcpBackend, serve_store
 
 
@@ -55,20 +58,45 @@ def test_compare_and_set_keeps_the_first_writer(channel):
 
 def test_a_queue_append_is_read_in_order_and_notifies_the_planner(channel):
     keys = AttemptKeys(0)
-    assert channel.count(keys.news) == 0
-    for i in range(3):
-        assert channel.append(keys.joiners, Joiner(f"{i}.1", i)) == i
-    assert channel.count(keys.news) == 3  # one bump per notifying write, after it
+    watches = isinstance(channel.backend, EtcdBackend)
+    if watches:  # etcd: the planner's watch is its news
+        channel.backend.watch(leader_watch(0))
+        wait_for(lambda: channel.backend.changes() is not None and channel.backend.kv.mirror.live,
+                 10, "the watch to start")
+    before = channel.news(keys.news)
+    assert before == (channel.backend.changes() if watches else 0)
+    ids = [channel.append(keys.joiners, Joiner(f"{i}.1", i)) for i in range(3)]
+    assert [channel.position(keys.joiners, rid) for rid in ids] == [0, 1, 2]
+    if watches:
+        wait_for(lambda: channel.news(keys.news) != before, 10, "the watch to see the appends")
+        assert channel.count(keys.news) == 0  # no separate bump: the write is the news
+    else:
+        assert channel.count(keys.news) == 3  # one bump per notifying write, after it
     assert [j.slot for j in channel.entries(keys.joiners, 1)] == [1, 2]
     channel.bump(keys.gen(0).nready)  # not a notifying counter
     channel.bump(keys.gen(0).nup)
-    assert channel.count(keys.news) == 4
+    assert channel.count(keys.news) == (0 if watches else 4)
+    channel.backend.watch(None)
 
 
-def test_an_entry_counted_but_not_yet_written_ends_the_read(channel):
+def test_a_slot_taken_but_never_filled_is_skipped_after_a_while(monkeypatch):
+    """The TCPStore's queue: the state a writer leaves when the reply of its slot's add was
+    lost and its retry took another slot. Readers wait HOLE_AFTER, then tombstone the slot
+    and move past it; a writer merely slow to fill it finds it taken and takes another."""
+    from unbroken.control import tcp
+
+    monkeypatch.setattr(tcp, "HOLE_AFTER", 0.3)
+    store, port = serve_store("127.0.0.1", 0, 10.0)
+    channel = Channel(TcpBackend(store, "run", "127.0.0.1", port))
     keys = AttemptKeys(0)
-    channel.backend.add(keys.deaths.count.key, 1)  # a writer between its add and its set
-    assert channel.entries(keys.deaths, 0) == []
+    channel.backend.add(f"{keys.deaths.key}/n", 1)  # slot 0 taken, never filled
+    channel.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=1))
+    assert channel.entries(keys.deaths, 0) == []  # slot 0 may still be filled
+    time.sleep(0.4)
+    assert [d and d.rank for d in channel.entries(keys.deaths, 0)] == [None, 1]
+    channel.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=2))
+    assert [d and d.rank for d in channel.entries(keys.deaths, 0)] == [None, 1, 2]
+    del store
 
 
 def test_concurrent_adds_are_atomic_and_each_learns_its_own_position(channel):
@@ -86,9 +114,8 @@ def test_concurrent_adds_are_atomic_and_each_learns_its_own_position(channel):
     assert sorted(got) == list(range(1, 41))
     joiners = AttemptKeys(0).joiners
     with ThreadPoolExecutor(8) as pool:
-        indexes = list(pool.map(lambda i: channel.append(joiners, Joiner(f"{i}.1", i)),
-                                range(24)))
-    assert sorted(indexes) == list(range(24))
+        ids = list(pool.map(lambda i: channel.append(joiners, Joiner(f"{i}.1", i)), range(24)))
+    assert sorted(channel.position(joiners, rid) for rid in ids) == list(range(24))
     assert sorted(j.slot for j in channel.entries(joiners, 0)) == list(range(24))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from unbroken.control.codec import decode, encode
@@ -239,8 +241,21 @@ def test_a_drain_without_ready_spares_is_refused_with_a_reason():
     (answer,) = of(out, AnswerDrain)
     assert not answer.outcome.ok and "0 ready spare(s)" in answer.outcome.error
     s, out = run(s, drains=[DrainRequest(DrainKind.NODE, 0)])
-    assert "node 0 hosts the control store" in of(out, AnswerDrain)[0].outcome.error
+    assert "node 0 hosts the control store (the embedded TCPStore)" \
+        in of(out, AnswerDrain)[0].outcome.error
     assert of(out, AnswerDrain)[0].index == 1
+
+
+def test_the_leaders_own_node_is_never_drained_and_the_refusal_says_what_to_do():
+    """With etcd the leader may be any node; its own node's drain is refused with the way
+    that works (SIGTERM: the lead moves, the ranks go to spares), and node 0 drains when
+    another node leads."""
+    elected = replace(SHRINK, leader_node=1, elected=True)
+    s, out = run(fresh(), elected, drains=[DrainRequest(DrainKind.NODE, 1)], hosted={1: {"2.0": 2}})
+    (answer,) = of(out, AnswerDrain)
+    assert "node 1 leads the job" in answer.outcome.error and "SIGTERM" in answer.outcome.error
+    s, out = run(s, elected, drains=[DrainRequest(DrainKind.NODE, 0)], hosted={0: {"0.0": 0}})
+    assert "0 ready spare(s)" in of(out, AnswerDrain)[0].outcome.error  # not refused as node 0
 
 
 @pytest.mark.parametrize("config", [SHRINK, WAIT])

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from torch.distributed import Store
 
+from unbroken.control.schema import Watched
 from unbroken.errors import ControlPlaneError, ExitCode
 
 
@@ -26,13 +27,19 @@ class StoreMisconfigured(StoreUnavailable):
     exit_code = ExitCode.USAGE
 
 
+class Fenced(ControlPlaneError):
+    """A fenced write was refused: the key it was fenced on (the leader's claim) no longer
+    holds this agent's value, so another agent leads and this one must stand down."""
+
+
 class Backend(Protocol):
     """A strongly consistent key-value store shared by every agent and worker of a run."""
 
-    def get(self, key: str) -> str | None:
-        """The value of `key`, or None if unset. Never blocks."""
+    def get(self, key: str, fresh: bool = False) -> str | None:
+        """The value of `key`, or None if unset. Never blocks. A watched key is read from the
+        watch's copy unless `fresh` (a decision that must not rest on a copy)."""
 
-    def get_many(self, keys: list[str]) -> list[str | None]:
+    def get_many(self, keys: list[str], fresh: bool = False) -> list[str | None]:
         """The values of many keys (None where unset), in as few round trips as the store
         allows: how the leader reads every agent's lease at once."""
 
@@ -45,13 +52,48 @@ class Backend(Protocol):
         """Set `key` to `desired` if its value is `expected` (None: unset); return the value it
         holds afterwards, so the caller sees whether it won."""
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, request_id: str | None = None) -> int:
         """Add to an integer key (created at 0) atomically; return the new value (each
-        concurrent adder a different one: queue indexes and one-time claims rely on it)."""
+        concurrent adder a different one: one-time claims rely on it). `request_id`, the
+        same on every try of one add, makes a retry count once on etcd; the TCPStore has
+        no way to recognise it (docs/design-notes.md, "Request ids")."""
 
-    def increment(self, key: str) -> None:
+    def increment(self, key: str, request_id: str | None = None) -> None:
         """Add one, without learning the value: as cheap as the store allows (a counter
         that only wakes its readers, who read it with `add(key, 0)`)."""
+
+    def notify(self, key: str) -> None:
+        """Bump the news counter `key`, for a reader that polls it; nothing where readers
+        watch (etcd: the write that is the news wakes them)."""
+
+    def append(self, queue: str, request_id: str, value: str) -> None:
+        """Append `value` to `queue`, once however often it is retried under the same
+        `request_id`, and never leaving a gap that would stall the queue's readers."""
+
+    def read_queue(self, queue: str, start: int) -> list[tuple[str | None, str | None]]:
+        """(request id, value) of the entries from index `start` on, in append order; (None,
+        None) for a hole a writer abandoned, so that cursors move past it."""
+
+    def position(self, queue: str, request_id: str) -> int:
+        """The index of the entry appended under `request_id` (a writer that waits for an
+        answer by index: drains)."""
+
+    def watch(self, watched: list[Watched] | None) -> None:
+        """Keep `watched` current locally, so that reading them costs no request (etcd's
+        watch stream; None ends it); nothing on a backend that cannot watch."""
+
+
+    def changes(self) -> int | None:
+        """A number that moves whenever a watched key may have changed: None if this
+        backend cannot watch (poll the news counter instead)."""
+
+    def wait_change(self, seen: int | None, timeout: float) -> None:
+        """Sleep until a watched key changes after `seen`, at most `timeout` seconds."""
+
+    def fence(self, key: str, value: str) -> None:
+        """Make every later write of this client hold only while `key` holds `value` (the
+        leader's claim); a write that fails it raises `Fenced`. Nothing on the TCPStore,
+        whose host is the only leader."""
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Block until every key is set; False after `timeout` seconds."""
@@ -59,9 +101,6 @@ class Backend(Protocol):
     def refresh_lease(self, key: str) -> None:
         """The lease holder proves it is alive (called at least every lease period / 3)."""
 
-    def lease_token(self, key: str) -> int:
-        """A value that changes whenever the lease is refreshed; an observer that sees it
-        unchanged for the lease period declares the holder lost (`lease.LeaseWatch`)."""
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
         """A c10d store for a process group's rendezvous under `prefix`, over a connection of

@@ -2,13 +2,17 @@
 
 The one place where messages become store values, where queues are appended to, where a
 notifying write bumps the attempt's news counter (after the write, so that the planner woken
-by it finds what it was woken for), and where messages are signed and checked (`signing`).
-A message that fails its check is reported through `on_forged` and read as absent: nothing
-acts on it.
+by it finds what it was woken for; on etcd the write itself wakes its watchers), and where
+messages are signed and checked (`signing`). A message that fails its check is reported
+through `on_forged` and read as absent: nothing acts on it.
+
+Every add and append gets a request id here, once, above the retrying layer: a retry is
+the same request, and the store counts it once (docs/design-notes.md, "Request ids").
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -81,35 +85,48 @@ class Channel:
     def count(self, counter: Counter) -> int:
         return self.backend.add(counter.key, 0)
 
+    def news(self, counter: Counter) -> int:
+        """What moves when there is news for the reader of `counter`: the watch's count of
+        changes where the backend watches (no request), else the news counter itself."""
+        changes = self.backend.changes()
+        return self.count(counter) if changes is None else changes
+
+    def fence_on(self, slot: Slot[T], message: T) -> None:
+        """Every later write of this channel holds only while `slot` holds `message` as
+        this channel sealed it (a leader's claim); else it raises `backend.Fenced`."""
+        self.backend.fence(slot.key, self._seal(slot.key, message))
+
     def bump(self, counter: Counter) -> None:
         """Add one; its readers read the count (`count`)."""
-        self.backend.increment(counter.key)
+        self.backend.increment(counter.key, uuid.uuid4().hex)
         if counter.notifies:
-            self.backend.increment(counter.notifies)
+            self.backend.notify(counter.notifies)
 
     def claim(self, counter: Counter) -> int:
         """Add one and learn which add this was (1: the first of all)."""
-        value = self.backend.add(counter.key, 1)
+        value = self.backend.add(counter.key, 1, uuid.uuid4().hex)
         if counter.notifies:
-            self.backend.increment(counter.notifies)
+            self.backend.notify(counter.notifies)
         return value
 
-    def append(self, queue: Queue[T], message: T) -> int:
-        """Add an entry; returns its index."""
-        index = self.backend.add(queue.count.key, 1) - 1
-        entry = queue.entry(index)
-        self.backend.set(entry.key, self._seal(entry.key, message))
+    def append(self, queue: Queue[T], message: T) -> str:
+        """Add an entry, once however often the store is retried; returns its request id
+        (`position` turns it into its index)."""
+        rid = uuid.uuid4().hex
+        self.backend.append(queue.key, rid, self._seal(queue.entry_key(rid), message))
         if queue.notifies:
-            self.backend.increment(queue.notifies)
-        return index
+            self.backend.notify(queue.notifies)
+        return rid
+
+    def position(self, queue: Queue[T], request_id: str) -> int:
+        return self.backend.position(queue.key, request_id)
 
     def entries(self, queue: Queue[T], start: int) -> list[T | None]:
-        """Entries from `start` on, up to the first counted but not yet written. A forged
-        entry is reported and stands as None, so that the reader's cursor moves past it."""
-        slots = [queue.entry(i) for i in range(start, self.count(queue.count))]
+        """Entries from `start` on, in append order, up to the first not yet written. A
+        forged entry, or a slot its writer abandoned, stands as None, so that the reader's
+        cursor moves past it."""
         found: list[T | None] = []
-        for slot, raw in zip(slots, self.backend.get_many([s.key for s in slots]), strict=True):
-            if raw is None:
-                break
-            found.append(self._open(slot, raw))
+        for rid, raw in self.backend.read_queue(queue.key, start):
+            slot = Slot(queue.entry_key(rid or ""), queue.type, queue.writer)
+            found.append(None if raw is None else self._open(slot, raw))
         return found

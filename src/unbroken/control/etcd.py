@@ -16,28 +16,16 @@ gateway client's, `control/etcd_gateway.py`; this module is the key space and th
 
 from __future__ import annotations
 
-import base64
 import uuid
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
 
-from unbroken.control.backend import StoreUnavailable
 from unbroken.control.etcd_gateway import EtcdGateway
+from unbroken.control.etcd_kv import EtcdKv, b64, unb64
+from unbroken.control.schema import Watched
 from unbroken.polling import Backoff, PollTimeout, poll_until
-
-_RETRIES = 64  # compare-and-set rounds an atomic add may take under contention
-_MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most requests one txn may carry
-
-
-def _b64(text: str | bytes) -> str:
-    raw = text.encode() if isinstance(text, str) else text
-    return base64.b64encode(raw).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
 
 
 class EtcdBackend:
@@ -54,7 +42,25 @@ class EtcdBackend:
                                     user=user, password=password)
         self.run_id = run_id
         self.run_prefix = f"unbroken/{run_id}/"
+        self.kv = EtcdKv(self._gateway, self.run_prefix)
         self._leases: dict[str, int] = {}  # lease key -> the token this holder last wrote
+        self._cursors: dict[str, tuple[int, int]] = {}  # queue -> (index, create revision)
+
+    # ------------------------------------------------------------ watches and fencing
+    def watch(self, watched: list[Watched] | None) -> None:
+        """Keep a live copy of `watched` (None: stop): reads of them cost no request."""
+        self.kv.watch(watched)
+
+    def changes(self) -> int | None:
+        """Moves at every change of a watched key (no request); a new number at every call
+        while no watch is live."""
+        return self.kv.changes()
+
+    def wait_change(self, seen: int | None, timeout: float) -> None:
+        self.kv.wait_change(seen, timeout)
+
+    def fence(self, key: str, value: str) -> None:
+        self.kv.fence(key, value)
 
     @property
     def endpoints(self) -> list[str]:
@@ -64,125 +70,131 @@ class EtcdBackend:
     def describe(self) -> str:
         return self._gateway.describe()
 
-    def _key(self, key: str) -> str:
-        return _b64(self.run_prefix + key)
-
-    def _range(self, key: str) -> dict[str, Any] | None:
-        kvs = self._gateway.call("kv/range", {"key": self._key(key)}).get("kvs")
-        return kvs[0] if kvs else None
-
-    def _ranges(self, keys: list[str]) -> list[bytes | None]:
-        """The values of `keys` (None where unset), in order: one txn per _MAX_TXN_OPS keys."""
-        values: list[bytes | None] = []
-        for start in range(0, len(keys), _MAX_TXN_OPS):
-            chunk = keys[start:start + _MAX_TXN_OPS]
-            reply = self._gateway.call("kv/txn", {
-                "success": [{"request_range": {"key": self._key(k)}} for k in chunk]})
-            for response in reply["responses"]:
-                kvs = response.get("response_range", {}).get("kvs")
-                values.append(_unb64(kvs[0].get("value", "")) if kvs else None)
-        return values
-
-    def _txn(self, compare: dict[str, Any], key: str, value: str) -> tuple[bool, dict | None]:
-        """Put `value` if `compare` holds; else read the key. (won, the key's kv if lost)."""
-        reply = self._gateway.call("kv/txn", {
-            "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
-            "success": [{"request_put": {"key": self._key(key), "value": _b64(value)}}],
-            "failure": [{"request_range": {"key": self._key(key)}}],
-        })
-        if reply.get("succeeded"):
-            return True, None
-        ranged = (reply.get("responses") or [{}])[0].get("response_range", {})
-        kvs = ranged.get("kvs")
-        return False, kvs[0] if kvs else None
-
     # ------------------------------------------------------------ the protocol
-    def get(self, key: str) -> str | None:
-        raw = self.get_bytes(key)
+    def get(self, key: str, fresh: bool = False) -> str | None:
+        """The value of `key`: from the mirror if it covers the key (no request), unless
+        `fresh` (asked of etcd: a decision that must not rest on a copy, such as a silence)."""
+        raw = self.kv.ranges([key], fresh)[0]
         return None if raw is None else raw.decode()
 
-    def get_many(self, keys: list[str]) -> list[str | None]:
-        """The values of `keys`, in order, None where unset: one round trip per 128 keys."""
-        return [None if raw is None else raw.decode() for raw in self._ranges(keys)]
+    def get_many(self, keys: list[str], fresh: bool = False) -> list[str | None]:
+        """The values of `keys`, in order, None where unset: the mirror's, or one round trip
+        per 128 keys it does not answer."""
+        return [None if raw is None else raw.decode() for raw in self.kv.ranges(keys, fresh)]
 
     def set(self, key: str, value: str) -> None:
-        self.set_bytes(key, value.encode())
+        self.kv.set_bytes(key, value.encode())
 
     def delete_prefix(self) -> None:
         """Delete every key of the run (its rendezvous stores' included); other runs' stay."""
         end = self.run_prefix[:-1] + "0"  # the first key past the prefix: '0' follows '/'
-        self._gateway.call("kv/deleterange", {"key": _b64(self.run_prefix), "range_end": _b64(end)})
-
-    def get_bytes(self, key: str) -> bytes | None:
-        kv = self._range(key)
-        return None if kv is None else _unb64(kv.get("value", ""))
-
-    def set_bytes(self, key: str, value: bytes) -> None:
-        self._gateway.call("kv/put", {"key": self._key(key), "value": _b64(value)})
+        self.kv.write([{"request_delete_range": {"key": b64(self.run_prefix),
+                                               "range_end": b64(end)}}], "")
 
     def compare_set(self, key: str, expected: str | None, desired: str) -> str:
         if expected is None:
             compare = {"target": "CREATE", "create_revision": "0"}
         else:
-            compare = {"target": "VALUE", "value": _b64(expected)}
-        won, kv = self._txn(compare, key, desired)
+            compare = {"target": "VALUE", "value": b64(expected)}
+        won, kv = self.kv.txn(compare, key, desired)
         if won:
             return desired
-        return "" if kv is None else _unb64(kv.get("value", "")).decode()
+        return "" if kv is None else unb64(kv.get("value", "")).decode()
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, request_id: str | None = None) -> int:
         """A counter is a tally: one key under `<key>#` per unit added, so that adds never
         race (a compare-and-set counter makes N concurrent adders retry O(N) times each).
-        The create revisions order the adds, so each adder learns its own position: the
-        tally keys created up to its own (etcd's `count` ignores revision filters, so they
-        are listed, keys only: O(value) bytes, for queue indexes and claims)."""
+        The tally key is named by the request id, so a retry whose first try was applied
+        puts the same key again and counts once. The create revisions order the adds, so
+        each adder learns its own position: the tally keys created up to its own (etcd's
+        `count` ignores revision filters, so they are listed, keys only: for claims, which
+        are few; `increment` learns nothing and lists nothing)."""
         if amount < 0:
             raise ValueError("counters only grow")
         if amount == 0:
             return self._tally(key)
-        revision = None
-        for _ in range(amount):
-            revision = self._put_tally(key)
-        body = {**self._tally_range(key), "keys_only": True, "max_create_revision": revision}
-        return len(self._gateway.call("kv/range", body).get("kvs", []))
+        rid = request_id or uuid.uuid4().hex
+        revision = 0
+        for unit in range(amount):
+            revision = self._put_tally(key, f"{rid}.{unit}")
+        body = {**self._tally_range(key), "keys_only": True, "max_create_revision": str(revision)}
+        return len(self.kv.call("kv/range", body).get("kvs", []))
 
-    def increment(self, key: str) -> None:
+    def increment(self, key: str, request_id: str | None = None) -> None:
         """Add one, without learning the value: a single put."""
-        self._put_tally(key)
+        self._put_tally(key, request_id or uuid.uuid4().hex)
 
-    def _put_tally(self, key: str) -> str:
-        reply = self._gateway.call("kv/put", {"key": self._key(f"{key}#{uuid.uuid4().hex}"),
-                                      "value": _b64("1")})
-        return reply["header"]["revision"]
+    def _put_tally(self, key: str, name: str) -> int:
+        """Put the tally key `name`; its create revision (the first put's, on a retry)."""
+        reply = self.kv.write([{"request_put": {"key": self.kv.path(f"{key}#{name}"),
+                                              "value": b64("1"), "prev_kv": True}}], key)
+        prev = reply.get("prev_kv") or (reply.get("responses") or [{}])[0] \
+            .get("response_put", {}).get("prev_kv")
+        return int(prev["create_revision"]) if prev else int(reply["header"]["revision"])
 
     def _tally_range(self, key: str) -> dict[str, Any]:
         start = self.run_prefix + key + "#"
-        return {"key": _b64(start), "range_end": _b64(start[:-1] + "$")}  # '$' follows '#'
+        return {"key": b64(start), "range_end": b64(start[:-1] + "$")}  # '$' follows '#'
 
     def _tally(self, key: str) -> int:
+        under = self.kv.floor_under(key + "#")
+        if under is not False:
+            return len(under)
         body = {**self._tally_range(key), "count_only": True}
-        return int(self._gateway.call("kv/range", body).get("count", 0))
+        return int(self.kv.call("kv/range", body).get("count", 0))
 
-    def cas_add(self, key: str, amount: int) -> int:
-        """An add on a single key holding the total (what a c10d store's `add` must be,
-        for torch reads the key back with `get`): a compare-and-set, retried on races."""
-        for _ in range(_RETRIES):
-            kv = self._range(key)
-            current = int(_unb64(kv["value"]).decode() or 0) if kv and kv.get("value") else 0
-            if amount == 0:
-                return current
-            if kv is None:
-                compare = {"target": "CREATE", "create_revision": "0"}
-            else:
-                compare = {"target": "MOD", "mod_revision": kv["mod_revision"]}
-            won, _ = self._txn(compare, key, str(current + amount))
-            if won:
-                return current + amount
-        raise StoreUnavailable(f"add to {key} on {self.describe()}: lost {_RETRIES} races")
+    # ------------------------------------------------------------ queues
+    def notify(self, key: str) -> None:
+        """Nothing: whoever waits on news watches the keys whose writes are the news."""
+
+    def append(self, queue: str, request_id: str, value: str) -> None:
+        """One put, of `<queue>/<request id>`: a retry puts the same key (one entry, whose
+        place is its first put's), and no index is taken, so nothing is listed and no gap
+        can open. Readers order the entries by create revision."""
+        self.kv.write([{"request_put": {"key": self.kv.path(f"{queue}/{request_id}"),
+                                      "value": b64(value)}}], queue)
+
+    def read_queue(self, queue: str, start: int) -> list[tuple[str | None, str | None]]:
+        """(entry key, value) of the entries from index `start` on, in append order: from
+        the mirror if it covers the queue, else one range of the entries created since the
+        last read (this client remembers where it stopped)."""
+        under = self.kv.floor_under(queue + "/")
+        if under is not False:
+            kvs = sorted(under.items(), key=lambda item: item[1].create_revision)[start:]
+            return [(k.rsplit("/", 1)[1], kv.value.decode()) for k, kv in kvs]
+        body: dict[str, Any] = {**self._queue_range(queue), "sort_target": "CREATE",
+                                "sort_order": "ASCEND"}
+        base, revision = self._cursors.get(queue, (0, 0))
+        if not 0 < base <= start:
+            base = 0  # read from the first entry
+        else:
+            body["min_create_revision"] = str(revision + 1)
+        kvs = self.kv.call("kv/range", body).get("kvs", [])
+        if kvs:
+            self._cursors[queue] = (base + len(kvs), int(kvs[-1]["create_revision"]))
+        return [(unb64(kv["key"]).decode().rsplit("/", 1)[1],
+                 unb64(kv.get("value", "")).decode()) for kv in kvs[start - base:]]
+
+    def position(self, queue: str, request_id: str) -> int:
+        """The index of the entry appended under `request_id` (a listing, keys only: for
+        the few queues whose writers wait on an answer by index, such as drains)."""
+        body = {**self._queue_range(queue), "keys_only": True, "sort_target": "CREATE",
+                "sort_order": "ASCEND"}
+        keys = [unb64(kv["key"]).decode() for kv in self.kv.call("kv/range", body).get("kvs", [])]
+        return keys.index(f"{self.run_prefix}{queue}/{request_id}")
+
+    def _queue_range(self, queue: str) -> dict[str, str]:
+        start = f"{self.run_prefix}{queue}/"
+        return {"key": b64(start), "range_end": b64(start[:-1] + "0")}  # '0' follows '/'
 
     def wait(self, keys: list[str], timeout: float) -> bool:
+        """Wait for `keys` to be set: woken by the watch where it covers them, else polled."""
         def all_there() -> bool | None:
-            return True if all(raw is not None for raw in self._ranges(keys)) else None
+            if all(raw is not None for raw in self.kv.ranges(keys)):
+                return True
+            if self.kv.mirror is not None and all(self.kv.mirror.covers(k) for k in keys):
+                self.kv.wait_change(self.kv.changes(), 0.25)
+            return None
 
         try:
             return poll_until(all_there, timeout, Backoff(0.001, 2.0, 0.05), what="the keys")
@@ -193,9 +205,6 @@ class EtcdBackend:
         """One put: only the holder writes its lease, so its own count is the token."""
         self._leases[key] = self._leases.get(key, 0) + 1
         self.set(key, str(self._leases[key]))
-
-    def lease_token(self, key: str) -> int:
-        return int(self.get(key) or 0)
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
         gateway = self._gateway
@@ -213,6 +222,7 @@ class EtcdStore(Store):
     def __init__(self, backend: EtcdBackend, prefix: str, timeout: float) -> None:
         super().__init__()
         self._backend = backend
+        self._kv = backend.kv
         self._prefix = prefix
         self._timeout = timedelta(seconds=timeout)
 
@@ -220,18 +230,18 @@ class EtcdStore(Store):
         return self._prefix + key
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._backend.set_bytes(self._k(key), value if isinstance(value, bytes) else value.encode())
+        self._kv.set_bytes(self._k(key), value if isinstance(value, bytes) else value.encode())
 
     def get(self, key: str) -> bytes:
         if not self._backend.wait([self._k(key)], self._timeout.total_seconds()):
             raise LookupError(f"key {key!r} not set within {self._timeout}")
-        return self._backend.get_bytes(self._k(key)) or b""
+        return self._kv.get_bytes(self._k(key)) or b""
 
     def add(self, key: str, amount: int) -> int:
-        return self._backend.cas_add(self._k(key), amount)
+        return self._kv.cas_add(self._k(key), amount)
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._backend.get_bytes(self._k(k)) is not None for k in keys)
+        return all(self._kv.get_bytes(self._k(k)) is not None for k in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()

@@ -7,9 +7,12 @@ passed since the first failure; only then does `StoreUnavailable` reach the call
 first failure and the return are reported once each (`on_lost`, `on_back`), so a blip is an
 event, never silent.
 
-A retried add whose first try reached the store but lost its reply is applied twice; the
-protocol tolerates that for its counters (they wake readers, who then read the keys
-themselves), and a network cut usually fails a call before it is sent.
+A retry repeats the call with the same arguments, so the request id an add or an append
+carries (made once, by `channel`, above this layer) is the same on every try: on etcd a
+retry whose first try was applied counts once; on the TCPStore a queue entry is written
+once and a lost slot is skipped by readers, while a plain counter's add may count twice
+(docs/design-notes.md, "Request ids"). The watch and the fence of the client are set again
+on each fresh client.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, TypeVar
 from torch.distributed import Store
 
 from unbroken.control.backend import Backend, StoreMisconfigured, StoreUnavailable
+from unbroken.control.schema import Watched
 
 T = TypeVar("T")
 
@@ -48,6 +52,8 @@ class RetryingBackend:
         self._on_back = on_back or (lambda outage: None)
         self._sleep = sleep
         self._client: Backend | None = first
+        self._watched: list[Watched] | None = None  # set again on every fresh client
+        self._fence: tuple[str, str] | None = None
 
     def stop_retrying(self) -> None:
         """From now on a failure is reported at once: the job has ended, and nothing is
@@ -57,8 +63,18 @@ class RetryingBackend:
     @property
     def client(self) -> Backend:
         if self._client is None:
-            self._client = self._open()
+            client = self._open()
+            if self._fence is not None:
+                client.fence(*self._fence)
+            if self._watched is not None:
+                client.watch(self._watched)
+            self._client = client
         return self._client
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.watch(None)
+        self._client = None
 
     def _do(self, name: str, *args: Any) -> Any:
         try:
@@ -75,7 +91,7 @@ class RetryingBackend:
         while time.monotonic() - started < self.window:
             self._sleep(min(pause, max(0.0, self.window - (time.monotonic() - started))))
             pause = min(1.0, pause * 2)
-            self._client = None
+            self._drop_client()
             try:
                 self._same_store(self.client)
                 value = getattr(self.client, name)(*args)
@@ -88,11 +104,11 @@ class RetryingBackend:
             return value
         raise StoreUnavailable(f"{error} (still unreachable after {self.window:g}s of retries)")
 
-    def get(self, key: str) -> str | None:
-        return self._do("get", key)
+    def get(self, key: str, fresh: bool = False) -> str | None:
+        return self._do("get", key, fresh)
 
-    def get_many(self, keys: list[str]) -> list[str | None]:
-        return self._do("get_many", keys)
+    def get_many(self, keys: list[str], fresh: bool = False) -> list[str | None]:
+        return self._do("get_many", keys, fresh)
 
     def set(self, key: str, value: str) -> None:
         self._do("set", key, value)
@@ -100,11 +116,38 @@ class RetryingBackend:
     def compare_set(self, key: str, expected: str | None, desired: str) -> str:
         return self._do("compare_set", key, expected, desired)
 
-    def add(self, key: str, amount: int) -> int:
-        return self._do("add", key, amount)
+    def add(self, key: str, amount: int, request_id: str | None = None) -> int:
+        return self._do("add", key, amount, request_id)
 
-    def increment(self, key: str) -> None:
-        self._do("increment", key)
+    def increment(self, key: str, request_id: str | None = None) -> None:
+        self._do("increment", key, request_id)
+
+    def notify(self, key: str) -> None:
+        self._do("notify", key)
+
+    def append(self, queue: str, request_id: str, value: str) -> None:
+        self._do("append", queue, request_id, value)
+
+    def read_queue(self, queue: str, start: int) -> list[tuple[str | None, str | None]]:
+        return self._do("read_queue", queue, start)
+
+    def position(self, queue: str, request_id: str) -> int:
+        return self._do("position", queue, request_id)
+
+    def watch(self, watched: list[Watched] | None) -> None:
+        self._watched = None if watched is None else list(watched)
+        self._do("watch", self._watched)
+
+
+    def changes(self) -> int | None:
+        return self.client.changes()
+
+    def wait_change(self, seen: int | None, timeout: float) -> None:
+        self.client.wait_change(seen, timeout)
+
+    def fence(self, key: str, value: str) -> None:
+        self._fence = (key, value)
+        self.client.fence(key, value)
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         return self._do("wait", keys, timeout)
@@ -115,8 +158,6 @@ class RetryingBackend:
     def refresh_lease(self, key: str) -> None:
         self._do("refresh_lease", key)
 
-    def lease_token(self, key: str) -> int:
-        return self._do("lease_token", key)
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
         return self._do("rendezvous_store", prefix, timeout)

@@ -4,7 +4,7 @@ Keys live under the run's prefix (`unbroken/<run id>/`, added by the backend). T
 
 - `Slot`: one key holding one message, written by one role (or won by compare-and-set);
 - `Counter`: an integer, only ever added to;
-- `Queue`: an append-only mailbox: a counter of entries plus one key per entry.
+- `Queue`: an append-only mailbox, read in append order from an index (`Backend.append`).
 
 A notifying counter or queue also bumps the attempt's `news` counter on every write (done in
 `channel`, never by a caller), so the leader's planner, idle, polls one key. The protocol's
@@ -37,17 +37,22 @@ class Counter:
 
 @dataclass(frozen=True)
 class Queue(Generic[T]):
-    key: str  # entries are `<key>/<i>`, their count is `<key>/n`
+    key: str  # entries live under `<key>/` (how, is the backend's: `Backend.append`)
     type: Any
     writer: str
     notifies: str | None = None  # the news counter every append also bumps
 
-    @property
-    def count(self) -> Counter:
-        return Counter(f"{self.key}/n", self.writer, self.notifies)
+    def entry_key(self, request_id: str) -> str:
+        """What an entry's signature binds: the queue and the append's request id."""
+        return f"{self.key}/{request_id}"
 
-    def entry(self, index: int) -> Slot[T]:
-        return Slot(f"{self.key}/{index}", self.type, self.writer)
+
+@dataclass(frozen=True)
+class Watched:
+    """One key a watch keeps current (`prefix=False`), or every key under it (`prefix=True`)."""
+
+    key: str
+    prefix: bool = False
 
 
 # ---------------------------------------------------------------- the job
@@ -247,3 +252,32 @@ class GenKeys:
     def rendezvous_prefix(self) -> str:
         """Where the generation's process groups rendezvous (a c10d store prefix)."""
         return self._k("pg/")
+
+
+# ---------------------------------------------------------------- what each role watches
+# With etcd, an agent keeps a live copy of the keys it reads at every look (a watch stream,
+# `etcd_watch.Mirror`), so that its looks cost no request. A follower watches only its own
+# and the job-wide keys (never the leader's inbox: a recovery's N departures would reach
+# all N followers); the leader watches its attempt, the agents' leases and the job's keys.
+def leader_watch(attempt: int) -> list[Watched]:
+    """The leader's watch: its attempt's keys (its inbox among them), every agent's lease
+    (read in bulk at each look), the claim it must still hold, the job-wide slots."""
+    return [Watched(f"a/{attempt}/", prefix=True), Watched("lease/", prefix=True),
+            Watched(LEADER.key), Watched(RESULT.key), Watched(CURRENT.key),
+            Watched("rejected/", prefix=True), Watched("out/", prefix=True)]
+
+
+def follower_watch(attempt: int, node: int, leader: m.LeaderClaim | None) -> list[Watched]:
+    """A follower's watch: what its looks read (the attempt's end, the leader's target and
+    orders to this node, the job's result and leader, its own standing) and the leader's
+    lease (its silence is judged from the copy, and confirmed by a read before acting)."""
+    keys = AttemptKeys(attempt)
+    watched = [Watched(keys.fault.key), Watched(keys.target.key), Watched(keys.plan.key),
+               Watched(keys.latest_gen.key), Watched(keys.finished.key),
+               Watched(keys.orders(node).key + "/", prefix=True),
+               Watched(keys.drained("").key, prefix=True),
+               Watched(LEADER.key), Watched(RESULT.key), Watched(CURRENT.key),
+               Watched(LEADER_RECORD.key), Watched(node_out(node).key)]
+    if leader is not None:
+        watched.append(Watched(agent_lease(leader.node, leader.instance).key))
+    return watched

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -16,11 +17,14 @@ from typing import TypeVar
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.control.backend import StoreUnavailable
+from unbroken.control.schema import Watched
 from unbroken.errors import ConfigError, ControlPlaneError
 
 T = TypeVar("T")
 _STORE_ERRORS = (RuntimeError, OSError)
 _FEW = 4  # get_many: up to this many keys are read one by one  # what a TCPStore call raises when the server is gone
+HOLE_AFTER = 2.0  # seconds an entry may stay unwritten behind written ones before readers skip it
+_TOMBSTONE = "-"  # what a reader writes into an abandoned slot (a request id has no '-')
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -91,6 +95,9 @@ class TcpBackend:
         self._kv = PrefixStore(self.run_prefix, store)
         self.addr, self.port = addr, port
         self._store = store  # keeps a served store alive as long as the backend
+        self.requests = 0  # calls made to the store (the benchmark's count)
+        self._positions: dict[str, int] = {}  # request id -> the index its append took
+        self._holes: dict[str, float] = {}  # entry key -> when a reader first found it missing
 
     @classmethod
     def connect(cls, addr: str, port: int, run_id: str, timeout: float) -> TcpBackend:
@@ -100,18 +107,19 @@ class TcpBackend:
         return f"the control store at {self.addr}:{self.port}"
 
     def _call(self, fn: Callable[..., T], *args: object) -> T:
+        self.requests += 1
         try:
             return fn(*args)
         except _STORE_ERRORS as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise StoreUnavailable(f"lost {self.describe()} (node-0 agent gone?): {text}") from None
 
-    def get(self, key: str) -> str | None:
+    def get(self, key: str, fresh: bool = False) -> str | None:
         if not self._call(self._kv.check, [key]):
             return None
         return self._call(self._kv.get, key).decode()
 
-    def get_many(self, keys: list[str]) -> list[str | None]:
+    def get_many(self, keys: list[str], fresh: bool = False) -> list[str | None]:
         """Two round trips when every key is set (the leases, a queue's counted entries);
         else one check and one get per key (`multi_get` would block on a missing key). A
         read of a few keys (an agent's look: slots mostly not set yet) skips the first
@@ -129,11 +137,88 @@ class TcpBackend:
     def compare_set(self, key: str, expected: str | None, desired: str) -> str:
         return self._call(self._kv.compare_set, key, expected or "", desired).decode()
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, request_id: str | None = None) -> int:
+        """The TCPStore's own add: one round trip. It cannot tell a retry from a new add
+        (`request_id` is not used): a retried add whose first reply was lost counts twice.
+        Queues do not rest on it (`append`)."""
         return int(self._call(self._kv.add, key, amount))
 
-    def increment(self, key: str) -> None:
+    def increment(self, key: str, request_id: str | None = None) -> None:
         self.add(key, 1)
+
+    def notify(self, key: str) -> None:
+        self.add(key, 1)
+
+    # ------------------------------------------------------------ queues
+    def append(self, queue: str, request_id: str, value: str) -> None:
+        """Take a slot with the counter (`<queue>/n`: every writer its own, no contention),
+        then fill it by compare-and-set with `value` tagged by the request id. A retry finds
+        its tag in the slots taken since its first try (`<queue>/rid/<id>` says from where)
+        and stops there; a slot whose writer's reply was lost stays empty and readers skip
+        it after HOLE_AFTER (they fill it with a tombstone first, so a writer merely slow
+        to fill it loses its slot and takes another)."""
+        tagged = f"{request_id} {value}"
+        marker = f"{queue}/rid/{request_id}"
+        since = self.get(marker)
+        if since is not None:  # a retry: did an earlier try land?
+            for index in range(int(since), self.add(f"{queue}/n", 0)):
+                if self.get(f"{queue}/{index}") == tagged:
+                    self._positions[request_id] = index
+                    return
+        else:
+            self.set(marker, str(self.add(f"{queue}/n", 0)))
+        while True:
+            index = self.add(f"{queue}/n", 1) - 1
+            if self.compare_set(f"{queue}/{index}", None, tagged) == tagged:
+                self._positions[request_id] = index
+                return
+
+    def read_queue(self, queue: str, start: int) -> list[tuple[str | None, str | None]]:
+        count = self.add(f"{queue}/n", 0)
+        keys = [f"{queue}/{i}" for i in range(start, count)]
+        found: list[tuple[str | None, str | None]] = []
+        for key, raw in zip(keys, self.get_many(keys), strict=True):
+            if raw is None:
+                raw = self._abandoned(key)
+                if raw is None:
+                    break  # being written: read again next time
+            if raw == _TOMBSTONE:
+                found.append((None, None))
+                continue
+            rid, _, value = raw.partition(" ")
+            found.append((rid, value))
+        return found
+
+    def _abandoned(self, key: str) -> str | None:
+        """A slot still empty HOLE_AFTER after a reader first found it so: tombstoned (or,
+        if its writer fills it first, what it wrote); None while it may still be filled."""
+        first = self._holes.setdefault(key, time.monotonic())
+        if time.monotonic() - first < HOLE_AFTER:
+            return None
+        del self._holes[key]
+        return self.compare_set(key, None, _TOMBSTONE)
+
+    def position(self, queue: str, request_id: str) -> int:
+        if request_id in self._positions:
+            return self._positions[request_id]
+        for index, (rid, _) in enumerate(self.read_queue(queue, 0)):
+            if rid == request_id:
+                return index
+        raise KeyError(f"no entry {request_id} in {queue}")
+
+    # ------------------------------------------------------------ no watches, no fences
+    def watch(self, watched: list[Watched] | None) -> None:
+        """Nothing: the TCPStore cannot watch; readers poll, paced by their callers."""
+
+
+    def changes(self) -> int | None:
+        return None
+
+    def wait_change(self, seen: int | None, timeout: float) -> None:
+        time.sleep(timeout)
+
+    def fence(self, key: str, value: str) -> None:
+        """Nothing: the store's host is the only leader there is, and cannot be deposed."""
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         try:
@@ -147,8 +232,6 @@ class TcpBackend:
     def refresh_lease(self, key: str) -> None:
         self.add(key, 1)
 
-    def lease_token(self, key: str) -> int:
-        return self.add(key, 0)
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
         return PrefixStore(self.run_prefix + prefix, connect_store(self.addr, self.port, timeout))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.control.address import ControlAddress, open_backend
+from unbroken.control.backend import Fenced
 from unbroken.control.channel import Channel
 from unbroken.control.messages import Fault
 from unbroken.control.retry import RetryingBackend
@@ -114,7 +115,7 @@ class Agent:
         except ControlPlaneError as exc:
             if sup is not None:
                 sup.stop_all()
-            if isinstance(exc, Deposed):
+            if isinstance(exc, (Deposed, Fenced)):
                 self.events.emit(ev.LeaderDeposed(error=str(exc)))
             self.events.emit(ev.AgentError(error=str(exc)))
             self.events.emit(ev.AgentExit(code=int(exc.exit_code),

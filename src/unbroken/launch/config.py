@@ -128,8 +128,12 @@ class LaunchConfig:
     @property
     def quiet_poll(self) -> float:
         """Seconds between control-plane reads while the node is quiet (`AttemptWatch`):
-        0, every look, on the agent's own TCPStore; 0.25 s on a shared etcd."""
-        return 0.25 if self.backend == BackendKind.ETCD else 0.0
+        0.25 s on etcd (where the watch's copy answers them: no request); on the TCPStore,
+        2 ms per node up to 0.5 s, so that the one store serves a bounded number of looks
+        a second however many agents poll it (every look below 25 nodes)."""
+        if self.backend == BackendKind.ETCD:
+            return 0.25
+        return min(0.5, 0.002 * self.nnodes) if self.nnodes > 25 else 0.0
 
     @property
     def bind_addr(self) -> str:

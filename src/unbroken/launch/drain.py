@@ -108,7 +108,7 @@ def request_drain(channel: Channel, request: DrainRequest, timeout: float) -> Dr
     keys = AttemptKeys(attempt) if attempt is not None else None
     if keys is None or channel.read(keys.plan) is None:
         raise UserError("the job has not started training yet; try again once it has")
-    index = channel.append(keys.drains, request)
+    index = channel.position(keys.drains, channel.append(keys.drains, request))
 
     def outcome() -> DrainOutcome | None:
         done = channel.read(keys.drain_outcome(index))

@@ -9,8 +9,15 @@ the attempt's planner state). A leader checks at each look that the claim is sti
 one that finds it taken (it was cut off or paused past the timeout) is deposed: it stops its
 workers and exits, because its node has been declared lost.
 
-With the embedded TCPStore there is no election: the node-0 agent holds the store, leads,
-and is the job's single point of failure.
+**Fencing.** The winner fences its channel on its claim (`Channel.fence_on`): with etcd,
+every write it makes from then on is a transaction that holds only while `LEADER` still
+holds its claim. A leader deposed while it was paused or cut off cannot write even once:
+its first write raises `backend.Fenced` and it stands down at once, as `check_held` would
+have made it do at its next look.
+
+With the embedded TCPStore there is no election and nothing to fence: the node-0 agent
+holds the store and leads, so no other agent can ever lead while it lives; it is the job's
+single point of failure.
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ class Election:
         self.channel = channel
         self.mine = LeaderClaim(node=node, instance=instance, term=0)
         self.timeout = timeout
-        self._watch = LeaseWatch(channel.backend, pause_limit=timeout / 2)
+        self._watch = LeaseWatch(channel.backend, pause_limit=timeout / 2,
+                                 confirm_after=timeout / 2)
+        self.seen: LeaderClaim | None = None  # the claim a follower's last look found
 
     def stand(self, first: bool) -> LeaderClaim:
         """At start: claim leadership if nobody holds it; returns the claim that holds.
@@ -62,6 +71,8 @@ class Election:
         won = self.channel.first(LEADER, self.mine)
         if won is not None and won.instance == self.mine.instance:
             self.mine = won
+        if won is None or won.instance == self.mine.instance:
+            self.channel.fence_on(LEADER, self.mine)
         return won if won is not None else self.mine
 
     def _held(self) -> LeaderClaim | None:
@@ -81,7 +92,7 @@ class Election:
     def watch(self, attempt: int | None) -> None:
         """Each look of a follower: take over if the leader has been silent for the timeout
         (raises `Elected` when this agent won)."""
-        claim = self.channel.read(LEADER)
+        claim = self.seen = self.channel.read(LEADER)
         if claim is None:  # every agent stood at start: the leader cleared the finished job
             raise ControlPlaneError("the job's keys are gone from the control plane: the job "
                                     "ended without this node (or another job used its --rdzv-id)")
@@ -93,4 +104,5 @@ class Election:
         mine = LeaderClaim(node=self.mine.node, instance=self.mine.instance, term=claim.term + 1)
         if self.channel.replace(LEADER, claim, mine):
             self.mine = mine
+            self.channel.fence_on(LEADER, mine)
             raise Elected(claim, attempt)

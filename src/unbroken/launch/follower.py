@@ -20,7 +20,16 @@ from unbroken.control.messages import (
     Status,
 )
 from unbroken.control.retry import RetryingBackend
-from unbroken.control.schema import CURRENT, LEADER_RECORD, RESULT, AttemptKeys, ack, node_out
+from unbroken.control.schema import (
+    CURRENT,
+    LEADER,
+    LEADER_RECORD,
+    RESULT,
+    AttemptKeys,
+    ack,
+    follower_watch,
+    node_out,
+)
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.election import WRONG_SECRET
@@ -39,6 +48,7 @@ class Quarantined(Exception):  # noqa: N818 - control flow, not an error
 class Follower(Role):
     _sent: float | None = None  # this agent's wall time just before it wrote its last join
     _handoff: tuple[AttemptKeys, int] | None = None  # the drain asked for on SIGTERM
+    _watching: tuple[int, object] | None = None  # (attempt, leader claim) the watch was made for
 
     def run(self) -> int:
         seen = -1
@@ -47,6 +57,7 @@ class Follower(Role):
                 attempt = self._wait_next_attempt(seen)
                 seen = attempt
                 self._join(attempt)
+                self._watch_keys(attempt)
                 plan = self._wait_plan(attempt)
                 if plan is None:
                     continue
@@ -98,6 +109,7 @@ class Follower(Role):
         was drained onto spares leaves the job."""
         if self.election is not None:
             self.election.watch(attempt)
+            self._watch_keys(attempt)
         if self.outage_ended:
             self.outage_ended = False
             self._check_standing()
@@ -111,6 +123,16 @@ class Follower(Role):
         self.say("every rank of this node moved to spares: leaving the job")
         sup.stop_all()
         return Outcome(Ending.RELEASED)
+
+    def _watch_keys(self, attempt: int) -> None:
+        """With etcd: keep a live copy of what this agent's looks read, the leader's lease
+        among them (made again when the attempt or the leader changes)."""
+        claim = self.election.seen if self.election is not None else None
+        if self.election is not None and claim is None:
+            claim = self.channel.read(LEADER)
+        if self._watching != (attempt, claim):
+            self.channel.backend.watch(follower_watch(attempt, self.cfg.node_rank, claim))
+            self._watching = (attempt, claim)
 
     def _check_standing(self) -> None:
         """After an outage of the control plane: if the leader declared this node lost
@@ -216,7 +238,9 @@ class Follower(Role):
         if not (watch.in_place and watch.resilient and watch.sup.workers):
             return False
         keys = watch.keys
-        index = self.channel.append(keys.drains, DrainRequest(DrainKind.NODE, self.cfg.node_rank))
+        queue = keys.drains
+        index = self.channel.position(queue, self.channel.append(
+            queue, DrainRequest(DrainKind.NODE, self.cfg.node_rank)))
         self._handoff = (keys, index)
         self.say("SIGTERM: moving this node's ranks to spares before leaving")
         return True

@@ -41,6 +41,7 @@ from unbroken.control.schema import (
     RESULT,
     AttemptKeys,
     ack,
+    leader_watch,
 )
 from unbroken.control.tcp import serve_store
 from unbroken.errors import ErrorClass, ExitCode
@@ -231,8 +232,10 @@ class Leader(Role):
             stall_limit=max(60.0, 3 * cfg.node_timeout), join_timeout=cfg.recovery.join_timeout,
             node_timeout=cfg.node_timeout, leader_timeout=cfg.etcd.leader_timeout,
             quarantine=cfg.recovery.quarantine, least=cfg.least if cfg.elastic else 0,
-            standby_takes_ranks=cfg.spares_when_standing_by)
+            standby_takes_ranks=cfg.spares_when_standing_by, leader_node=cfg.node_rank,
+            elected=cfg.elects)
         self._executor = PlanExecutor(self.channel, attempt, config, self.events.emit, self.say)
+        self.channel.backend.watch(leader_watch(attempt))  # etcd: looks read a live copy
         if resume and (state := PlanExecutor.resume(self.channel, attempt)) is not None:
             self.state = state
             return

@@ -25,7 +25,9 @@ class Followers:
     def __init__(self, cfg: LaunchConfig, channel: Channel) -> None:
         self.cfg = cfg
         self.channel = channel
-        self.leases = LeaseWatch(channel.backend, pause_limit=cfg.node_timeout / 2)
+        # Read at most 20 times per --node-timeout: on the TCPStore each read is N keys.
+        self.leases = LeaseWatch(channel.backend, pause_limit=cfg.node_timeout / 2,
+                                 confirm_after=cfg.node_timeout / 2, every=cfg.node_timeout / 20)
         self._leaving: set[int] = set()  # quarantined nodes ordered to leave
         self._draining: set[int] = set()  # quarantined nodes whose ranks a drain moves
 

@@ -4,8 +4,9 @@ state: the leader holds the `PlannerState` and hands it to each `look`, which re
 next one. What the executor reads (queues, counters, spares on offer) goes into the inbox;
 it keeps only its own read cursors and pacing.
 
-Idle, it costs one store read per look (the attempt's news counter), and one for the
-standby queue.
+Idle, it costs no request with etcd (the leader's watch tells whether anything changed,
+and its copy answers the reads), and on the TCPStore one read per look (the attempt's news
+counter) and one for the standby queue.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class PlanExecutor:
         (lease silences, strikes, a predecessor); this adds what the store says. Returns the
         next state, and the EndAttempt that ends the attempt, if one does."""
         ch, keys = self.channel, self.keys
-        news = ch.count(keys.news) if inbox.in_place else self._news
+        news = ch.news(keys.news) if inbox.in_place else self._news
         inbox.standbys = ch.entries(keys.standbys, s.seen.standbys)
         losing = node_life.losing(s.nodes, inbox.silences, inbox.released,
                                   self.config.node_timeout, inbox.predecessor)

@@ -320,7 +320,7 @@ class _Decision:
     def _drain(self, index: int, request: DrainRequest) -> None:
         """Have a ready spare promoted into each drained slot; the switch follows its join."""
         s = self.s
-        found = planner_drains.movers(s, request, self.inbox.hosted)
+        found = planner_drains.movers(s, request, self.inbox.hosted, self.config)
         if isinstance(found, str):
             self.out += planner_drains.refusal(index, request, found)
             return

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 from unbroken.control.messages import DrainKind, DrainOutcome, DrainRequest
 from unbroken.launch.planner_commands import AnswerDrain, Command, Record, Say
-from unbroken.launch.planner_state import Drains, Phase, PlannerState
+from unbroken.launch.planner_state import Drains, Phase, PlannerConfig, PlannerState
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.event_names import Event
 
 
-def movers(s: PlannerState, request: DrainRequest,
-           hosted: dict[int, dict[str, int] | None]) -> tuple[list[str], int | None] | str:
+def movers(s: PlannerState, request: DrainRequest, hosted: dict[int, dict[str, int] | None],
+           config: PlannerConfig) -> tuple[list[str], int | None] | str:
     """The members `request` moves, and the node they leave (None: a rank's drain); or why
     the request is refused."""
     if s.phase != Phase.RUNNING or s.switch_requested:
@@ -27,8 +27,13 @@ def movers(s: PlannerState, request: DrainRequest,
     node = None
     if request.kind == DrainKind.NODE:
         node = request.target
-        if node == 0:
-            return "node 0 hosts the control store and cannot be drained"
+        if node == config.leader_node and config.elected:
+            return (f"node {node} leads the job, and moving the lead before a drain is not "
+                    "built: send its agent SIGTERM, which hands the lead over and moves its "
+                    "ranks to ready spares in place")
+        if node == config.leader_node:
+            return (f"node {node} hosts the control store (the embedded TCPStore) and cannot "
+                    "be drained; with --rdzv-backend etcd any node's agent can step down")
         on_node = hosted.get(node) or {}
         moving = [m for m in s.members if m in on_node]
     else:

@@ -80,6 +80,10 @@ class PlannerConfig:
     """Elastic: `--nnodes` MIN, below which a lost node ends the attempt (0: static)."""
     standby_takes_ranks: bool = False
     """Standby nodes hold spares, so they count towards `least`."""
+    leader_node: int = 0
+    """The node whose agent runs this planner: its own node cannot be drained."""
+    elected: bool = False
+    """Leadership is elected (etcd): the leader can step down; else its node holds the store."""
 
 
 @dataclass

@@ -1,0 +1,256 @@
+"""A live local copy of the keys an agent reads, kept by etcd's v3 watch stream.
+
+An agent looks at the control plane many times a second; with a mirror, a look at a watched
+key costs no request at all, and a change is seen one round trip after it is written (the
+watch event). An idle job costs etcd nothing but the agents' lease refreshes.
+
+How it stays right (docs/design-notes.md, "Watches"):
+
+- **One consistent start.** The watched keys are read in one txn (one revision R), and the
+  watch starts at R + 1: no change falls between the read and the watch.
+- **Resumed, not restarted.** A broken stream (a blip, an etcd restart) is opened again from
+  the last revision seen + 1; the mirror is not live meanwhile, and reads go to etcd (where
+  they fail or wait as any request does), so a frozen mirror never makes a lease look silent.
+- **Compaction.** If etcd has compacted the revision to resume from, it cancels the watch
+  (`compact_revision`); the mirror then reads every watched key again (a full re-read,
+  counted in `resyncs`) and watches from there.
+- **Read your writes.** A backend that wrote a watched key reads it from the mirror only once
+  the mirror has reached that write's revision (`caught_up`).
+
+The transport is the gateway's (`EtcdGateway.stream`): one HTTP POST to `/v3/watch` whose
+body holds one create request per watched key or prefix, answered by a chunked stream of
+JSON lines. The values are what etcd holds; nothing in them is executed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.control.backend import StoreUnavailable
+from unbroken.control.etcd_gateway import EtcdGateway
+from unbroken.control.schema import Watched
+
+_RETRY_PAUSE = (0.05, 1.0)
+CREATE_WAIT = 1.0  # seconds for etcd to confirm every watch of a stream, else it is opened again  # seconds between reconnects: first, and at most (doubling)
+
+
+@dataclass
+class Kv:
+    """A mirrored key: its value and etcd's revisions of it."""
+
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def prefix_end(raw: bytes) -> bytes:
+    """The first key past every key that starts with `raw` (etcd's `range_end`). Pure."""
+    return raw[:-1] + bytes([raw[-1] + 1])
+
+
+def ranges(run_prefix: str, watched: Iterable[Watched]) -> list[dict[str, str]]:
+    """etcd's key / range_end pairs for `watched` under `run_prefix`. Pure."""
+    out = []
+    for w in watched:
+        raw = (run_prefix + w.key).encode()
+        out.append({"key": _b64(raw), **({"range_end": _b64(prefix_end(raw))} if w.prefix else {})})
+    return out
+
+
+class Mirror:
+    """The watched keys of one run, kept current by a watch stream on a thread of its own.
+
+    `get(key)` answers from the copy while it is live (None: not covered, or not live: ask
+    etcd); `version` grows with every change seen (and every re-read), and `wait_change`
+    blocks until it does. `close()` ends the thread."""
+
+    def __init__(self, gateway: EtcdGateway, run_prefix: str, watched: list[Watched]) -> None:
+        self._gateway = gateway
+        self._prefix = run_prefix
+        self.watched = tuple(watched)
+        self._exact = {w.key for w in watched if not w.prefix}
+        self._prefixes = tuple(w.key for w in watched if w.prefix)
+        self._kvs: dict[str, Kv] = {}
+        self._cond = threading.Condition()
+        self.revision = 0  # the newest revision the copy reflects
+        self.version = 0  # grows at every change and every full re-read
+        self.live = False
+        self.resyncs = 0  # full re-reads after the resume revision was compacted away
+        self.reconnects = 0
+        self.last_error: str | None = None  # why the stream last broke
+        self._closed = False
+        self._conn: Any = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="etcd-watch")
+        self._thread.start()
+
+    # ------------------------------------------------------------ what readers see
+    def covers(self, key: str) -> bool:
+        return key in self._exact or key.startswith(self._prefixes)
+
+    def get(self, key: str, floor: int = 0) -> Kv | None | bool:
+        """The mirrored kv of `key` (None: unset); False when the copy cannot answer (not
+        covered, not live, or behind `floor`, the revision of the reader's own last write)."""
+        if not self.covers(key) or not self.caught_up(floor):
+            return False
+        with self._cond:
+            return self._kvs.get(key)
+
+    def under(self, prefix: str, floor: int = 0) -> dict[str, Kv] | bool:
+        """Every mirrored key under `prefix` (which the mirror must cover whole); False as
+        for `get`."""
+        if not prefix.startswith(self._prefixes) or not self.caught_up(floor):
+            return False
+        with self._cond:
+            return {k: kv for k, kv in self._kvs.items() if k.startswith(prefix)}
+
+    def caught_up(self, floor: int, timeout: float = 0.5) -> bool:
+        """Live, and at or past revision `floor` (waited for up to `timeout` seconds: the
+        event of a write just made is a round trip away)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.live and self.revision < floor:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self.live
+
+    def wait_change(self, seen: int, timeout: float) -> int:
+        """Block until `version` moves past `seen` (or `timeout` seconds); the version."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.version != seen or self._closed, timeout)
+            return self.version
+
+    def close(self) -> None:
+        """End the stream and the thread. The socket is shut down, not closed: the thread,
+        which may be blocked reading it, wakes and closes the connection itself."""
+        self._closed = True
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._cond:
+            self.live = False
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ the stream
+    def _run(self) -> None:
+        pause = _RETRY_PAUSE[0]
+        synced = False
+        while not self._closed:
+            try:
+                if not synced:
+                    self._read_all()
+                    synced = True
+                synced = self._follow()
+                pause = _RETRY_PAUSE[0]
+            except (StoreUnavailable, OSError, ValueError) as exc:
+                self.last_error = str(exc)  # a blip: opened again from the last revision seen
+            with self._cond:
+                self.live = False
+            if self._closed:
+                return
+            self.reconnects += 1
+            time.sleep(pause)
+            pause = min(_RETRY_PAUSE[1], pause * 2)
+
+    def _read_all(self) -> None:
+        """Read every watched key at one revision: the copy starts (or starts again) there."""
+        reply = self._gateway.call("kv/txn", {
+            "success": [{"request_range": r} for r in ranges(self._prefix, self.watched)]})
+        kvs: dict[str, Kv] = {}
+        for response in reply.get("responses", []):
+            for kv in response.get("response_range", {}).get("kvs", []):
+                self._keep(kvs, kv)
+        with self._cond:
+            self._kvs = kvs
+            self.revision = int(reply["header"]["revision"])
+            self.version += 1
+            self._cond.notify_all()
+
+    def _follow(self) -> bool:
+        """Stream changes from revision + 1 until the stream breaks (raises) or etcd cancels
+        it; False when the resume revision was compacted away (the copy must be read again).
+
+        etcd's gateway drops the rest of a request body once it starts its reply (Go's HTTP
+        server discards unread body when a handler writes), so a stream may confirm only
+        some of its watches. One that has not confirmed them all within CREATE_WAIT is
+        opened again, from the revision it started at: the copy is live only once every
+        watch is confirmed, and no change is missed."""
+        start = self.revision
+        body = "\n".join(json.dumps({"create_request": {
+            **r, "start_revision": str(start + 1), "watch_id": i}})
+            for i, r in enumerate(ranges(self._prefix, self.watched), start=1))  # 0: etcd picks
+        conn, response = self._gateway.stream("watch", body.encode())
+        self._conn = conn
+        conn.sock.settimeout(CREATE_WAIT)
+        try:
+            created = 0
+            while not self._closed:
+                try:
+                    line = response.readline()
+                except TimeoutError:
+                    self.revision = start  # replay what this stream delivered, on all watches
+                    raise StoreUnavailable(f"etcd confirmed {created} of {len(self.watched)} "
+                                           "watches") from None
+                if not line:
+                    raise StoreUnavailable("etcd closed the watch stream")
+                result = json.loads(line).get("result")
+                if result is None:  # an error object: the stream is over
+                    raise StoreUnavailable(f"etcd ended the watch: {line[:200]!r}")
+                if result.get("compact_revision") and result.get("canceled"):
+                    self.resyncs += 1
+                    return False
+                if result.get("canceled"):
+                    raise StoreUnavailable(f"etcd cancelled a watch: {result.get('cancel_reason')}")
+                if result.get("created"):
+                    created += 1
+                    if created == len(self.watched):
+                        conn.sock.settimeout(None)  # silent for as long as nothing changes
+                        with self._cond:
+                            self.live = True
+                            self._cond.notify_all()
+                    continue
+                self._apply(result)
+            return True
+        finally:
+            self._conn = None
+            conn.close()
+
+    def _apply(self, result: dict[str, Any]) -> None:
+        events = result.get("events", [])
+        with self._cond:
+            for event in events:
+                kv = event["kv"]
+                if event.get("type") == "DELETE":
+                    self._kvs.pop(self._relative(kv["key"]), None)
+                else:
+                    self._keep(self._kvs, kv)
+            revision = int(result.get("header", {}).get("revision", 0))
+            if events:
+                revision = max(revision, max(int(e["kv"]["mod_revision"]) for e in events))
+            self.revision = max(self.revision, revision)
+            self.version += 1
+            self._cond.notify_all()
+
+    def _relative(self, key_b64: str) -> str:
+        return base64.b64decode(key_b64).decode()[len(self._prefix):]
+
+    def _keep(self, into: dict[str, Kv], kv: dict[str, Any]) -> None:
+        into[self._relative(kv["key"])] = Kv(
+            value=base64.b64decode(kv.get("value", "")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)))
