@@ -191,6 +191,33 @@ def test_sigterm_to_the_leader_on_etcd_steps_it_down_and_the_job_goes_on_in_plac
     assert summarize(node1)["steps"] == 300
 
 
+def test_a_standby_node_takes_the_lead_and_the_ranks_of_the_leaders_lost_node(isolated_hosts):
+    """The leader's agent killed, and the standby node is the one that takes over (node 1
+    is given a long --leader-timeout, so it waits): the standby leads, declares node 0 lost
+    and has its own ready spare take node 0's rank, in place."""
+    hosts = isolated_hosts
+    node0, node1, node2 = _run_dirs(hosts)
+    flags = ("--nnodes", "2", "--max-restarts", "3")
+    a0 = _agent(hosts, 0, *flags, steps=300)
+    a1 = _agent(hosts, 1, *flags, "--leader-timeout", "60", steps=300)
+    standby = _agent(hosts, 2, *flags, "--standby", node=2, steps=300)
+    wait_for(lambda: [e for e in events_of(node2, "spare_ready") if e["source"] == "worker"],
+             120, "the standby's spare", explain=node2)
+    _at_step(node0, 10)
+    time.sleep(1.0)  # the standby's agent offers its ready spare at its next look
+    os.kill(a0.pid, signal.SIGKILL)
+    a0.wait()
+    r2, r1 = finish(standby, node2), finish(a1, node1)
+    assert (r1.code, r2.code) == (0, 0), r1.output + r2.output
+    (elected,) = r2.events("leader_elected")
+    assert elected["previous"] == 0 and elected["node"] == 2
+    assert [e["lost_node"] for e in r2.events("node_lost")] == [0]
+    assert not events_in([node1, node2], "restart")  # in place
+    promoted = [e["slot"] for e in r2.events("spare_promoted") if e["source"] == "worker"]
+    assert promoted == [0]
+    assert summarize(node1)["steps"] == 300
+
+
 def test_a_lemon_node_is_quarantined_and_its_ranks_go_to_the_standby(isolated_hosts):
     hosts = isolated_hosts
     node0, node1, node2 = _run_dirs(hosts)
@@ -219,6 +246,33 @@ def test_a_lemon_node_is_quarantined_and_its_ranks_go_to_the_standby(isolated_ho
     promoted = {e["slot"] for e in r2.events("spare_promoted") if e["node"] == 2}
     assert promoted == {1, 2}  # both of the lemon's ranks now run on the standby node
     assert summarize(node0)["steps"] == 300
+
+
+def test_a_leader_paused_past_the_timeout_is_deposed_and_writes_nothing_after(isolated_hosts):
+    """SIGSTOP on the leader's agent (a long GC pause, a frozen VM): the other node takes
+    the lead and goes on in place without it. On SIGCONT the old leader's first write is
+    fenced (or its first look finds the claim taken): it stands down, exit 3, and the
+    job's result is the new leader's."""
+    hosts = isolated_hosts
+    node0, node1 = _run_dirs(hosts, 0, 1)
+    flags = ("--nnodes", "2", "--max-restarts", "3")
+    a0, a1 = _agent(hosts, 0, *flags, steps=200), _agent(hosts, 1, *flags, steps=200)
+    _at_step(node0, 10)
+    os.kill(a0.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: events_of(node1, "leader_elected"), 60, "node 1 to take the lead",
+                 explain=node1)
+    finally:
+        os.kill(a0.pid, signal.SIGCONT)
+    r0 = finish(a0, node0, timeout=60)
+    r1 = finish(a1, node1)
+    assert r1.code == 0, r1.output
+    assert r0.code == 3, r0.output
+    (deposed,) = r0.events("leader_deposed")
+    assert "leads now" in deposed["error"] or "leadership passed to node 1" in deposed["error"]
+    (elected,) = r1.events("leader_elected")
+    assert elected["previous"] == 0 and elected["term"] == 1
+    assert summarize(node1)["steps"] == 200
 
 
 def test_forged_writes_are_rejected_and_a_follower_cut_off_for_five_seconds_is_a_blip(

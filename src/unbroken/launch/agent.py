@@ -90,10 +90,10 @@ class Agent:
             leads = cfg.is_leader
             if cfg.elects:
                 election = Election(channel, cfg.node_rank, self.instance, cfg.etcd.leader_timeout)
+                # A standby node does not stand at start (the job's nodes lead first) but
+                # watches the leader as every follower does, and can take over.
                 leads = not cfg.standby and election.stand(first=cfg.is_leader).instance \
                     == self.instance
-                if cfg.standby:
-                    election = None  # standby nodes never lead
             args = (cfg, channel, watch, self.events, self.instance, self._sleep,
                     self._report_failure, election)
             self.role = (Leader if leads else Follower)(*args)

@@ -1,7 +1,7 @@
 """Who leads the job, on a control plane that outlives any one host (etcd).
 
 The leader is whoever holds `LEADER`: the first agent to write it at start, by
-compare-and-set. Every other agent (standby nodes excepted) watches the holder's agent lease
+compare-and-set. Every other agent (standby nodes included) watches the holder's agent lease
 at each look; once it has been silent for `--leader-timeout`, each such agent tries to
 replace the claim with its own (compare-and-set on the exact old claim, so exactly one
 wins) and the winner resumes the job from what the old leader persisted (`LeaderRecord`,
@@ -65,7 +65,8 @@ class Election:
             raise ControlPlaneError(WRONG_SECRET)
         if not first:
             try:
-                return poll_until(self._held, self.timeout, 0.05, what="node 0's claim")
+                self.seen = poll_until(self._held, self.timeout, 0.05, what="node 0's claim")
+                return self.seen
             except PollTimeout:
                 pass  # node 0 is late: anyone may stand
         won = self.channel.first(LEADER, self.mine)
@@ -73,7 +74,8 @@ class Election:
             self.mine = won
         if won is None or won.instance == self.mine.instance:
             self.channel.fence_on(LEADER, self.mine)
-        return won if won is not None else self.mine
+        self.seen = won if won is not None else self.mine
+        return self.seen
 
     def _held(self) -> LeaderClaim | None:
         """The claim that holds, if any (one under another secret: said, and raised)."""
@@ -92,8 +94,11 @@ class Election:
     def watch(self, attempt: int | None) -> None:
         """Each look of a follower: take over if the leader has been silent for the timeout
         (raises `Elected` when this agent won)."""
-        claim = self.seen = self.channel.read(LEADER)
-        if claim is None:  # every agent stood at start: the leader cleared the finished job
+        claim = self.channel.read(LEADER)
+        if claim is None and self.seen is None:
+            return  # a standby node, which does not stand, started before anyone led
+        self.seen = claim
+        if claim is None:  # the leader cleared the finished job
             raise ControlPlaneError("the job's keys are gone from the control plane: the job "
                                     "ended without this node (or another job used its --rdzv-id)")
         if claim.instance == self.mine.instance:

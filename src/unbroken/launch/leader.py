@@ -182,9 +182,13 @@ class Leader(Role):
         self.say(f"leading the job from now on (term {self.election.mine.term})"
                  + (f": node {old.node}'s agent went silent" if old else ""))
         plan = ch.read(AttemptKeys(attempt).plan) if current is not None else None
-        running = (plan is not None and elected.attempt == attempt
-                   and ch.read(AttemptKeys(attempt).fault) is None
-                   and getattr(plan.nodes.get(self.cfg.node_rank), "instance", None) == self.instance)
+        # This node runs the attempt: its agent is one of the plan's, or a standby node's
+        # that joined it (its spares, and any ranks they took, go on under its lead).
+        in_attempt = (getattr(plan.nodes.get(self.cfg.node_rank), "instance", None) == self.instance
+                      or (self.cfg.standby and self.watch.keys is not None
+                          and self.watch.keys.attempt == attempt)) if plan is not None else False
+        running = (in_attempt and elected.attempt == attempt
+                   and ch.read(AttemptKeys(attempt).fault) is None)
         if not running:  # between attempts, or this node has no part in it: open the next
             if elected.attempt is not None and self.watch.keys is not None:
                 self.watch.stop_workers(elected.attempt, None)

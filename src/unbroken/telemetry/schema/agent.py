@@ -204,8 +204,9 @@ class LeaderSteppedDown(EventBody):
 
 @event(Event.LEADER_DEPOSED)
 class LeaderDeposed(EventBody):
-    """An agent that led and found its claim taken (it was cut off or paused past
-    `--leader-timeout`); it stops its workers and exits 3."""
+    """An agent that led and found its claim taken, or whose write was refused because it
+    no longer held it (fenced: it was cut off or paused past `--leader-timeout`); it stops
+    its workers and exits 3."""
 
     error: str = doc("what it found")
 
