@@ -226,7 +226,7 @@ def test_no_user_against_an_etcd_with_auth_says_a_user_is_needed(auth):
 def test_a_user_without_permission_is_told_what_to_grant_and_no_secret_leaks(auth):
     backend = EtcdBackend([auth], "r", user="alice", password=PASSWORD)
     text = one_line_error(backend)
-    assert text == (f"etcd at {auth} denied user 'alice' kv/range: grant it a role with "
+    assert text == (f"etcd at {auth} denied user 'alice' kv/txn: grant it a role with "
                     "readwrite permission on the keys under 'unbroken/'")
     assert backend._gateway._token and backend._gateway._token not in text and PASSWORD not in text
 
