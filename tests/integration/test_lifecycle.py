@@ -204,8 +204,8 @@ def test_forged_control_messages_are_rejected_and_reported(tmp_path):
     control = json.loads((run_dir / "control.json").read_text())
     forger = Channel(open_backend(ControlAddress.parse(control["control"]), control["run_id"]))
     keys = AttemptKeys(0)
-    forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0", node=0,
-                                     attempt=0, in_place=True, detail="forged"))
+    forged_id = forger.append(keys.deaths, Fault(kind=FaultKind.CRASH, rank=0, slot=0, wid="0.0",
+                                                 node=0, attempt=0, in_place=True, detail="forged"))
     forger.write(keys.gen(1).plan, GenPlan(gen=1, members=["1.0"]))
     forger.write(keys.latest_gen, 1)
     result = finish(proc, run_dir)
@@ -214,7 +214,8 @@ def test_forged_control_messages_are_rejected_and_reported(tmp_path):
     # The forged death is read at once. The forged `gen` is read (and rejected) only if a
     # survivor looks before the leader writes the real generation over it, which a loaded
     # machine may reorder; either way no survivor follows the forged plan (asserted below).
-    assert "a/0/death/0" in forged and forged <= {"a/0/death/0", "a/0/gen"}, forged
+    death = keys.deaths.entry_key(forged_id)  # an entry's signature binds its request id
+    assert death in forged and forged <= {death, "a/0/gen"}, forged
     assert [(f["kind"], f["rank"]) for f in result.events("fault")] == [("crash", 1)]
     assert result.events("gen_plan")[0]["members"] == ["0.0"]
     first = next(e["pid"] for e in result.events("worker_start") if e["slot"] == 0)
