@@ -38,6 +38,7 @@ from unbroken.control.schema import (
 )
 from unbroken.control.signing import Signer
 from unbroken.launch.budget import RestartBudget
+from unbroken.launch.config import LaunchConfig
 from unbroken.launch.election import Election
 from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner_state import Inbox, PlannerConfig, initial_state
@@ -49,8 +50,11 @@ NODE_TIMEOUT = 10.0
 
 
 def quiet_poll(backend: str, n: int) -> float:
-    """`LaunchConfig.quiet_poll` for a job of n nodes (kept in step with it)."""
-    return 0.25 if backend == "etcd" else (min(0.5, 0.002 * n) if n > 25 else 0.05)
+    """How often a quiet agent of a job of n nodes reads the control plane: the launcher's
+    own `LaunchConfig.quiet_poll` (0: at every look, the 50 ms monitor interval)."""
+    cfg = LaunchConfig(script="train.py")
+    cfg.nnodes, cfg.backend = n, BackendKind(backend)
+    return cfg.quiet_poll or 0.05
 
 
 def _backend(backend: str, endpoint: str, run_id: str) -> RetryingBackend:

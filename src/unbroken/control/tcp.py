@@ -152,26 +152,23 @@ class TcpBackend:
     # ------------------------------------------------------------ queues
     def append(self, queue: str, request_id: str, value: str) -> None:
         """Take a slot with the counter (`<queue>/n`: every writer its own, no contention),
-        then fill it by compare-and-set with `value` tagged by the request id. A retry finds
-        its tag in the slots taken since its first try (`<queue>/rid/<id>` says from where)
-        and stops there; a slot whose writer's reply was lost stays empty and readers skip
-        it after HOLE_AFTER (they fill it with a tombstone first, so a writer merely slow
-        to fill it loses its slot and takes another)."""
+        say which in a marker (`<queue>/rid/<id>`), then fill the slot by compare-and-set
+        with `value` tagged by the request id. A retry reads the marker and fills (or finds
+        filled) the same slot. A slot whose add's reply was lost stays empty and readers
+        skip it after HOLE_AFTER (they fill it with a tombstone first, so a writer merely
+        slow to fill it loses its slot and takes another)."""
         tagged = f"{request_id} {value}"
         marker = f"{queue}/rid/{request_id}"
-        since = self.get(marker)
-        if since is not None:  # a retry: did an earlier try land?
-            for index in range(int(since), self.add(f"{queue}/n", 0)):
-                if self.get(f"{queue}/{index}") == tagged:
-                    self._positions[request_id] = index
-                    return
-        else:
-            self.set(marker, str(self.add(f"{queue}/n", 0)))
+        taken = self.get(marker)  # set: an earlier try of this append took that slot
+        index = int(taken) if taken is not None else None
         while True:
-            index = self.add(f"{queue}/n", 1) - 1
+            if index is None:
+                index = self.add(f"{queue}/n", 1) - 1
+                self.set(marker, str(index))
             if self.compare_set(f"{queue}/{index}", None, tagged) == tagged:
                 self._positions[request_id] = index
                 return
+            index = None  # tombstoned by a reader: take another slot
 
     def read_queue(self, queue: str, start: int) -> list[tuple[str | None, str | None]]:
         count = self.add(f"{queue}/n", 0)
