@@ -8,7 +8,8 @@ with no secret; a node with another secret leaves alone and the job finishes; a 
 checkpoint_dir is named at the first save and nothing is committed, and `unbroken drain
 RUN_DIR` works from a follower's host; a master name that resolves late; SIGTERM to a
 training node's agent hands its ranks to a standby node in place; `unbroken drain` from
-another host after a leader failover, on etcd.
+another host after a leader failover, on etcd; node 0, leading on etcd, drained (the lead
+moves first).
 """
 
 from __future__ import annotations
@@ -233,6 +234,40 @@ def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts)
     assert [e["request"] for e in r1.events("drain_started")] == [{"slot": 0}]
     steps = [e["step"] for k in (1, 2) for e in _events(hosts, k, "step") if e.get("rank") == 0]
     assert max(steps) == 599
+
+
+def test_node_0_drained_on_etcd_moves_the_lead_first_and_its_agent_leaves(isolated_hosts):
+    """`unbroken drain --node 0` from node 1's host, node 0 leading on etcd: node 0's agent
+    hands the lead to node 1 (a compare-and-set of the claim: no --leader-timeout waited
+    out, no node lost) and follows on with its worker training; node 1, now leading, moves
+    rank 0 onto its spare in place; node 0's agent leaves as drained (exit 5), and the
+    training goes on to the end."""
+    hosts = isolated_hosts
+    etcd = ("--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.etcd.endpoint, "--rdzv-id", "job")
+    # A failover would wait out 60 s of silence: the drain's 60 s could not cover it.
+    flags = lambda i, *more: (*etcd, "--nnodes", "2", "--node-rank", str(i),  # noqa: E731
+                              "--max-restarts", "0", "--leader-timeout", "60", *more)
+    slow, pace, go = _paced(hosts)  # until the drain is done
+    a0 = _unbroken(hosts, 0, *flags(0), steps=400, script_args=slow, shared=pace)
+    a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=400, script_args=slow,
+                   shared=pace)
+    wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
+    wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
+    drain = hosts.run(1, unbroken_cmd("drain", *etcd, "--node", "0", "--timeout", "60"), 90)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    assert "moved rank 0" in drain.stdout
+    r0 = _done(hosts, 0, a0, timeout=60)
+    assert r0.code == 5, r0.output  # drained: its ranks went on elsewhere, not the job done
+    go.touch()
+    r1 = _done(hosts, 1, a1)
+    assert r1.code == 0, r1.output
+    assert [(e["to"], e["term"]) for e in r0.events("lead_handed_over")] == [(1, 1)]
+    assert [(e["previous"], e.get("handed")) for e in r1.events("leader_elected")] == [(0, True)]
+    assert [e["request"] for e in r1.events("drain_started")] == [{"node": 0}]
+    assert [e["node"] for e in r0.events("node_drained")] == [0]  # its agent's own word
+    for r in (r0, r1):
+        assert not r.events("node_lost") and not r.events("fault") and not r.events("restart")
+    assert max(e["step"] for e in r1.events("step")) == 399
 
 
 def test_drain_by_run_dir_on_a_followers_host_and_a_node_local_checkpoint_dir(isolated_hosts):

@@ -246,15 +246,39 @@ def test_a_drain_without_ready_spares_is_refused_with_a_reason():
     assert of(out, AnswerDrain)[0].index == 1
 
 
-def test_the_leaders_own_node_is_never_drained_and_the_refusal_says_what_to_do():
-    """With etcd the leader may be any node; its own node's drain is refused with the way
-    that works (SIGTERM: the lead moves, the ranks go to spares), and node 0 drains when
-    another node leads."""
-    elected = replace(SHRINK, leader_node=1, elected=True)
-    s, out = run(fresh(), elected, drains=[DrainRequest(DrainKind.NODE, 1)], hosted={1: {"2.0": 2}})
+def test_a_drain_of_the_leaders_own_node_on_etcd_moves_the_lead_first():
+    """With etcd the leader may be any node. A drain of its own node is held, and the lead
+    named for the lowest other node that runs ranks; the heir's planner takes the held drain
+    up as a new one (same index) and moves the ranks; the old leader's planner never does."""
+    request = DrainRequest(DrainKind.NODE, 1)
+    hosted = {0: {"0.0": 0, "1.0": 1}, 1: {"2.0": 2, "3.0": 3}}
+    leader1 = replace(SHRINK, leader_node=1, elected=True)
+    s, out = run(fresh(), leader1, drains=[request], hosted=hosted)
+    assert not of(out, AnswerDrain) and not of(out, Order)  # nothing moves under this leader
+    assert s.drains.lead_to == 0 and s.drains.held == {0: request}
+    s, out = run(s, leader1, hosted=hosted, ready_spares=[(0, "s0"), (0, "s1")])
+    assert s.drains.held == {0: request} and not of(out, Order)  # still waiting for the heir
+    s = decode(PlannerState, encode(s))  # as the heir reads it (the persisted state)
+    heir = replace(SHRINK, leader_node=0, elected=True)
+    s, out = run(s, heir, hosted=hosted, ready_spares=[(0, "s0"), (0, "s1")])
+    assert [(o.node, o.order.spare, o.order.slot) for o in of(out, Order)] == \
+        [(0, "s0", 2), (0, "s1", 3)]
+    assert events(out)[-1] == "drain_started" and s.drains.held == {} and s.drains.lead_to is None
+    assert s.drains.draining == {"2.0": ("s0", 0), "3.0": ("s1", 0)}  # answered as drain 0
+
+
+def test_a_leaders_own_node_is_not_drained_without_an_heir_nor_on_the_tcpstore():
+    lone = {1: {"0.0": 0, "1.0": 1, "2.0": 2}}  # only the leader's node runs ranks
+    s, out = run(fresh(), replace(SHRINK, leader_node=1, elected=True),
+                 drains=[DrainRequest(DrainKind.NODE, 1)], hosted=lone)
     (answer,) = of(out, AnswerDrain)
-    assert "node 1 leads the job" in answer.outcome.error and "SIGTERM" in answer.outcome.error
-    s, out = run(s, elected, drains=[DrainRequest(DrainKind.NODE, 0)], hosted={0: {"0.0": 0}})
+    assert "no other node runs ranks of the job to take the lead" in answer.outcome.error
+    assert s.drains.lead_to is None and s.drains.held == {}
+    s, out = run(s, SHRINK, drains=[DrainRequest(DrainKind.NODE, 0)], hosted={0: {"0.0": 0}})
+    assert "node 0 hosts the control store (the embedded TCPStore)" \
+        in of(out, AnswerDrain)[0].outcome.error
+    s, out = run(s, replace(SHRINK, leader_node=1, elected=True),
+                 drains=[DrainRequest(DrainKind.NODE, 0)], hosted={0: {"0.0": 0}})
     assert "0 ready spare(s)" in of(out, AnswerDrain)[0].outcome.error  # not refused as node 0
 
 

@@ -90,10 +90,10 @@ class Backend(Protocol):
     def wait_change(self, seen: int | None, timeout: float) -> None:
         """Sleep until a watched key changes after `seen`, at most `timeout` seconds."""
 
-    def fence(self, key: str, value: str) -> None:
+    def fence(self, key: str | None, value: str | None) -> None:
         """Make every later write of this client hold only while `key` holds `value` (the
-        leader's claim); a write that fails it raises `Fenced`. Nothing on the TCPStore,
-        whose host is the only leader."""
+        leader's claim); a write that fails it raises `Fenced`. `key` None lifts it (the
+        lead was handed over). Nothing on the TCPStore, whose host is the only leader."""
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Block until every key is set; False after `timeout` seconds."""

@@ -96,6 +96,10 @@ class Channel:
         this channel sealed it (a leader's claim); else it raises `backend.Fenced`."""
         self.backend.fence(slot.key, self._seal(slot.key, message))
 
+    def unfence(self) -> None:
+        """Lift `fence_on`: this agent handed its lead over and goes on as a follower."""
+        self.backend.fence(None, None)
+
     def bump(self, counter: Counter) -> None:
         """Add one; its readers read the count (`count`)."""
         self.backend.increment(counter.key, uuid.uuid4().hex)

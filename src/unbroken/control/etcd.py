@@ -59,7 +59,7 @@ class EtcdBackend:
     def wait_change(self, seen: int | None, timeout: float) -> None:
         self.kv.wait_change(seen, timeout)
 
-    def fence(self, key: str, value: str) -> None:
+    def fence(self, key: str | None, value: str | None) -> None:
         self.kv.fence(key, value)
 
     @property

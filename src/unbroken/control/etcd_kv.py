@@ -74,12 +74,13 @@ class EtcdKv:
         else:
             mirror.wait_change(seen, timeout)
 
-    def fence(self, key: str, value: str) -> None:
+    def fence(self, key: str | None, value: str | None) -> None:
         """From now on every write of this client is a txn that holds only while `key`
         holds `value` (a leader's claim): once another agent has replaced it, the write is
-        not made and `Fenced` is raised."""
-        self._fence = {"key": self.path(key), "result": "EQUAL", "target": "VALUE",
-                       "value": b64(value)}
+        not made and `Fenced` is raised. `key` None lifts the fence (a leader that handed
+        the lead over goes on as a follower)."""
+        self._fence = None if key is None or value is None else {
+            "key": self.path(key), "result": "EQUAL", "target": "VALUE", "value": b64(value)}
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.requests += 1

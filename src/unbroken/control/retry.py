@@ -145,8 +145,8 @@ class RetryingBackend:
     def wait_change(self, seen: int | None, timeout: float) -> None:
         self.client.wait_change(seen, timeout)
 
-    def fence(self, key: str, value: str) -> None:
-        self._fence = (key, value)
+    def fence(self, key: str | None, value: str | None) -> None:
+        self._fence = None if key is None or value is None else (key, value)
         self.client.fence(key, value)
 
     def wait(self, keys: list[str], timeout: float) -> bool:

@@ -214,7 +214,7 @@ class TcpBackend:
     def wait_change(self, seen: int | None, timeout: float) -> None:
         time.sleep(timeout)
 
-    def fence(self, key: str, value: str) -> None:
+    def fence(self, key: str | None, value: str | None) -> None:
         """Nothing: the store's host is the only leader there is, and cannot be deposed."""
 
     def wait(self, keys: list[str], timeout: float) -> bool:

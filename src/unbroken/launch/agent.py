@@ -34,7 +34,7 @@ from unbroken.launch import returning
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
-from unbroken.launch.election import Deposed, Elected, Election
+from unbroken.launch.election import Deposed, Elected, Election, HandedOver
 from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
@@ -64,6 +64,7 @@ class Agent:
         self._lease_stop = threading.Event()
         self.role: Leader | Follower | None = None
         self._secret: bytes | None = None  # as found at first contact; None: unsigned
+        self._kept: object = None  # a handed-over lead's worker store, open until the end
 
     def run(self) -> int:
         handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
@@ -96,12 +97,7 @@ class Agent:
                     == self.instance
             args = (cfg, channel, watch, self.events, self.instance, self._sleep,
                     self._report_failure, election)
-            self.role = (Leader if leads else Follower)(*args)
-            try:
-                code = self.role.run()
-            except Elected as elected:
-                self.role = Leader(*args)
-                code = self.role.run(takeover=elected)
+            code = self._play(Leader if leads else Follower, args)
             if self._handoff_until and code == ExitCode.DRAINED:
                 self.say("SIGTERM: this node's ranks moved to spares; the job goes on without it")
                 code = 128 + signal.SIGTERM
@@ -135,6 +131,24 @@ class Agent:
         self.events.emit(ev.AgentExit(code=int(code), events_dropped=self.events.dropped))
         self.events.close()
         return int(code)
+
+    def _play(self, role: type[Leader] | type[Follower], args: tuple[Any, ...]) -> int:
+        """Run the agent's role to the job's end, switching roles where leadership moves:
+        a follower that wins an election leads from where it was; a leader that handed its
+        lead over (to drain its own node) follows its attempt on (`HandedOver`; what it
+        hands back, the attempt's worker store, is kept open until the agent ends)."""
+        change: Elected | HandedOver | None = None
+        while True:
+            self.role = role(*args)
+            try:
+                if isinstance(self.role, Leader):
+                    return self.role.run(takeover=change if isinstance(change, Elected) else None)
+                return self.role.run(handed=change if isinstance(change, HandedOver) else None)
+            except Elected as elected:
+                role, change = Leader, elected
+            except HandedOver as handed:
+                self._kept = handed.keep
+                role, change = Follower, handed
 
     def _return_as_standby(self, channel: Channel) -> None:
         """A node whose job went on without it (`returning`: a recreated pod) joins as a

@@ -15,6 +15,11 @@ holds its claim. A leader deposed while it was paused or cut off cannot write ev
 its first write raises `backend.Fenced` and it stands down at once, as `check_held` would
 have made it do at its next look.
 
+**Handing over.** A drain of the leader's own node moves the lead first: the leader replaces
+its claim with the heir's (`hand_to`, next term), lifts its fence and goes on as a follower
+of its own attempt, its workers training; the heir finds its own instance in the claim at its
+next look and takes up the lead (`Elected`, `handed`), its predecessor's node not lost.
+
 With the embedded TCPStore there is no election and nothing to fence: the node-0 agent
 holds the store and leads, so no other agent can ever lead while it lives; it is the job's
 single point of failure.
@@ -38,10 +43,23 @@ WRONG_SECRET = ("the job's control messages are signed with another secret than 
 class Elected(Exception):  # noqa: N818 - control flow, not an error
     """This agent won leadership from a silent leader: it takes over the job."""
 
-    def __init__(self, previous: LeaderClaim | None, attempt: int | None) -> None:
-        super().__init__(f"took over from {previous}")
+    def __init__(self, previous: LeaderClaim | None, attempt: int | None,
+                 handed: bool = False) -> None:
+        super().__init__(f"{'handed the lead by' if handed else 'took over from'} {previous}")
         self.previous = previous  # the leader replaced (None: there was none)
         self.attempt = attempt  # the attempt this agent was in, if any
+        self.handed = handed  # the old leader handed the lead over: its node is not lost
+
+
+class HandedOver(Exception):  # noqa: N818 - control flow, not an error
+    """This agent handed its lead over (to drain its own node): it goes on as a follower of
+    `attempt`, with its workers; `keep` is what must outlive the leader role (the attempt's
+    worker store, which this agent serves)."""
+
+    def __init__(self, attempt: int, keep: object) -> None:
+        super().__init__(f"handed the lead over in attempt {attempt}")
+        self.attempt = attempt
+        self.keep = keep
 
 
 class Deposed(ControlPlaneError):
@@ -91,17 +109,35 @@ class Election:
             raise Deposed(f"leadership passed to node {getattr(claim, 'node', '?')} while this "
                           "agent could not reach the control plane; this node was declared lost")
 
+    def hand_to(self, node: int, instance: str) -> LeaderClaim:
+        """The leader hands its lead to the agent `instance` of `node` (to drain its own
+        node): the claim is replaced by that agent's, next term, only if it is still this
+        agent's own; the fence is then lifted, and this agent goes on as a follower. The heir
+        takes up the lead at its next look (`watch`). Raises `Deposed` if the claim was no
+        longer this agent's."""
+        heir = LeaderClaim(node=node, instance=instance, term=self.mine.term + 1)
+        if not self.channel.replace(LEADER, self.mine, heir):
+            self.check_held()  # raises Deposed: another agent holds it
+            raise ControlPlaneError(f"the lead could not be handed to node {node}")
+        self.channel.unfence()
+        self.seen = heir
+        return heir
+
     def watch(self, attempt: int | None) -> None:
         """Each look of a follower: take over if the leader has been silent for the timeout
         (raises `Elected` when this agent won)."""
         claim = self.channel.read(LEADER)
         if claim is None and self.seen is None:
             return  # a standby node, which does not stand, started before anyone led
-        self.seen = claim
+        previous, self.seen = self.seen, claim
         if claim is None:  # the leader cleared the finished job
             raise ControlPlaneError("the job's keys are gone from the control plane: the job "
                                     "ended without this node (or another job used its --rdzv-id)")
         if claim.instance == self.mine.instance:
+            if claim != self.mine:  # the leader handed its lead to this agent (`hand_to`)
+                self.mine = claim
+                self.channel.fence_on(LEADER, claim)
+                raise Elected(previous, attempt, handed=True)
             return
         silent = self._watch.silent_for(agent_lease(claim.node, claim.instance), time.monotonic())
         if silent <= self.timeout:

@@ -32,7 +32,7 @@ from unbroken.control.schema import (
 )
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
-from unbroken.launch.election import WRONG_SECRET
+from unbroken.launch.election import WRONG_SECRET, HandedOver
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.polling import poll_until
@@ -50,18 +50,26 @@ class Follower(Role):
     _handoff: tuple[AttemptKeys, int] | None = None  # the drain asked for on SIGTERM
     _watching: tuple[int, object] | None = None  # (attempt, leader claim) the watch was made for
 
-    def run(self) -> int:
+    def run(self, handed: HandedOver | None = None) -> int:
+        """Follow attempt after attempt until the job's result. `handed`: this agent led
+        until it handed the lead over; it follows that attempt first, its workers running."""
         seen = -1
         try:
             while True:
-                attempt = self._wait_next_attempt(seen)
-                seen = attempt
-                self._join(attempt)
-                self._watch_keys(attempt)
-                plan = self._wait_plan(attempt)
-                if plan is None:
-                    continue
-                outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
+                if handed is not None:
+                    attempt, handed = handed.attempt, None
+                    seen = attempt
+                    self._watch_keys(attempt)
+                    outcome = self.watch.watch(lambda a=attempt: self._duties(a))
+                else:
+                    attempt = self._wait_next_attempt(seen)
+                    seen = attempt
+                    self._join(attempt)
+                    self._watch_keys(attempt)
+                    plan = self._wait_plan(attempt)
+                    if plan is None:
+                        continue
+                    outcome = self.watch.run(attempt, plan, lambda a=attempt: self._duties(a))
                 if outcome.ending == Ending.RELEASED:
                     return self._released()
                 self.watch.stop_workers(attempt, outcome.fault)

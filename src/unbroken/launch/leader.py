@@ -48,7 +48,7 @@ from unbroken.errors import ErrorClass, ExitCode
 from unbroken.launch import node_life, node_set
 from unbroken.launch.attempt import Ending, Outcome
 from unbroken.launch.budget import RestartBudget
-from unbroken.launch.election import Elected
+from unbroken.launch.election import Elected, HandedOver
 from unbroken.launch.leader_chores import Rejections, start_telemetry, stranded_reason
 from unbroken.launch.leader_followers import Followers
 from unbroken.launch.leader_rendezvous import Rendezvous
@@ -178,9 +178,13 @@ class Leader(Role):
         current = ch.read(CURRENT)
         attempt = current if current is not None else 0
         self.events.emit(ev.LeaderElected(attempt=attempt, term=self.election.mine.term,
-                         previous=old.node if old else None))
+                         previous=old.node if old else None, handed=elected.handed))
+        why = (f": node {old.node} handed it over" if elected.handed
+               else f": node {old.node}'s agent went silent")
         self.say(f"leading the job from now on (term {self.election.mine.term})"
-                 + (f": node {old.node}'s agent went silent" if old else ""))
+                 + (why if old else ""))
+        if elected.handed:
+            old = None  # its node is not lost: its agent follows, and the drain moves its ranks
         plan = ch.read(AttemptKeys(attempt).plan) if current is not None else None
         # This node runs the attempt: its agent is one of the plan's, or a standby node's
         # that joined it (its spares, and any ranks they took, go on under its lead).
@@ -267,6 +271,9 @@ class Leader(Role):
         self.state, end = self._executor.look(self.state, inbox, watch.sup.max_step)
         self._predecessor = None
         self.save_record(attempt)
+        heir = self.state.drains.lead_to
+        if end is None and heir is not None and heir != self.cfg.node_rank:
+            self._hand_lead(attempt, heir)
         watch.busy = watch.resilient and self.state.busy
         if end is not None:
             return Outcome(Ending.FAULT, watch.publish_fault(end.fault, attempt), end)
@@ -285,6 +292,19 @@ class Leader(Role):
         if watch.done_posted and self._all_done(keys):
             return Outcome(Ending.DONE)
         return None
+
+    def _hand_lead(self, attempt: int, node: int) -> None:
+        """The planner holds a drain of this leader's own node: hand the lead to `node`'s
+        agent (after the look that persisted the planner's state, which the heir resumes)
+        and go on as a follower (`HandedOver`); the heir drains this node."""
+        instance = self.followers.of(self.plan, self.state.nodes).get(node)
+        if instance is None or self.election is None:
+            return  # cannot happen: the planner names a node that runs ranks of the attempt
+        heir = self.election.hand_to(node, instance)
+        self.events.emit(ev.LeadHandedOver(attempt=attempt, to=node, term=heir.term))
+        self.say(f"handed the lead to node {node} (term {heir.term}); it moves this node's "
+                 "ranks to spares")
+        raise HandedOver(attempt, keep=self._worker_store)
 
     # ---------------------------------------------------------------- quarantines
     def _strike(self, attempt: int, fault: Fault) -> None:

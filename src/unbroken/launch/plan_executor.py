@@ -129,12 +129,12 @@ class PlanExecutor:
             inbox.departures[d.wid] = d
         standby = [j.node for j in inbox.standbys if j is not None and j.node not in s.nodes.standby]
         nodes = [*s.nodes.standby, *standby, *s.nodes.planned]
-        if losing or any(inbox.drains) \
-                or any(d is not None and d.spare is None for d in inbox.deaths):
+        drains = any(inbox.drains) or bool(s.drains.held)
+        if losing or drains or any(d is not None and d.spare is None for d in inbox.deaths):
             offers = ch.read_many([keys.ready_spares(node) for node in nodes])
             for node, offered in zip(nodes, offers, strict=True):
                 inbox.ready_spares += [(node, w) for w in offered or []]
-        if losing or any(inbox.drains):
+        if losing or drains:
             inbox.hosted = dict(zip(nodes, ch.read_many([keys.hosted(n) for n in nodes]),
                                     strict=True))
 

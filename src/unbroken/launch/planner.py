@@ -170,9 +170,10 @@ class _Decision:
                 return
         for joiner in filter(None, inbox.joiners):
             self._joiner(joiner)
-        for i, request in enumerate(inbox.drains):
-            if request is not None:
-                self._drain(first_drain + i, request)
+        s.drains, held = planner_drains.taken_up(s.drains, self.config.leader_node)
+        new = [(first_drain + i, r) for i, r in enumerate(inbox.drains) if r is not None]
+        for index, request in [*held, *new]:  # held: by the last leader, until this one led
+            self._drain(index, request)
         s.departed.update({w: d for w, d in inbox.departures.items()
                            if w in s.members and d.gen == s.gen})
         self._step()
@@ -320,6 +321,11 @@ class _Decision:
     def _drain(self, index: int, request: DrainRequest) -> None:
         """Have a ready spare promoted into each drained slot; the switch follows its join."""
         s = self.s
+        held = planner_drains.hold_for_lead(s, index, request, self.inbox.hosted, self.config)
+        if held is not None:
+            s.drains = held[0]
+            self.out += held[1]
+            return
         found = planner_drains.movers(s, request, self.inbox.hosted, self.config)
         if isinstance(found, str):
             self.out += planner_drains.refusal(index, request, found)

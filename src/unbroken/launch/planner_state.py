@@ -81,9 +81,11 @@ class PlannerConfig:
     standby_takes_ranks: bool = False
     """Standby nodes hold spares, so they count towards `least`."""
     leader_node: int = 0
-    """The node whose agent runs this planner: its own node cannot be drained."""
+    """The node whose agent runs this planner: its own node is drained only once another
+    agent leads (`elected`), never on the TCPStore."""
     elected: bool = False
-    """Leadership is elected (etcd): the leader can step down; else its node holds the store."""
+    """Leadership is elected (etcd): the leader can hand the lead over or step down; else its
+    node holds the store."""
 
 
 @dataclass
@@ -141,6 +143,10 @@ class Drains:
     """This switch's drains: (member, spare, index)."""
     moves: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     """Drain index -> its moves so far."""
+    held: dict[int, DrainRequest] = field(default_factory=dict)
+    """Drain index -> a drain of the leader's own node (etcd), held until another agent leads."""
+    lead_to: int | None = None
+    """The node this planner's leader hands the lead to, so that its own node can be drained."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Event(StrEnum):
     LEADER_DEPOSED = "leader_deposed"
     LEADER_ELECTED = "leader_elected"
     LEADER_STEPPED_DOWN = "leader_stepped_down"
+    LEAD_HANDED_OVER = "lead_handed_over"
     LEASE_LOST = "lease_lost"
     NODE_DRAINED = "node_drained"
     NODE_LOST = "node_lost"

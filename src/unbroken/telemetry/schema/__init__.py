@@ -58,8 +58,8 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "WorkersStopped", "WorkersDone", "Restart", "Notice", "NodeDrained", "ControlUnsigned",
         "DeadJobFound", "DeadJobCleared", "NodeReturned", "AgentRejected", "ForgedMessage",
         "LeaseLost", "ControlPlaneLost", "ControlPlaneBack", "LeaderElected",
-        "LeaderSteppedDown", "LeaderDeposed", "NodeSet", "NodeTakenOver", "NodeQuarantined",
-        "AgentError", "AgentExit", "EventsDropped"),
+        "LeadHandedOver", "LeaderSteppedDown", "LeaderDeposed", "NodeSet", "NodeTakenOver",
+        "NodeQuarantined", "AgentError", "AgentExit", "EventsDropped"),
     "recovery": (
         "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparePromoted",
         "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted", "DrainRefused",

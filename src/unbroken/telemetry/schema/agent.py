@@ -190,6 +190,19 @@ class LeaderElected(EventBody):
     attempt: int | None = doc("the attempt")
     term: int = doc("its term")
     previous: int | None = doc("the old leader's node, or null")
+    handed: bool = doc("the old leader handed the lead over (a drain of its node) rather "
+                       "than going silent", default=False)
+
+
+@event(Event.LEAD_HANDED_OVER)
+class LeadHandedOver(EventBody):
+    """A leader on etcd asked to drain its own node: it hands the lead to another agent (a
+    compare-and-set of the claim, so a deposed leader cannot) and goes on as a follower with
+    its workers training; the new leader carries the drain out."""
+
+    attempt: int = doc("the attempt")
+    to: int = doc("the node that leads from now on")
+    term: int = doc("the new leader's term")
 
 
 @event(Event.LEADER_STEPPED_DOWN)
