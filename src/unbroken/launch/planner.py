@@ -1,10 +1,9 @@
 """The leader's decisions, as a pure function: `decide(state, inbox, config)`.
 
 `decide` takes the planner's state (`planner_state.PlannerState`, a serialisable value: a
-later leader can resume it) and an `Inbox` (what the store said since the last look, read
-by `plan_executor`, with the leader's news of its nodes), and returns the new state and the
-`Command`s to carry out (`planner_commands`). It does no I/O and reads no clock, so every
-scenario is a table test (tests/unit/test_planner.py).
+later leader can resume it) and an `Inbox` (what the store said since the last look, with the
+leader's news of its nodes), and returns the new state and the `Command`s to carry out
+(`planner_commands`). No I/O, no clock: each scenario is a table test (tests/unit/test_planner.py).
 
 Node lifecycle comes first (`node_life.py`): standby nodes that arrived, lease silences
 (a node silent past `--node-timeout` is lost, or released if it left on purpose), and the
@@ -76,8 +75,9 @@ from unbroken.telemetry.event_names import Event
 # ---------------------------------------------------------------- the decision
 def decide(state: PlannerState, inbox: Inbox,
            config: PlannerConfig) -> tuple[PlannerState, list[Command]]:
-    """One look at the inbox: the new state and what to do. Stops at the first EndAttempt."""
-    s = copy.deepcopy(state)
+    """One look: the new state (a copy; its departures, read-only, shared) and what to do,
+    up to the first EndAttempt."""
+    s = copy.deepcopy(state, {id(d): d for d in state.departed.values()})
     out: list[Command] = []
     _Decision(s, inbox, config, out).run()
     return s, out
