@@ -93,6 +93,11 @@ def ack(node: int) -> Slot[bool]:
     return Slot(f"ack/{node}", bool, "each follower: it has read the result")
 
 
+def waiting(node: int) -> Slot[str]:
+    return Slot(f"waiting/{node}", str, "an out node's new agent, which found the attempt "
+                "running without it: its instance; it waits for the next attempt or the end")
+
+
 def agent_lease(node: int, instance: str) -> Counter:
     return Counter(f"lease/{node}/{instance}", "the agent of the node: its liveness lease")
 

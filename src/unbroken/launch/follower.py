@@ -29,6 +29,7 @@ from unbroken.control.schema import (
     ack,
     follower_watch,
     node_out,
+    waiting,
 )
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
@@ -227,6 +228,9 @@ class Follower(Role):
                              f"{len(plan.nodes)} node(s)")
                     return plan
                 if mine is None or mine.instance != self.instance:
+                    # The leader waits for this agent's ack too at the job's end, so that
+                    # its store (the TCPStore) is not gone before this agent reads the result.
+                    self.channel.write(waiting(self.cfg.node_rank), self.instance)
                     return None
                 self._measure_clock(plan, got)
                 return plan

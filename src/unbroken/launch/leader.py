@@ -42,6 +42,7 @@ from unbroken.control.schema import (
     AttemptKeys,
     ack,
     leader_watch,
+    waiting,
 )
 from unbroken.control.tcp import serve_store
 from unbroken.errors import ErrorClass, ExitCode
@@ -404,6 +405,11 @@ class Leader(Role):
         nodes = self.state.nodes
         followers = set() if self.plan is None else \
             set(self.followers.of(self.plan, nodes)) - set(nodes.released) - set(nodes.lost)
+        # An out node's new agent that waits for the next attempt reads the result too.
+        out = sorted(set(nodes.lost) | set(nodes.released))
+        if out:
+            found = self.channel.read_many([waiting(k) for k in out])
+            followers |= {k for k, w in zip(out, found, strict=True) if w is not None}
 
         def all_read() -> bool | None:
             nonlocal followers
