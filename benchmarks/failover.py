@@ -150,8 +150,12 @@ def plan_latency(backend: str, endpoint: str, n: int, etcd_pid: int | None,
     try:
         for _ in children:
             sig.ready.get(timeout=600)
-        settle = time.monotonic() + 2.0
-        while time.monotonic() < settle:
+        # The idle window starts once the leader's watch is live (at most 30 s; its
+        # reconnects are reported): until then its looks read etcd.
+        mirror = getattr(getattr(leader.backend.client, "kv", None), "mirror", None)
+        settle, live_by = time.monotonic() + 2.0, time.monotonic() + 30.0
+        while time.monotonic() < settle or (mirror is not None and not mirror.live
+                                            and time.monotonic() < live_by):
             leader.look()
             leader.pace()
         looks0, req0, lease0 = leader.looks, requests_of(leader.backend), requests_of(leader.lease)
@@ -167,6 +171,9 @@ def plan_latency(backend: str, endpoint: str, n: int, etcd_pid: int | None,
             "leader_look_requests": round(look_req / max(1, leader.looks - looks0), 3),
             "leader_requests_s": round((look_req + requests_of(leader.lease) - lease0) / idle, 2),
             "etcd_cpu_idle": round((_cpu_s(etcd_pid) - cpu0) / idle, 3) if etcd_pid else None}
+        if mirror is not None:  # a look that made requests: was the copy live, and if not, why
+            figures["leader_watch"] = {"live": mirror.live, "reconnects": mirror.reconnects,
+                                       "last_error": mirror.last_error}
         cpu1 = _cpu_s(etcd_pid) if etcd_pid else 0.0
         published = leader.publish_death(n)
         sig.go.set()
@@ -264,7 +271,9 @@ def main() -> None:
                       f"{got['follower_requests_s']:.2f} req/s, leader "
                       f"{got['leader_requests_s']:.2f} req/s, "
                       f"{got['leader_look_requests']} req/look; etcd CPU idle "
-                      f"{got['etcd_cpu_idle']}, planning {got['etcd_cpu_plan_s']} s", flush=True)
+                      f"{got['etcd_cpu_idle']}, planning {got['etcd_cpu_plan_s']} s"
+                      + (f"; leader's watch {got['leader_watch']}" if got.get("leader_watch")
+                         else ""), flush=True)
 
         def show_steady(i: int, backend: str, t: float | None) -> None:
             print(f"steady round {i + 1} {backend:4s} "
