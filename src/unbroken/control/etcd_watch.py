@@ -37,8 +37,8 @@ from unbroken.control.backend import StoreUnavailable
 from unbroken.control.etcd_gateway import EtcdGateway
 from unbroken.control.schema import Watched
 
-_RETRY_PAUSE = (0.05, 1.0)
-CREATE_WAIT = 1.0  # seconds for etcd to confirm every watch of a stream, else it is opened again  # seconds between reconnects: first, and at most (doubling)
+_RETRY_PAUSE = (0.05, 1.0)  # seconds between reconnects: first, and at most (doubling)
+CREATE_WAIT = 1.0  # seconds for etcd to confirm every watch of a stream, else it is opened again
 
 
 @dataclass
@@ -197,15 +197,20 @@ class Mirror:
         conn, response = self._gateway.stream("watch", body.encode())
         self._conn = conn
         conn.sock.settimeout(CREATE_WAIT)
+        deadline = time.monotonic() + CREATE_WAIT  # for every confirmation, events or not
         try:
             created = 0
             while not self._closed:
                 try:
                     line = response.readline()
                 except TimeoutError:
-                    self.revision = start  # replay what this stream delivered, on all watches
+                    line = None
+                if line is None or (created < len(self.watched) and time.monotonic() > deadline):
+                    # The confirmed watches' events may keep coming: the deadline, not a
+                    # silence, decides. Replay what this stream delivered, on all watches.
+                    self.revision = start
                     raise StoreUnavailable(f"etcd confirmed {created} of {len(self.watched)} "
-                                           "watches") from None
+                                           f"watches within {CREATE_WAIT:g}s")
                 if not line:
                     raise StoreUnavailable("etcd closed the watch stream")
                 result = json.loads(line).get("result")
