@@ -198,6 +198,7 @@ def plan_latency(backend: str, endpoint: str, n: int, etcd_pid: int | None,
             c.join(30)
             if c.is_alive():
                 c.kill()
+        leader.close()
         leader.backend.watch(None)
         if backend == "etcd":
             leader.backend.stop_retrying()

@@ -195,7 +195,20 @@ class Leader:
             self.channel.fence_on(LEADER, self.election.mine)
             self.backend.watch(leader_watch(0))
         self.looks = 0
-        self._lease_at = 0.0
+        # Its lease on a thread of its own, as the agent's (`Agent._keep_lease`): a slow look
+        # must not make the leader look silent.
+        self._stop = threading.Event()
+        self._lease_thread = threading.Thread(target=self._keep_lease, daemon=True)
+        self._lease_thread.start()
+
+    def _keep_lease(self) -> None:
+        while not self._stop.is_set():
+            self.lease.refresh_lease(agent_lease(0, "sim0").key)
+            self._stop.wait(LEADER_LEASE_PERIOD)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._lease_thread.join(5)
 
     @staticmethod
     def claim(backend: str, endpoint: str, run_id: str) -> None:
@@ -208,9 +221,6 @@ class Leader:
 
     def look(self) -> None:
         now = time.monotonic()
-        if now >= self._lease_at:
-            self.lease.refresh_lease(agent_lease(0, "sim0").key)
-            self._lease_at = now + LEADER_LEASE_PERIOD
         if self.election is not None:
             self.election.check_held()
         silent = self.leases.silent_many(self.watched, now)

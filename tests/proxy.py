@@ -4,10 +4,14 @@
 store, and its reply is thrown away and the connection closed, as when a link fails after
 the request got through: the client cannot know whether its write was applied, and retries.
 `cut()` closes every connection and refuses new ones until `mend()`: a partition.
+`first_line_only(pattern)`: the next request whose bytes contain `pattern` is forwarded with
+its body cut to its first line (its Content-Length to match), as when etcd's gateway drops
+the rest of a watch request's body once it has replied: the stream confirms one watch only.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -19,6 +23,7 @@ class Proxy:
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._pattern: bytes | None = None
+        self._withhold: bytes | None = None
         self._conns: list[socket.socket] = []
         self._cut = False
         self.dropped = 0  # replies thrown away
@@ -32,6 +37,10 @@ class Proxy:
     def drop_reply(self, pattern: bytes) -> None:
         with self._lock:
             self._pattern = pattern
+
+    def first_line_only(self, pattern: bytes) -> None:
+        with self._lock:
+            self._withhold = pattern
 
     def cut(self) -> None:
         with self._lock:
@@ -73,11 +82,24 @@ class Proxy:
             threading.Thread(target=self._replies, args=(server, client, armed), daemon=True).start()
 
     def _requests(self, client: socket.socket, server: socket.socket, armed: threading.Event) -> None:
+        held: bytes | None = None  # a request being withheld: its bytes so far
         while data := _recv(client):
             with self._lock:
                 if self._pattern is not None and self._pattern in data:
                     self._pattern = None
                     armed.set()
+                if self._withhold is not None and self._withhold in data:
+                    self._withhold = None
+                    held = b""
+            if held is not None:
+                held += data
+                head, end, body = held.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                if not end or length is None or len(body) < int(length[1]):
+                    continue  # not all of it has come yet
+                first = body[:body.index(b"\n") + 1] if b"\n" in body else body
+                data = head.replace(length[0], b"Content-Length: %d" % len(first)) + end + first
+                held = None
             try:
                 server.sendall(data)
             except OSError:

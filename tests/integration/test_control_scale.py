@@ -1,10 +1,12 @@
 """The control plane's scale properties on real stores (a real etcd, a real TCPStore), through
 a proxy that loses what a blip loses (tests/proxy.py): a retried write counts once and
-leaves no gap; a watch that lost its place to compaction reads everything again; a deposed
+leaves no gap; a watch that lost its place to compaction reads everything again; a watch
+stream that confirms only some of its watches is opened again; a deposed
 leader's write is refused; an idle look costs the same at 8 agents as at 64."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from proxy import Proxy
 from unbroken.control.backend import Fenced
 from unbroken.control.channel import Channel
 from unbroken.control.etcd import EtcdBackend
+from unbroken.control.etcd_watch import CREATE_WAIT
 from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import Fault, FaultKind, LeaderClaim, Result, Status
 from unbroken.control.retry import RetryingBackend
@@ -109,6 +112,43 @@ def test_a_watch_that_lost_its_place_to_compaction_reads_everything_again(etcd_e
         direct.set("w/d", "4")  # and it follows changes again
         wait_for(lambda: watcher.get("w/d") == "4", 10, "the watch to resume")
     finally:
+        watcher.watch(None)
+        proxy.close()
+
+
+def test_a_watch_stream_that_confirms_only_some_watches_is_opened_again(etcd_endpoint):
+    """etcd's gateway may stop reading a watch request's body once it replies: the stream
+    then confirms only its first watch, whose events keep it busy (a leader's lease). It is
+    opened again from its start revision once CREATE_WAIT passes with no confirmation, and
+    misses nothing."""
+    host, port = etcd_endpoint.split(":")
+    proxy = Proxy((host, int(port)))
+    direct = EtcdBackend([etcd_endpoint], "run")
+    watcher = EtcdBackend([proxy.endpoint], "run", 2.0)
+    stop = threading.Event()
+
+    def busy() -> None:  # the first watch's key changes every 0.2 s, as a lease does
+        i = 0
+        while not stop.is_set():
+            direct.set("lease/busy", str(i))
+            i += 1
+            stop.wait(0.2)
+
+    beats = threading.Thread(target=busy, daemon=True)
+    beats.start()
+    try:
+        proxy.first_line_only(b"/v3/watch")
+        watcher.watch([Watched("lease/busy"), Watched("b/", prefix=True)])
+        mirror = watcher.kv.mirror
+        direct.set("b/x", "1")  # under the watch the first stream never confirms
+        wait_for(lambda: mirror.live, 10 * CREATE_WAIT, "the stream opened again, all confirmed")
+        assert mirror.reconnects >= 1 and "confirmed 1 of 2 watches, then none" in str(mirror.last_error)
+        before = watcher.kv.requests
+        assert watcher.get("b/x") == "1"  # from the copy, which missed nothing
+        assert watcher.kv.requests == before
+    finally:
+        stop.set()
+        beats.join(5)
         watcher.watch(None)
         proxy.close()
 

@@ -38,7 +38,7 @@ from unbroken.control.etcd_gateway import EtcdGateway
 from unbroken.control.schema import Watched
 
 _RETRY_PAUSE = (0.05, 1.0)  # seconds between reconnects: first, and at most (doubling)
-CREATE_WAIT = 1.0  # seconds for etcd to confirm every watch of a stream, else it is opened again
+CREATE_WAIT = 1.0  # seconds for etcd to confirm a stream's next watch, else it is opened again
 
 
 @dataclass
@@ -187,9 +187,10 @@ class Mirror:
 
         etcd's gateway drops the rest of a request body once it starts its reply (Go's HTTP
         server discards unread body when a handler writes), so a stream may confirm only
-        some of its watches. One that has not confirmed them all within CREATE_WAIT is
-        opened again, from the revision it started at: the copy is live only once every
-        watch is confirmed, and no change is missed."""
+        some of its watches. One that goes CREATE_WAIT without confirming its next watch
+        (while the confirmed ones' events may keep it busy) is opened again, from the
+        revision it started at: the copy is live only once every watch is confirmed, and no
+        change is missed."""
         start = self.revision
         body = "\n".join(json.dumps({"create_request": {
             **r, "start_revision": str(start + 1), "watch_id": i}})
@@ -197,7 +198,7 @@ class Mirror:
         conn, response = self._gateway.stream("watch", body.encode())
         self._conn = conn
         conn.sock.settimeout(CREATE_WAIT)
-        deadline = time.monotonic() + CREATE_WAIT  # for every confirmation, events or not
+        deadline = time.monotonic() + CREATE_WAIT  # for the next confirmation, events or not
         try:
             created = 0
             while not self._closed:
@@ -206,11 +207,13 @@ class Mirror:
                 except TimeoutError:
                     line = None
                 if line is None or (created < len(self.watched) and time.monotonic() > deadline):
-                    # The confirmed watches' events may keep coming: the deadline, not a
-                    # silence, decides. Replay what this stream delivered, on all watches.
+                    # The confirmed watches' events may keep coming: a deadline for the
+                    # next confirmation decides, not a silence (a loaded etcd confirms its
+                    # watches one by one, each well within it). Replay what this stream
+                    # delivered, on all watches.
                     self.revision = start
                     raise StoreUnavailable(f"etcd confirmed {created} of {len(self.watched)} "
-                                           f"watches within {CREATE_WAIT:g}s")
+                                           f"watches, then none for {CREATE_WAIT:g}s")
                 if not line:
                     raise StoreUnavailable("etcd closed the watch stream")
                 result = json.loads(line).get("result")
@@ -223,6 +226,7 @@ class Mirror:
                     raise StoreUnavailable(f"etcd cancelled a watch: {result.get('cancel_reason')}")
                 if result.get("created"):
                     created += 1
+                    deadline = time.monotonic() + CREATE_WAIT
                     if created == len(self.watched):
                         conn.sock.settimeout(None)  # silent for as long as nothing changes
                         with self._cond:
