@@ -8,7 +8,9 @@ every `LEASE_PERIOD` on a connection of its own, and at each look what `AttemptW
 (`schema.follower_watch`), one read of the attempt's fault, the job's result and the
 leader's target, and its orders queue. It looks every `cfg.quiet_poll` seconds, as a
 training node's agent does. On `go`, every survivor appends its member's departure at once,
-as survivors whose collective failed do.
+as survivors whose collective failed do: one `NodeDepartures` append per agent, as a real
+agent sends its workers' gathered departures (`launch/departure_relay.py`; one member per
+simulated agent, so the gathering itself is not what this measures).
 
 The leader is the real `PlanExecutor` with the real `LeaseWatch` (paced as `Followers`
 paces it) and, on etcd, the real leader watch and the claim check, looking every 50 ms
@@ -26,7 +28,14 @@ from dataclasses import dataclass
 from unbroken.control.address import BackendKind, ControlAddress, open_backend
 from unbroken.control.channel import Channel
 from unbroken.control.lease import LeaseWatch
-from unbroken.control.messages import Departure, Fault, FaultKind, LeaderClaim, LeaveReason
+from unbroken.control.messages import (
+    Departure,
+    Fault,
+    FaultKind,
+    LeaderClaim,
+    LeaveReason,
+    NodeDepartures,
+)
 from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import (
     LEADER,
@@ -98,9 +107,9 @@ class Follower:
         self.looks += 1
 
     def leave(self) -> None:
-        self.channel.append(self.keys.gen(0).departures, Departure(
+        self.channel.append(self.keys.gen(0).departures, NodeDepartures(self.node, [Departure(
             wid=f"{self.node}.0", gen=0, step=10, holds_state=True, reason=LeaveReason.PEER,
-            t=time.time()))
+            t=time.time())]))
 
 
 @dataclass
@@ -234,8 +243,8 @@ class Leader:
         self.channel.append(AttemptKeys(0).deaths, Fault(
             kind=FaultKind.CRASH, rank=slot, slot=slot, wid=f"{slot}.0", node=slot, attempt=0,
             in_place=True, t=t))
-        self.channel.append(AttemptKeys(0).gen(0).departures, Departure(
-            wid="0.0", gen=0, step=10, holds_state=True, reason=LeaveReason.PEER, t=time.time()))
+        self.channel.append(AttemptKeys(0).gen(0).departures, NodeDepartures(0, [Departure(
+            wid="0.0", gen=0, step=10, holds_state=True, reason=LeaveReason.PEER, t=time.time())]))
         return t
 
     def pace(self) -> None:

@@ -48,7 +48,7 @@ class FakeLeader(threading.Thread):
         while not self.stop.is_set():
             left = self.channel.entries(self.keys.gen(gen).departures, 0)
             if left:
-                self.departures += left
+                self.departures += [d for node in left for d in node.departures]
                 gen += 1
                 self.channel.write(self.keys.gen(gen).plan, GenPlan(gen=gen, members=[WID]))
                 self.channel.write(self.keys.latest_gen, gen)

@@ -73,6 +73,10 @@ def test_sigkill_at_a_random_step_survivors_keep_their_processes(tmp_path):
     # The survivors recovered within the same attempt: one attempt, several generations.
     assert {e["attempt"] for e in result.events("step")} == {0}
     assert max(e["gen"] for e in result.events("step")) >= 1
+    # Their agent sent both survivors' departures from generation 0 in one write.
+    sent = [e for e in result.events("departures_sent") if e["gen"] == 0]
+    assert [sorted(e["wids"]) for e in sent] == [["0.0", "1.0"]], sent
+    assert sent[0]["waited"] < 2.0  # 10x the gathering window
 
 
 def _state(path) -> dict:

@@ -172,6 +172,25 @@ class Departure:
 
 
 @dataclass
+class NodeDepartures:
+    """The members of one node that left a generation, in one write: their agent gathers
+    them (`launch/departure_relay.py`), so a node of eight workers costs the control plane
+    one append, not eight. A worker that cannot reach its agent writes its own (one)."""
+
+    node: int
+    departures: list[Departure]
+
+
+@dataclass
+class RelayedDeparture:
+    """A worker's departure on its way to its agent (`control/departure_post.py`): the
+    attempt names the queue it goes to."""
+
+    attempt: int
+    departure: Departure
+
+
+@dataclass
 class Joiner:
     """A replacement (or promoted spare) waiting to be placed in `slot`."""
 

@@ -235,10 +235,12 @@ class GenKeys:
         return Slot(self._k("plan"), m.GenPlan, "leader")
 
     @property
-    def departures(self) -> Queue[m.Departure]:
-        """Members that left the generation, one entry each: the planner reads only the
-        new ones, in one round trip, however many members there are."""
-        return Queue(self._k("left"), m.Departure, "the member that left", notifies=self._news)
+    def departures(self) -> Queue[m.NodeDepartures]:
+        """Members that left the generation, one entry per node's gathering (its agent's
+        write): the planner reads only the new ones, in one round trip, however many
+        members there are."""
+        return Queue(self._k("left"), m.NodeDepartures, "a node's agent (or a worker alone)",
+                     notifies=self._news)
 
     @property
     def nready(self) -> Counter:

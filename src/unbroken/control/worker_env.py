@@ -59,6 +59,9 @@ class WorkerEnv:
     control: str | None = None
     """The control plane (`address.ControlAddress.text()`): set only under `unbroken run`.
     etcd credentials travel as `EtcdCredentials.to_environ()` beside it."""
+    departures_socket: str | None = None
+    """Where the worker posts its departures for its agent to gather
+    (`control/departure_post.py`); None: it writes them to the store itself."""
     faults: str = ""
     """Fault injection spec (`unbroken.faults`)."""
     in_place: bool = False
@@ -116,6 +119,7 @@ class WorkerEnv:
             "UNBROKEN_HEARTBEAT_FILE": self.heartbeat_file,
             "UNBROKEN_ERROR_FILE": self.error_file, "UNBROKEN_AGENT_PID": self.agent_pid,
             "UNBROKEN_CONTROL": self.control, "UNBROKEN_FAULTS": self.faults,
+            "UNBROKEN_DEPARTURES_SOCKET": self.departures_socket,
             "UNBROKEN_IN_PLACE": "1" if self.in_place else "0",
             "UNBROKEN_RECOVERY_TIMEOUT": self.recovery_timeout,
             "UNBROKEN_SLOT": self.slot, "UNBROKEN_WORKER_ID": self.worker_id,
@@ -160,6 +164,7 @@ class WorkerEnv:
             torchelastic_error_file=env.get("TORCHELASTIC_ERROR_FILE"),
             agent_pid=num("UNBROKEN_AGENT_PID", None),
             control=control,
+            departures_socket=env.get("UNBROKEN_DEPARTURES_SOCKET") or None,
             faults=env.get("UNBROKEN_FAULTS", ""),
             in_place=env.get("UNBROKEN_IN_PLACE") == "1" and control is not None,
             recovery_timeout=float(env.get("UNBROKEN_RECOVERY_TIMEOUT", 60)),

@@ -18,7 +18,15 @@ from enum import StrEnum
 
 from unbroken.control.channel import Channel
 from unbroken.control.codec import to_plain
-from unbroken.control.messages import AttemptPlan, Fault, NodeDone, NodeOrder, OrderKind, Result
+from unbroken.control.messages import (
+    AttemptPlan,
+    Fault,
+    NodeDepartures,
+    NodeDone,
+    NodeOrder,
+    OrderKind,
+    Result,
+)
 from unbroken.control.schema import RESULT, AttemptKeys
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.planner import EndAttempt
@@ -117,7 +125,7 @@ class AttemptWatch:
         under the new role's duties."""
         cfg, sup, ch, keys, attempt = self.cfg, self.sup, self.channel, self.keys, self.attempt
         while True:
-            sup.wait(0.002 if self.busy else cfg.hangs.monitor_interval)
+            sup.wait(self._pause())
             self.check_signal()
             if self.in_place and not self.resilient:
                 self.resilient = sup.all_resilient()
@@ -133,11 +141,12 @@ class AttemptWatch:
                 fault = sup.attempt_failure(failed)
                 if fault is not None:
                     return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
+            relayed = self._relay_departures()  # after the deaths: the planner sees them first
             hung = sup.hangs.find_hang(leader_finds_culprits=self.resilient)  # a death next look
             if hung is not None and not self.resilient:
                 return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
             stall = sup.hangs.stall_report() if self.resilient else None
-            if not self._control_due(bool(failed) or stall is not None):
+            if not self._control_due(bool(failed) or stall is not None or relayed):
                 sup.fill_pool(self._t0)
                 continue
             if stall is not None:  # the leader finds the culprit (launch/culprit.py)
@@ -171,6 +180,43 @@ class AttemptWatch:
                 self.events.emit(ev.WorkersDone(attempt=attempt))
                 self.done_posted = True
             sup.fill_pool(self._t0)
+
+    def _pause(self) -> float:
+        """How long the next wait may be: short while the leader recovers, and no longer
+        than the window of departures waiting here for the rest of this node's."""
+        pause = 0.002 if self.busy else self.cfg.hangs.monitor_interval
+        relay = self.sup.departures
+        due = relay.gather.due_in(time.monotonic()) if relay is not None else None
+        return pause if due is None else min(pause, due)
+
+    def _relay_departures(self) -> bool:
+        """Send on, in one append per generation, the departures this node's workers posted
+        (`launch/departure_relay.py`); whether any went."""
+        relay = self.sup.departures
+        if relay is None:
+            return False
+        now = time.monotonic()
+        rejected = relay.rejected
+        relay.receive(now)
+        if relay.rejected > rejected:
+            self.events.emit(ev.ForgedMessage(key=str(relay.path), reason="not a departure"))
+        batches = relay.gather.take(self._members_in, now)
+        for batch in batches:
+            self.channel.append(AttemptKeys(batch.attempt).gen(batch.gen).departures,
+                                NodeDepartures(node=self.cfg.node_rank,
+                                               departures=batch.departures))
+            self.events.emit(ev.DeparturesSent(gen=batch.gen, wids=batch.wids,
+                                               waited=round(now - batch.since, 6)))
+        return bool(batches)
+
+    def _members_in(self, gen: int) -> set[str]:
+        """The wids of this node's live workers whose heartbeat says they are in `gen`."""
+        members = set()
+        for w in self.sup.workers:
+            beat = w.heartbeat.read() if w.proc.poll() is None else None
+            if beat is not None and beat.generation == gen:
+                members.add(w.wid)
+        return members
 
     def _control_due(self, local_news: bool) -> bool:
         """Whether this look also reads the control plane. Every look does, except while

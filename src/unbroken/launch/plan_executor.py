@@ -125,11 +125,12 @@ class PlanExecutor:
         inbox.nup, inbox.ndone = ch.count(g.nup), ch.count(g.ndone)
         if self._departures_gen != s.gen:  # a new generation: its own queue
             self._departures_gen, self._departures_seen = s.gen, 0
-        left = ch.entries(g.departures, self._departures_seen)
+        left = ch.entries(g.departures, self._departures_seen)  # a node's gathering each
         self._departures_seen += len(left)
-        inbox.nleft = len(s.departed) + len(left)
-        for d in filter(None, left):  # None: forged, rejected
-            inbox.departures[d.wid] = d
+        inbox.nleft = len(s.departed) + sum(len(n.departures) if n else 1 for n in left)
+        for node in filter(None, left):  # None: forged, rejected
+            for d in node.departures:
+                inbox.departures[d.wid] = d
         standby = [j.node for j in inbox.standbys if j is not None and j.node not in s.nodes.standby]
         nodes = [*s.nodes.standby, *standby, *s.nodes.planned]
         drains = any(inbox.drains) or bool(s.drains.held)

@@ -25,6 +25,7 @@ from unbroken.control.messages import AttemptPlan, Fault, FaultKind, SwitchTarge
 from unbroken.control.worker_env import node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.departure_relay import DepartureRelay
 from unbroken.launch.hang_watch import HangWatch
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.warm_pool import WarmPool, normal_priority
@@ -81,8 +82,12 @@ class NodeSupervisor:
         self.standby = cfg.standby  # this attempt: the node runs only spares (set per plan)
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
         self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
+        # In place, workers post their departures here; the attempt's watch sends them on.
+        self.departures = DepartureRelay() if cfg.in_place else None
+        if self.departures is not None:
+            self.selector.register(self.departures, selectors.EVENT_READ)  # wakes `wait`
         self.spawner = WorkerSpawner(cfg, guard, pool, control, secret, self.node_dir, self.logs,
-                                     self.tailer)
+                                     self.tailer, self.departures and self.departures.path)
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = (cfg.nproc_per_node if cfg.spares_when_standing_by
                              else cfg.recovery.spares)
@@ -333,6 +338,8 @@ class NodeSupervisor:
         self.stop_all()
         self.tailer.close()
         self.selector.close()
+        if self.departures is not None:
+            self.departures.close()
 
 def exit_cause(w: WorkerProcess) -> ExitCause:
     """Why a failed worker exited, as far as its exit code and its error record tell."""

@@ -37,8 +37,10 @@ class WorkerSpawner:
 
     def __init__(self, cfg: LaunchConfig, guard: OrphanGuard, pool: WarmPool | None,
                  control: ControlAddress, secret: bytes | None, node_dir: Path,
-                 logs: AttemptLogs, tailer: Tailer) -> None:
+                 logs: AttemptLogs, tailer: Tailer, departures_socket: str | None = None,
+                 ) -> None:
         self.cfg = cfg
+        self.departures_socket = departures_socket  # the agent's `DepartureRelay`
         self.guard = guard
         self.pool = pool
         self.control = control
@@ -118,6 +120,7 @@ class WorkerSpawner:
             record_imports=self.pool is not None, integrations=cfg.recovery.integrations,
             exact_reduction=cfg.recovery.exact_reduction,
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
+            departures_socket=self.departures_socket,
             shadow_steps=self._shadow_steps,
             secret=self.secret.hex() if self.secret else None,
             faults=cfg.faults, in_place=cfg.recovery.on_fault != "restart",

@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed import Store
 
 from unbroken.control.channel import Channel
-from unbroken.control.messages import Departure, GenPlan, Joiner, LeaveReason
+from unbroken.control.messages import Departure, GenPlan, Joiner, LeaveReason, NodeDepartures
 from unbroken.control.schema import AttemptKeys
 from unbroken.polling import poll_until
 
@@ -53,10 +53,16 @@ class Membership:
     """One worker's membership calls; every wait is bounded by `timeout`."""
 
     def __init__(self, channel: Channel, attempt: int, wid: str,
-                 on_wait: Callable[[], None], timeout: float, poll: float = 0.001) -> None:
+                 on_wait: Callable[[], None], timeout: float, poll: float = 0.001,
+                 node: int = 0, post: Callable[[int, Departure], bool] | None = None) -> None:
         self.channel = channel
+        self.attempt = attempt
         self.keys = AttemptKeys(attempt)
         self.wid = wid
+        self.node = node
+        # Hands a departure to this node's agent, which gathers the node's into one write
+        # (`control/departure_post.py`); False, or None: the worker writes its own.
+        self._post = post
         self._on_wait = on_wait  # keeps the heartbeat fresh while we wait
         self.timeout = timeout
         self.poll = poll
@@ -68,10 +74,13 @@ class Membership:
     def leave(self, gen: int, step: int, holds_state: bool, reason: LeaveReason,
               error: str | None = None, traceback: str | None = None,
               sharded: bool = False) -> None:
-        g = self.keys.gen(gen)
-        self.channel.append(g.departures, Departure(
+        departure = Departure(
             wid=self.wid, gen=gen, step=step, holds_state=holds_state, reason=LeaveReason(reason),
-            t=time.time(), error=error, traceback=traceback, sharded=sharded))
+            t=time.time(), error=error, traceback=traceback, sharded=sharded)
+        if self._post is not None and self._post(self.attempt, departure):
+            return
+        self.channel.append(self.keys.gen(gen).departures,
+                            NodeDepartures(node=self.node, departures=[departure]))
 
     def register_joiner(self, slot: int) -> None:
         self.channel.append(self.keys.joiners, Joiner(wid=self.wid, slot=slot))

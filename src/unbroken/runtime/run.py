@@ -25,11 +25,13 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from unbroken.control import departure_post
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import UserError
 from unbroken.faults.inject import FaultInjector
@@ -107,7 +109,9 @@ class Run:
         if settings.in_place:
             membership = Membership(link.channel(), env.attempt, settings.wid,
                                     lambda: engine.stamp(engine.position.step, PHASE_RECOVERY),
-                                    timeout=env.recovery_timeout)
+                                    timeout=env.recovery_timeout, node=env.node_rank,
+                                    post=partial(departure_post.post, env.departures_socket)
+                                    if env.departures_socket else None)
             generations = Generations(membership, groups, self.backend, config.timeout,
                                       join_timeout=_JOIN_TIMEOUT, record=events.emit,
                                       fault_point=faults.at_point)

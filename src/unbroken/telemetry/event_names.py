@@ -31,6 +31,7 @@ class Event(StrEnum):
     CONTROL_UNSIGNED = "control_unsigned"
     DEAD_JOB_CLEARED = "dead_job_cleared"
     DEAD_JOB_FOUND = "dead_job_found"
+    DEPARTURES_SENT = "departures_sent"
     DRAINED = "drained"
     DRAIN_REFUSED = "drain_refused"
     DRAIN_STARTED = "drain_started"

@@ -63,8 +63,8 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "recovery": (
         "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparePromoted",
         "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted", "DrainRefused",
-        "Drained", "ReplacementStarted", "StallReported", "Stall", "HangBlamed", "GenPlan",
-        "GenUp", "RecoveryFallback"),
+        "Drained", "ReplacementStarted", "DeparturesSent", "StallReported", "Stall",
+        "HangBlamed", "GenPlan", "GenUp", "RecoveryFallback"),
     "worker": (
         "WorkerStart", "Resume", "Step", "StepFailed", "GenLeave", "SwitchFailed", "GenSwitch",
         "InPlaceUnavailable", "JoinerUnused", "SpareReady", "ShardSync", "SnapshotConfig",

@@ -144,6 +144,16 @@ class ReplacementStarted(EventBody):
     duration: float = doc("seconds to start it")
 
 
+@event(Event.DEPARTURES_SENT)
+class DeparturesSent(EventBody):
+    """An agent, in place: its workers that left a generation, sent to the planner in one
+    write (`launch/departure_relay.py`)."""
+
+    gen: int = doc("the generation they left")
+    wids: list[str] = doc("the workers, in the order they posted")
+    waited: float = doc("seconds from the first one's post to the write")
+
+
 @event(Event.STALL_REPORTED)
 class StallReported(EventBody):
     """An agent, in place: its workers stalled (`workers: []` when they move again)."""
