@@ -87,6 +87,7 @@ class Leader(Role):
         self._recorded: LeaderRecord | None = None  # the LeaderRecord last written
         self._rejections = Rejections(self.channel, self.events, self.say)
         self._stepping_down = False  # SIGTERM on etcd: leaving without ending the job
+        self._handover_blocked: int | None = None  # the heir a handover could not reach, said
         self.rendezvous = Rendezvous(self)
 
     @property
@@ -300,7 +301,15 @@ class Leader(Role):
         and go on as a follower (`HandedOver`); the heir drains this node."""
         instance = self.followers.of(self.plan, self.state.nodes).get(node)
         if instance is None or self.election is None:
-            return  # cannot happen: the planner names a node that runs ranks of the attempt
+            # Not expected: the planner names a node that runs ranks of the attempt, and
+            # holds no drain without an election. The drain stays held (its requester's
+            # wait is bounded); said once, and tried again at each look.
+            if self._handover_blocked != node:
+                self._handover_blocked = node
+                why = "no election (TCPStore)" if self.election is None else "its agent is unknown"
+                self.events.emit(ev.LeadHandoverBlocked(attempt=attempt, to=node, reason=why))
+                self.say(f"cannot hand the lead to node {node}: {why}; the drain waits")
+            return
         heir = self.election.hand_to(node, instance)
         self.events.emit(ev.LeadHandedOver(attempt=attempt, to=node, term=heir.term))
         self.say(f"handed the lead to node {node} (term {heir.term}); it moves this node's "

@@ -51,6 +51,7 @@ class Event(StrEnum):
     LEADER_ELECTED = "leader_elected"
     LEADER_STEPPED_DOWN = "leader_stepped_down"
     LEAD_HANDED_OVER = "lead_handed_over"
+    LEAD_HANDOVER_BLOCKED = "lead_handover_blocked"
     LEASE_LOST = "lease_lost"
     NODE_DRAINED = "node_drained"
     NODE_LOST = "node_lost"

@@ -58,7 +58,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "WorkersStopped", "WorkersDone", "Restart", "Notice", "NodeDrained", "ControlUnsigned",
         "DeadJobFound", "DeadJobCleared", "NodeReturned", "AgentRejected", "ForgedMessage",
         "LeaseLost", "ControlPlaneLost", "ControlPlaneBack", "LeaderElected",
-        "LeadHandedOver", "LeaderSteppedDown", "LeaderDeposed", "NodeSet", "NodeTakenOver",
+        "LeadHandedOver", "LeadHandoverBlocked", "LeaderSteppedDown", "LeaderDeposed", "NodeSet", "NodeTakenOver",
         "NodeQuarantined", "AgentError", "AgentExit", "EventsDropped"),
     "recovery": (
         "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparePromoted",

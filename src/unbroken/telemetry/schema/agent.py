@@ -205,6 +205,17 @@ class LeadHandedOver(EventBody):
     term: int = doc("the new leader's term")
 
 
+@event(Event.LEAD_HANDOVER_BLOCKED)
+class LeadHandoverBlocked(EventBody):
+    """A leader asked to drain its own node could not hand the lead to the heir its planner
+    named (not expected: the planner names a node that runs ranks); the drain stays held
+    and the handover is tried again at each look."""
+
+    attempt: int = doc("the attempt")
+    to: int = doc("the heir")
+    reason: str = doc("why not")
+
+
 @event(Event.LEADER_STEPPED_DOWN)
 class LeaderSteppedDown(EventBody):
     """A leader on etcd that took SIGTERM as a notice (a pod deletion): it stops its workers
