@@ -91,16 +91,35 @@ class DepartureGather:
 class DepartureRelay:
     """The socket this node's workers post their departures to, and their gathering."""
 
-    def __init__(self, window: float = GATHER_WINDOW) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="unbroken-"))  # mode 0700: the agent's user
-        path = self._dir / "departures"
-        self.path: str | None = str(path) if len(str(path)) <= _MAX_PATH else None
+    def __init__(self, directory: Path, window: float = GATHER_WINDOW) -> None:
+        self._dir = directory
+        self.path = str(directory / "departures")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        if self.path is not None:
+        try:
+            self._sock.setblocking(False)
             self._sock.bind(self.path)
+        except OSError:
+            self._sock.close()
+            raise
         self.gather = DepartureGather(window)
         self.rejected = 0  # datagrams that were not departures
+
+    @classmethod
+    def open(cls, window: float = GATHER_WINDOW) -> DepartureRelay | None:
+        """A relay on a socket in a fresh directory only this user can enter; None where
+        none can be made (no writable temporary directory, or its path too long for a
+        socket): this node's workers then write their own departures."""
+        try:
+            directory = Path(tempfile.mkdtemp(prefix="unbroken-"))  # mode 0700
+        except OSError:
+            return None
+        if len(str(directory / "departures")) <= _MAX_PATH:
+            try:
+                return cls(directory, window)
+            except OSError:
+                pass
+        shutil.rmtree(directory, ignore_errors=True)
+        return None
 
     def fileno(self) -> int:
         return self._sock.fileno()

@@ -83,7 +83,7 @@ class NodeSupervisor:
         self.logs = AttemptLogs(cfg.logs, cfg.run_id, Path(cfg.run_dir).resolve() / "logs")
         self.tailer = Tailer()  # tee'd worker output, to the console with its prefix
         # In place, workers post their departures here; the attempt's watch sends them on.
-        self.departures = DepartureRelay() if cfg.in_place else None
+        self.departures = DepartureRelay.open() if cfg.in_place else None
         if self.departures is not None:
             self.selector.register(self.departures, selectors.EVENT_READ)  # wakes `wait`
         self.spawner = WorkerSpawner(cfg, guard, pool, control, secret, self.node_dir, self.logs,
