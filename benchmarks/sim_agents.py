@@ -1,16 +1,17 @@
 """Simulated agents for `failover.py`: many followers in a few processes, each running the
 follower's real control look against a real store, and the leader's real planner.
 
-A simulated follower is one agent without workers: its own `Channel` over a
+A simulated follower is one agent whose workers are not processes: its own `Channel` over a
 `RetryingBackend` (its own connection, as on its own host), its liveness lease refreshed
-every `LEASE_PERIOD` on a connection of its own, and at each look what `AttemptWatch` and
-`Follower` do at every quiet look: `Election.watch` (etcd), the watch of its keys
-(`schema.follower_watch`), one read of the attempt's fault, the job's result and the
-leader's target, and its orders queue. It looks every `cfg.quiet_poll` seconds, as a
-training node's agent does. On `go`, every survivor appends its member's departure at once,
-as survivors whose collective failed do: one `NodeDepartures` append per agent, as a real
-agent sends its workers' gathered departures (`launch/departure_relay.py`; one member per
-simulated agent, so the gathering itself is not what this measures).
+every `LEASE_PERIOD` on a connection of its own, and the agent's own look: a real
+`AttemptWatch.look` with the real `Follower` role's duties (`Election.watch` on etcd, the
+watch of its keys), over a `TrainingNode` that stands in for the `NodeSupervisor` of a node
+whose workers all train. It looks every `cfg.quiet_poll` seconds, as a training node's
+agent does. On `go`, every survivor's member posts its departure at once, as members whose
+collective failed do, and the agent's next look sends it: one `NodeDepartures` append per
+agent (`launch/departure_relay.py`; one member per simulated agent, so the gathering of a
+node's members is not what this measures). One thread drives the looks of many agents in
+turn: 2,048 agents' loops of their own would not fit 2 cores.
 
 The leader is the real `PlanExecutor` with the real `LeaseWatch` (paced as `Followers`
 paces it) and, on etcd, the real leader watch and the claim check, looking every 50 ms
@@ -29,28 +30,33 @@ from unbroken.control.address import BackendKind, ControlAddress, open_backend
 from unbroken.control.channel import Channel
 from unbroken.control.lease import LeaseWatch
 from unbroken.control.messages import (
+    AttemptPlan,
     Departure,
     Fault,
     FaultKind,
     LeaderClaim,
     LeaveReason,
     NodeDepartures,
+    NodeLayout,
 )
 from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import (
     LEADER,
-    RESULT,
     AttemptKeys,
     agent_lease,
-    follower_watch,
     leader_watch,
 )
 from unbroken.control.signing import Signer
+from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.budget import RestartBudget
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.departure_relay import DepartureGather
 from unbroken.launch.election import Election
+from unbroken.launch.follower import Follower as FollowerRole
+from unbroken.launch.hang_watch import HangWatch
 from unbroken.launch.plan_executor import PlanExecutor
 from unbroken.launch.planner_state import Inbox, PlannerConfig, initial_state
+from unbroken.telemetry.events import EventLog
 
 SECRET = b"b" * 32
 LEASE_PERIOD = 2.0  # a follower's, at the default --node-timeout of 10 s
@@ -77,39 +83,103 @@ def requests_of(backend: RetryingBackend) -> int:
     return client.kv.requests if hasattr(client, "kv") else client.requests
 
 
-class Follower:
-    """One simulated follower (see the module)."""
+class TrainingNode:
+    """What `AttemptWatch` and the `Follower` role ask of a node's `NodeSupervisor`, for a
+    simulated node: its workers train (every look finds them stepping) but are not
+    processes, so there is nothing to reap, stall or mirror. On `go` its member's departure
+    is posted to its `PostBox`, whose real `DepartureGather` the real `AttemptWatch` empties
+    into the store as a real agent does (`launch/departure_relay.py`)."""
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, node: int) -> None:
+    def __init__(self, node: int) -> None:
+        self.workers: list = []
+        self.spares: list = []
+        self.spare_target = 0
+        self.standby = True  # no ranks to name when the attempt begins: none are processes
+        self.hangs = HangWatch(node, lambda: [])
+        self.departures = PostBox()
+
+    def start_attempt(self, attempt: int, plan: object) -> None:
+        pass
+
+    def exited(self) -> list:
+        return []
+
+    def all_resilient(self) -> bool:
+        return True
+
+    def training(self) -> bool:
+        return True
+
+    def ready_spares(self) -> list:
+        return []
+
+    def all_exited_ok(self) -> bool:
+        return False
+
+    def mirror_target(self, target: object) -> None:
+        pass
+
+    def fill_pool(self, spawned_at: float) -> None:
+        pass
+
+
+class PostBox:
+    """A `DepartureRelay` without its socket: what the simulated member posts."""
+
+    path = None
+    rejected = 0
+
+    def __init__(self) -> None:
+        self.gather = DepartureGather()
+        self._posted: list[Departure] = []
+
+    def post(self, departure: Departure) -> None:
+        self._posted.append(departure)
+
+    def receive(self, now: float) -> int:
+        n = len(self._posted)
+        for d in self._posted:
+            self.gather.offer(0, d, now)
+        self._posted.clear()
+        return n
+
+
+class Follower:
+    """One simulated follower (see the module): the real `Follower` role's duties in the
+    real `AttemptWatch.look`, over a node whose workers train (`TrainingNode`)."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str, node: int,
+                 plan: AttemptPlan) -> None:
         self.node = node
         self.instance = f"sim{node}"
         self.backend = _backend(backend, endpoint, run_id)
         self.channel = Channel(self.backend, Signer(SECRET))
         self.lease = _backend(backend, endpoint, run_id)
-        self.election = (Election(self.channel, node, self.instance, 2.0)
-                         if backend == "etcd" else None)
-        self.keys = AttemptKeys(0)
-        self._orders = 0
-        self._watching: object = None
+        cfg = LaunchConfig(script="train.py")
+        cfg.nnodes, cfg.backend, cfg.node_rank = len(plan.nodes), BackendKind(backend), node
+        election = (Election(self.channel, node, self.instance, 2.0)
+                    if backend == "etcd" else None)
+        self.supervisor = TrainingNode(node)
+        events = EventLog(None)
+        self.watch = AttemptWatch(cfg, self.channel, self.supervisor, events,
+                                  say=lambda line: None, check_signal=lambda: None)
+        self.role = FollowerRole(cfg, self.channel, self.watch, events, self.instance,
+                                 sleep=lambda: time.sleep(0.02),
+                                 report_failure=lambda fault, why: None, election=election)
+        self.watch.begin(0, plan)
         self.looks = 0
 
     def refresh(self) -> None:
         self.lease.refresh_lease(agent_lease(self.node, self.instance).key)
 
     def look(self) -> None:
-        if self.election is not None:
-            self.election.watch(0)
-            if self._watching != self.election.seen:
-                self.backend.watch(follower_watch(0, self.node, self.election.seen))
-                self._watching = self.election.seen
-        self.channel.read_many([self.keys.fault, RESULT, self.keys.target])
-        self._orders += len(self.channel.entries(self.keys.orders(self.node), self._orders))
+        self.watch.look(lambda: self.role._duties(0))  # noqa: SLF001 - the role's own look
         self.looks += 1
 
     def leave(self) -> None:
-        self.channel.append(self.keys.gen(0).departures, NodeDepartures(self.node, [Departure(
+        self.supervisor.departures.post(Departure(
             wid=f"{self.node}.0", gen=0, step=10, holds_state=True, reason=LeaveReason.PEER,
-            t=time.time())]))
+            t=time.time()))
 
 
 @dataclass
@@ -134,7 +204,9 @@ class FollowerFigures:
 def run_followers(backend: str, endpoint: str, run_id: str, nodes: list[int], dead: int,
                   sig: Signals, n: int, threads: int = 8) -> None:
     """The body of one process of simulated followers (`nodes`); `dead`'s member died."""
-    agents = [Follower(backend, endpoint, run_id, k) for k in nodes]
+    plan = AttemptPlan(attempt=0, world_size=n + 1, worker_port=0, nodes={
+        k: NodeLayout(offset=k, nproc=1, instance=f"sim{k}") for k in range(n + 1)})
+    agents = [Follower(backend, endpoint, run_id, k, plan) for k in nodes]
     for a in agents:
         a.refresh()
         a.look()
@@ -151,14 +223,16 @@ def run_followers(backend: str, endpoint: str, run_id: str, nodes: list[int], de
                 for a in part:
                     a.refresh()
                 next_refresh = t0 + LEASE_PERIOD
-            if sig.go.is_set() and not gone:
+            leaving = sig.go.is_set() and not gone
+            if leaving:
                 for a in part:
                     if a.node != dead:
                         a.leave()
-                left.append(time.time())
                 gone = True
             for a in part:
-                a.look()
+                a.look()  # after `leave`: the look that sends the departure
+            if leaving:
+                left.append(time.time())
             if not gone:  # a member's death reaches the survivors at once (their collective)
                 sig.go.wait(max(0.0, period - (time.monotonic() - t0)))
             else:

@@ -74,6 +74,7 @@ class AttemptWatch:
         self.busy = False  # the leader asks for fast looks while it recovers
         self.keys: AttemptKeys | None = None
         self.attempt = -1
+        self.plan: AttemptPlan | None = None  # the attempt's, from `begin` to `stop_workers`
         self._t0 = 0.0
         self._board: SpareBoard | None = None
         self._orders_seen = 0
@@ -99,7 +100,7 @@ class AttemptWatch:
     def begin(self, attempt: int, plan: AttemptPlan) -> None:
         cfg, sup = self.cfg, self.sup
         self.keys = AttemptKeys(attempt)
-        self.attempt = attempt
+        self.attempt, self.plan = attempt, plan
         self._t0 = t0 = time.monotonic()
         sup.start_attempt(attempt, plan)
         self.events.emit(ev.WorkersStarted(attempt=attempt,
@@ -123,63 +124,71 @@ class AttemptWatch:
         """Watch the attempt `begin` started until it ends. A takeover of leadership leaves
         this loop by an exception from `duties` and enters it again, with the same workers,
         under the new role's duties."""
-        cfg, sup, ch, keys, attempt = self.cfg, self.sup, self.channel, self.keys, self.attempt
         while True:
-            sup.wait(self._pause())
-            self.check_signal()
-            if self.in_place and not self.resilient:
-                self.resilient = sup.all_resilient()
-            failed = sup.exited()
-            if self.resilient:
-                for w in failed:
-                    if sup.finished_training(w):  # trained to the end, then failed to exit
-                        fault = sup.reap(w)
-                        self.events.emit(ev.ExitAfterDone(**fault.event_fields()))
-                        continue
-                    self._death(attempt, sup.reap(w))
-            else:
-                fault = sup.attempt_failure(failed)
-                if fault is not None:
-                    return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
-            relayed = self._relay_departures()  # after the deaths: the planner sees them first
-            hung = sup.hangs.find_hang(leader_finds_culprits=self.resilient)  # a death next look
-            if hung is not None and not self.resilient:
-                return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
-            stall = sup.hangs.stall_report() if self.resilient else None
-            if not self._control_due(bool(failed) or stall is not None or relayed):
-                sup.fill_pool(self._t0)
-                continue
-            if stall is not None:  # the leader finds the culprit (launch/culprit.py)
-                ch.append(keys.stalls, stall)
-                self.events.emit(ev.StallReported(gen=stall.gen,
-                                 workers=[to_plain(w) for w in stall.workers]))
-            # One round trip for what every look reads (etcd: each read is a request).
-            fault, result, target = ch.read_many([keys.fault, RESULT, keys.target])
-            if self.resilient:
-                orders = ch.entries(keys.orders(cfg.node_rank), self._orders_seen)
-                self._orders_seen += len(orders)
-                for order in filter(None, orders):  # None: forged, rejected
-                    if self._obey(order) is not None:
-                        return Outcome(Ending.RELEASED)
-                if target is not None:
-                    sup.mirror_target(target)
-                if sup.spare_target:
-                    sup.tend_spares(sup.training())
-                self._board.offer([s.wid for s in sup.ready_spares()])
-                self._board.host({w.wid: w.rank for w in sup.workers
-                                  if w.proc.returncode in (None, 0)})
-            if fault is not None:
-                return Outcome(Ending.FAULT, fault)
-            if result is not None:
-                raise Finished(result)
-            outcome = duties()
+            self.sup.wait(self._pause())
+            outcome = self.look(duties)
             if outcome is not None:
                 return outcome
-            if not self.done_posted and self._node_done(keys):
-                ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
-                self.events.emit(ev.WorkersDone(attempt=attempt))
-                self.done_posted = True
+
+    def look(self, duties: Callable[[], Outcome | None]) -> Outcome | None:
+        """One look at the attempt (see the module docstring); its outcome once it ends.
+        Raises `Finished` when the job's result is published, and whatever `duties` raise."""
+        cfg, sup, ch, keys, attempt = self.cfg, self.sup, self.channel, self.keys, self.attempt
+        self.check_signal()
+        if self.in_place and not self.resilient:
+            self.resilient = sup.all_resilient()
+        failed = sup.exited()
+        if self.resilient:
+            for w in failed:
+                if sup.finished_training(w):  # trained to the end, then failed to exit
+                    fault = sup.reap(w)
+                    self.events.emit(ev.ExitAfterDone(**fault.event_fields()))
+                    continue
+                self._death(attempt, sup.reap(w))
+        else:
+            fault = sup.attempt_failure(failed)
+            if fault is not None:
+                return Outcome(Ending.FAULT, self.publish_fault(fault, attempt))
+        relayed = self._relay_departures()  # after the deaths: the planner sees them first
+        hung = sup.hangs.find_hang(leader_finds_culprits=self.resilient)  # a death next look
+        if hung is not None and not self.resilient:
+            return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
+        stall = sup.hangs.stall_report() if self.resilient else None
+        if not self._control_due(bool(failed) or stall is not None or relayed):
             sup.fill_pool(self._t0)
+            return None
+        if stall is not None:  # the leader finds the culprit (launch/culprit.py)
+            ch.append(keys.stalls, stall)
+            self.events.emit(ev.StallReported(gen=stall.gen,
+                             workers=[to_plain(w) for w in stall.workers]))
+        # One round trip for what every look reads (etcd: each read is a request).
+        fault, result, target = ch.read_many([keys.fault, RESULT, keys.target])
+        if self.resilient:
+            orders = ch.entries(keys.orders(cfg.node_rank), self._orders_seen)
+            self._orders_seen += len(orders)
+            for order in filter(None, orders):  # None: forged, rejected
+                if self._obey(order) is not None:
+                    return Outcome(Ending.RELEASED)
+            if target is not None:
+                sup.mirror_target(target)
+            if sup.spare_target:
+                sup.tend_spares(sup.training())
+            self._board.offer([s.wid for s in sup.ready_spares()])
+            self._board.host({w.wid: w.rank for w in sup.workers
+                              if w.proc.returncode in (None, 0)})
+        if fault is not None:
+            return Outcome(Ending.FAULT, fault)
+        if result is not None:
+            raise Finished(result)
+        outcome = duties()
+        if outcome is not None:
+            return outcome
+        if not self.done_posted and self._node_done(keys):
+            ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
+            self.events.emit(ev.WorkersDone(attempt=attempt))
+            self.done_posted = True
+        sup.fill_pool(self._t0)
+        return None
 
     def _pause(self) -> float:
         """How long the next wait may be: short while the leader recovers, and no longer
@@ -279,6 +288,7 @@ class AttemptWatch:
         """End this node's part of the attempt: stop and reap its processes, and say so."""
         t0 = time.monotonic()
         self.sup.stop_all()
+        self.plan = None  # this node runs no part of an attempt until the next `begin`
         self.channel.write(AttemptKeys(attempt).node_stopped(self.cfg.node_rank), True)
         self.events.emit(ev.WorkersStopped(attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          reason=fault.kind.value if fault else None))
