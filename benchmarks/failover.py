@@ -14,7 +14,9 @@ by the node-0 agent) and etcd (a separate service, with an elected leader).
    idle leader look makes (asserted equal at every agent count), etcd's CPU. Then a member
    dies and at once every survivor appends its departure: `plan_ms`, the death published
    to the next generation's plan written, split into `writes_ms` (to the last departure
-   written: the survivors' cost) and `planner_ms` (from there to the plan).
+   written: the survivors' cost) and `planner_ms` (from there to the plan). Beside it, on
+   etcd, `put_floor_ms`: as many bare puts from 8 processes with no client of ours, the
+   floor this machine puts under one write per survivor.
 3. **Steady-state step overhead** of etcd: the same 2-node job with no faults on each
    backend, a `--step-sleep` step (50 ms), in alternating rounds; the overhead is the median
    of the rounds' paired ratios, with their spread.
@@ -30,6 +32,9 @@ The last line printed is one JSON object with the figures (keys named in issues 
 from __future__ import annotations
 
 import argparse
+import base64
+import http.client
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -206,6 +211,52 @@ def plan_latency(backend: str, endpoint: str, n: int, etcd_pid: int | None,
         del served  # closes a TCPStore served here
 
 
+def put_floor(endpoint: str, n: int, procs: int = 8) -> float:
+    """The floor under the survivors' writes on this machine: n - 1 plain puts (300-byte
+    values, about a signed `NodeDepartures`) to etcd's JSON gateway from `procs` processes
+    at once, each on one kept-alive connection: no signing, no retries, no client of ours.
+    Milliseconds from the start signal to the last reply."""
+    ctx = mp.get_context("fork")
+    go, ready, out = ctx.Event(), ctx.Queue(), ctx.Queue()
+    prefix = f"floor/{uuid.uuid4().hex}/"
+    host, port = endpoint.rsplit(":", 1)
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    def writer(part: range) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v3/kv/range", json.dumps({"key": b64(prefix)}))
+        conn.getresponse().read()  # connected and answered before the start
+        ready.put(os.getpid())
+        go.wait()
+        for i in part:
+            conn.request("POST", "/v3/kv/put", json.dumps({"key": b64(f"{prefix}{i}"),
+                                                             "value": b64("x" * 300)}))
+            conn.getresponse().read()
+        out.put(time.time())
+
+    children = [ctx.Process(target=writer, args=(range(1 + i, n, procs),))
+                for i in range(min(procs, n - 1))]
+    for c in children:
+        c.start()
+    try:
+        for _ in children:
+            ready.get(timeout=60)
+        t0 = time.time()
+        go.set()
+        last = max(out.get(timeout=120) for _ in children)
+        return round(1000 * (last - t0), 1)
+    finally:
+        for c in children:
+            c.join(10)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        conn.request("POST", "/v3/kv/deleterange",
+                     json.dumps({"key": b64(prefix), "range_end": b64(end)}))
+        conn.getresponse().read()
+
+
 # ---------------------------------------------------------------- 3. steady state
 def steady_step(backend: str, endpoint: str, root: Path, steps: int,
                 model: list[str] = TINY) -> float | None:
@@ -265,6 +316,8 @@ def main() -> None:
             for backend in ("tcp", "etcd"):
                 got = plan_latency(backend, etcd.endpoint, n,
                                    etcd.proc.pid if backend == "etcd" else None)
+                if backend == "etcd":
+                    got["put_floor_ms"] = put_floor(etcd.endpoint, n)
                 plan[backend][str(n)] = got
                 print(f"planning {backend:4s} {n:5d} agents: fault -> plan {got['plan_ms']:8.1f} ms"
                       f" (survivors' writes {got['writes_ms']:8.1f} ms, planner "
@@ -273,6 +326,8 @@ def main() -> None:
                       f"{got['leader_requests_s']:.2f} req/s, "
                       f"{got['leader_look_requests']} req/look; etcd CPU idle "
                       f"{got['etcd_cpu_idle']}, planning {got['etcd_cpu_plan_s']} s"
+                      + (f"; {n - 1} bare puts {got['put_floor_ms']} ms"
+                         if "put_floor_ms" in got else "")
                       + (f"; leader's watch {got['leader_watch']}" if got.get("leader_watch")
                          else ""), flush=True)
 
@@ -312,6 +367,7 @@ def main() -> None:
                  "plan_ms": {n: f["plan_ms"] for n, f in etcd_plan.items()},
                  "writes_ms": {n: f["writes_ms"] for n, f in etcd_plan.items()},
                  "planner_ms": {n: f["planner_ms"] for n, f in etcd_plan.items()},
+                 "put_floor_ms": {n: f["put_floor_ms"] for n, f in etcd_plan.items()},
                  "idle_requests_per_agent_s": etcd_plan[biggest]["follower_requests_s"]
                  if biggest else None,
                  "leader_requests_s": etcd_plan[biggest]["leader_requests_s"] if biggest else None,
