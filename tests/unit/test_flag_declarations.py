@@ -82,7 +82,6 @@ def test_the_parser_reads_pet_variables_from_the_mapping_it_is_given() -> None:
     (lambda: Recovery(spares=1, on_fault="restart"), "--spares takes failed workers' ranks"),
     (lambda: Recovery(quarantine_after=-2), "--quarantine-after must be 0 or more"),
     (lambda: Etcd(etcd_cert="/nonexistent.pem"), "file not found: /nonexistent.pem"),
-    (lambda: Etcd(leader_watchers=0), "--leader-watchers must be at least 1, got 0"),
     (lambda: Rendezvous(nnodes="3:1"), "MIN must not exceed MAX"),
     (lambda: Rendezvous(rdzv_backend="etcd"), "needs --rdzv-endpoint"),
     (lambda: Rendezvous(run_id="a/b"), "--rdzv-id may hold"),

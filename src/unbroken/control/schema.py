@@ -274,13 +274,10 @@ def leader_watch(attempt: int) -> list[Watched]:
             Watched("rejected/", prefix=True), Watched("out/", prefix=True)]
 
 
-def follower_watch(attempt: int, node: int, leader: m.LeaderClaim | None,
-                   lease: bool = True) -> list[Watched]:
+def follower_watch(attempt: int, node: int, leader: m.LeaderClaim | None) -> list[Watched]:
     """A follower's watch: what its looks read (the attempt's end, the leader's target and
-    orders to this node, the job's result and leader, its own standing) and, for one of the
-    leader's lease watchers (`lease`), the leader's lease (its silence is judged from the
-    copy, and confirmed by a read before acting). The others read the lease now and then:
-    each refresh reaches a few watches, not every agent's."""
+    orders to this node, the job's result and leader, its own standing) and the leader's
+    lease (its silence is judged from the copy, and confirmed by a read before acting)."""
     keys = AttemptKeys(attempt)
     watched = [Watched(keys.fault.key), Watched(keys.target.key), Watched(keys.plan.key),
                Watched(keys.latest_gen.key), Watched(keys.finished.key),
@@ -288,6 +285,6 @@ def follower_watch(attempt: int, node: int, leader: m.LeaderClaim | None,
                Watched(keys.drained("").key, prefix=True),
                Watched(LEADER.key), Watched(RESULT.key), Watched(CURRENT.key),
                Watched(LEADER_RECORD.key), Watched(node_out(node).key)]
-    if leader is not None and lease:
+    if leader is not None:
         watched.append(Watched(agent_lease(leader.node, leader.instance).key))
     return watched

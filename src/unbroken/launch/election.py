@@ -28,7 +28,6 @@ single point of failure.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 
 from unbroken.control.channel import Channel
 from unbroken.control.lease import LeaseWatch
@@ -36,27 +35,6 @@ from unbroken.control.messages import LeaderClaim
 from unbroken.control.schema import LEADER, agent_lease
 from unbroken.errors import ControlPlaneError
 from unbroken.polling import PollTimeout, poll_until
-
-SLOW_LOOKS = 5
-"""A follower that is not one of the leader's lease watchers reads the lease every this many
-leader timeouts (`Election.close`). A silence counts from two reads that find the same
-token, so such a follower takes over 1 to 2 of these periods after the leader died (10 to
-20 s at the default 2 s): the last resort, when every watcher was lost with the leader."""
-
-
-def lease_watchers(leader: int, nodes: Iterable[int], watchers: int) -> set[int]:
-    """The followers that watch the leader's lease at every look (`--leader-watchers`):
-    `watchers` of the attempt's `nodes`, the leader's own left out, spread evenly over the
-    others in rank order starting past the leader, so that the leader lost with its
-    neighbours (a rack) leaves watchers elsewhere. Every other node, in a job of at most
-    `watchers` + 1 nodes."""
-    others = sorted(set(nodes) - {leader})
-    if len(others) <= watchers:
-        return set(others)
-    after = sum(1 for k in others if k < leader)  # the first node past the leader
-    ring = others[after:] + others[:after]
-    return {ring[int((i + 0.5) * len(ring) / watchers)] for i in range(watchers)}
-
 
 WRONG_SECRET = ("the job's control messages are signed with another secret than this "
                 "agent's: give every node the same --secret-file or UNBROKEN_SECRET")
@@ -95,15 +73,7 @@ class Election:
         self.timeout = timeout
         self._watch = LeaseWatch(channel.backend, pause_limit=timeout / 2,
                                  confirm_after=timeout / 2)
-        # Not one of the leader's lease watchers: the lease read every SLOW_LOOKS timeouts
-        # (`_slow_due`), its silence the time between two reads that found the same token.
-        self._slow = LeaseWatch(channel.backend, pause_limit=(SLOW_LOOKS + 1) * timeout,
-                                confirm_after=timeout / 2)
-        self._slow_due = 0.0
         self.seen: LeaderClaim | None = None  # the claim a follower's last look found
-        # One of the leader's lease watchers (`lease_watchers`): set by the follower from
-        # the attempt's plan; every follower is one until it has a plan.
-        self.close = True
 
     def stand(self, first: bool) -> LeaderClaim:
         """At start: claim leadership if nobody holds it; returns the claim that holds.
@@ -155,9 +125,7 @@ class Election:
 
     def watch(self, attempt: int | None) -> None:
         """Each look of a follower: take over if the leader has been silent for the timeout
-        (raises `Elected` when this agent won). A follower that is not `close` reads the
-        leader's lease only every `SLOW_LOOKS` timeouts: it takes over only when every
-        close watcher was lost with the leader."""
+        (raises `Elected` when this agent won)."""
         claim = self.channel.read(LEADER)
         if claim is None and self.seen is None:
             return  # a standby node, which does not stand, started before anyone led
@@ -171,14 +139,7 @@ class Election:
                 self.channel.fence_on(LEADER, claim)
                 raise Elected(previous, attempt, handed=True)
             return
-        lease, now = agent_lease(claim.node, claim.instance), time.monotonic()
-        if self.close:
-            silent = self._watch.silent_for(lease, now)
-        elif now < self._slow_due:
-            return
-        else:
-            self._slow_due = now + SLOW_LOOKS * self.timeout
-            silent = self._slow.silent_for(lease, now)
+        silent = self._watch.silent_for(agent_lease(claim.node, claim.instance), time.monotonic())
         if silent <= self.timeout:
             return
         mine = LeaderClaim(node=self.mine.node, instance=self.mine.instance, term=claim.term + 1)

@@ -33,7 +33,7 @@ from unbroken.control.schema import (
 )
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
-from unbroken.launch.election import WRONG_SECRET, HandedOver, lease_watchers
+from unbroken.launch.election import WRONG_SECRET, HandedOver
 from unbroken.launch.role import Role
 from unbroken.launch.spare_board import SpareBoard
 from unbroken.polling import poll_until
@@ -49,7 +49,7 @@ class Quarantined(Exception):  # noqa: N818 - control flow, not an error
 class Follower(Role):
     _sent: float | None = None  # this agent's wall time just before it wrote its last join
     _handoff: tuple[AttemptKeys, int] | None = None  # the drain asked for on SIGTERM
-    _watching: tuple[int, object, bool] | None = None  # the watch's (attempt, claim, has plan)
+    _watching: tuple[int, object] | None = None  # (attempt, leader claim) the watch was made for
 
     def run(self, handed: HandedOver | None = None) -> int:
         """Follow attempt after attempt until the job's result. `handed`: this agent led
@@ -74,7 +74,6 @@ class Follower(Role):
                 if outcome.ending == Ending.RELEASED:
                     return self._released()
                 self.watch.stop_workers(attempt, outcome.fault)
-                self._watch_keys(attempt)  # no plan now: the leader's lease watched closely
         except Finished as fin:
             return self._finish(fin.result)
         except Quarantined:
@@ -136,21 +135,13 @@ class Follower(Role):
 
     def _watch_keys(self, attempt: int) -> None:
         """With etcd: keep a live copy of what this agent's looks read, the leader's lease
-        among them if this node is one of its watchers in the attempt's plan (every node
-        until it has one); made again when the attempt, the leader or that changes."""
+        among them (made again when the attempt or the leader changes)."""
         claim = self.election.seen if self.election is not None else None
         if self.election is not None and claim is None:
             claim = self.channel.read(LEADER)
-        plan = self.watch.plan if self.watch.attempt == attempt else None
-        if self._watching == (attempt, claim, plan is not None):
-            return
-        close = (plan is None or claim is None or self.cfg.node_rank in lease_watchers(
-            claim.node, plan.nodes, self.cfg.etcd.leader_watchers))
-        if self.election is not None:
-            self.election.close = close
-        self.channel.backend.watch(follower_watch(attempt, self.cfg.node_rank, claim,
-                                                  lease=close))
-        self._watching = (attempt, claim, plan is not None)
+        if self._watching != (attempt, claim):
+            self.channel.backend.watch(follower_watch(attempt, self.cfg.node_rank, claim))
+            self._watching = (attempt, claim)
 
     def _check_standing(self) -> None:
         """After an outage of the control plane: if the leader declared this node lost

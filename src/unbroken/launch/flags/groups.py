@@ -174,15 +174,6 @@ class Etcd:
                                  help="etcd: seconds of leader silence before another agent "
                                       "takes over")
     """A leader whose lease is silent this long is replaced."""
-    leader_watchers: int = flag(
-        "--leader-watchers", parse=int, default=4, metavar="N",
-        help="etcd: how many followers, spread over the attempt's nodes, watch the leader's "
-             "lease at every look and take over within --leader-timeout; the others read it "
-             "every 5 x --leader-timeout and take over after 1-2 such periods, only when "
-             "every watcher was lost with the leader (default 4)")
-    """Followers that watch the leader's lease closely (`election.lease_watchers`); the rest
-    read it every `SLOW_LOOKS` x `leader_timeout`: a lease refresh is then one watch event
-    for N of them, not for every agent of the job."""
     continue_dead_job: bool = flag(
         "--continue-dead-job", kind=Kind.SWITCH, default=False,
         help="etcd: if the control plane holds the keys of a dead job under this --rdzv-id (no "
@@ -193,8 +184,6 @@ class Etcd:
     formed afresh under it, instead of refused."""
 
     def __post_init__(self) -> None:
-        if self.leader_watchers < 1:
-            raise UserError(f"--leader-watchers must be at least 1, got {self.leader_watchers}")
         for path in (self.etcd_cacert, self.etcd_cert, self.etcd_key):
             if path and not Path(path).is_file():
                 raise UserError(f"file not found: {path}")
