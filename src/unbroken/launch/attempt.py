@@ -74,7 +74,6 @@ class AttemptWatch:
         self.busy = False  # the leader asks for fast looks while it recovers
         self.keys: AttemptKeys | None = None
         self.attempt = -1
-        self.plan: AttemptPlan | None = None  # the attempt's, from `begin` to `stop_workers`
         self._t0 = 0.0
         self._board: SpareBoard | None = None
         self._orders_seen = 0
@@ -100,7 +99,7 @@ class AttemptWatch:
     def begin(self, attempt: int, plan: AttemptPlan) -> None:
         cfg, sup = self.cfg, self.sup
         self.keys = AttemptKeys(attempt)
-        self.attempt, self.plan = attempt, plan
+        self.attempt = attempt
         self._t0 = t0 = time.monotonic()
         sup.start_attempt(attempt, plan)
         self.events.emit(ev.WorkersStarted(attempt=attempt,
@@ -288,7 +287,6 @@ class AttemptWatch:
         """End this node's part of the attempt: stop and reap its processes, and say so."""
         t0 = time.monotonic()
         self.sup.stop_all()
-        self.plan = None  # this node runs no part of an attempt until the next `begin`
         self.channel.write(AttemptKeys(attempt).node_stopped(self.cfg.node_rank), True)
         self.events.emit(ev.WorkersStopped(attempt=attempt, duration=round(time.monotonic() - t0, 6),
                          reason=fault.kind.value if fault else None))
