@@ -25,6 +25,7 @@ JSON lines. The values are what etcd holds; nothing in them is executed.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import socket
 import threading
@@ -68,6 +69,35 @@ def ranges(run_prefix: str, watched: Iterable[Watched]) -> list[dict[str, str]]:
     return out
 
 
+class KeyOrder:
+    """The mirrored keys in sorted order, so that the keys under a prefix are found by
+    bisection, not by a scan of every key (a leader at 2,048 agents mirrors some 10,000
+    keys, and reads several queues at every look). Pure; not thread-safe on its own."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._keys = sorted(keys)
+
+    def add(self, key: str) -> None:
+        """Note `key` (already noted: nothing)."""
+        i = bisect.bisect_left(self._keys, key)
+        if i == len(self._keys) or self._keys[i] != key:
+            self._keys.insert(i, key)
+
+    def remove(self, key: str) -> None:
+        i = bisect.bisect_left(self._keys, key)
+        if i < len(self._keys) and self._keys[i] == key:
+            del self._keys[i]
+
+    def under(self, prefix: str) -> list[str]:
+        """The keys that start with `prefix`, in order."""
+        i = bisect.bisect_left(self._keys, prefix)
+        out = []
+        while i < len(self._keys) and self._keys[i].startswith(prefix):
+            out.append(self._keys[i])
+            i += 1
+        return out
+
+
 class Mirror:
     """The watched keys of one run, kept current by a watch stream on a thread of its own.
 
@@ -82,6 +112,7 @@ class Mirror:
         self._exact = {w.key for w in watched if not w.prefix}
         self._prefixes = tuple(w.key for w in watched if w.prefix)
         self._kvs: dict[str, Kv] = {}
+        self._order = KeyOrder()  # the keys of `_kvs`, sorted: `under` bisects
         self._cond = threading.Condition()
         self.revision = 0  # the newest revision the copy reflects
         self.version = 0  # grows at every change and every full re-read
@@ -112,7 +143,7 @@ class Mirror:
         if not prefix.startswith(self._prefixes) or not self.caught_up(floor):
             return False
         with self._cond:
-            return {k: kv for k, kv in self._kvs.items() if k.startswith(prefix)}
+            return {k: self._kvs[k] for k in self._order.under(prefix)}
 
     def caught_up(self, floor: int, timeout: float = 0.5) -> bool:
         """Live, and at or past revision `floor` (waited for up to `timeout` seconds: the
@@ -176,7 +207,7 @@ class Mirror:
             for kv in response.get("response_range", {}).get("kvs", []):
                 self._keep(kvs, kv)
         with self._cond:
-            self._kvs = kvs
+            self._kvs, self._order = kvs, KeyOrder(kvs)
             self.revision = int(reply["header"]["revision"])
             self.version += 1
             self._cond.notify_all()
@@ -244,9 +275,13 @@ class Mirror:
         with self._cond:
             for event in events:
                 kv = event["kv"]
+                key = self._relative(kv["key"])
                 if event.get("type") == "DELETE":
-                    self._kvs.pop(self._relative(kv["key"]), None)
+                    self._kvs.pop(key, None)
+                    self._order.remove(key)
                 else:
+                    if key not in self._kvs:
+                        self._order.add(key)
                     self._keep(self._kvs, kv)
             revision = int(result.get("header", {}).get("revision", 0))
             if events:
