@@ -28,8 +28,6 @@ left (stopped: it is killed, then it is dead and not waited for) delays no plan;
 is for a case not foreseen. Watchdogs that abort on notice look every 50 ms; 0.2 s leaves a
 loaded host room for its slowest worker."""
 
-_MAX_PATH = 100  # AF_UNIX paths are at most 107 bytes; longer: workers write their own
-
 
 @dataclass
 class Batch:
@@ -113,13 +111,11 @@ class DepartureRelay:
             directory = Path(tempfile.mkdtemp(prefix="unbroken-"))  # mode 0700
         except OSError:
             return None
-        if len(str(directory / "departures")) <= _MAX_PATH:
-            try:
-                return cls(directory, window)
-            except OSError:
-                pass
-        shutil.rmtree(directory, ignore_errors=True)
-        return None
+        try:
+            return cls(directory, window)
+        except OSError:  # bind refuses a path longer than a socket's (107 bytes)
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
 
     def fileno(self) -> int:
         return self._sock.fileno()
