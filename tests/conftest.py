@@ -214,6 +214,14 @@ def events_of(run_dir: Path, name: str) -> list[dict]:
     return [e for e in _events_so_far(path) if e["event"] == name] if path.exists() else []
 
 
+def offered(events: list[dict]) -> list[str]:
+    """The spares an agent offers the leader now, from its `spares_offered` events (the
+    last one counts): a standby's spare is someone else's only once it is offered, not as
+    soon as the spare says it is ready."""
+    offers = [e["wids"] for e in events if e["event"] == "spares_offered"]
+    return offers[-1] if offers else []
+
+
 def events_in(run_dirs, name: str | None = None) -> list[dict]:
     """The events of several run dirs merged in time order (only `name`'s when given): the
     whole job's log when its nodes share no disk and each agent writes to a run dir of its

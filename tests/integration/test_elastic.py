@@ -25,6 +25,7 @@ from conftest import (
     finish_on,
     free_port,
     go_file,
+    offered,
     run_dir_on,
     unbroken_cmd,
     wait_for,
@@ -136,8 +137,8 @@ def test_with_extra_nodes_standby_min_nodes_train_and_the_third_takes_a_lost_nod
     b = _agent(hosts, 1, *flags, steps=400, step_sleep=0.05)
     wait_for(_steps_past(leader_dir, 3), 120, "two nodes to train", explain=leader_dir)
     c = _agent(hosts, 2, *flags, steps=400, step_sleep=0.05)
-    wait_for(lambda: events_of(dirs[2], "spare_ready"), 120, "the standby node's spare",
-             explain=dirs[2])
+    wait_for(lambda: offered(events_of(dirs[2], "spares_offered")), 120,
+             "the standby node's spare offered", explain=dirs[2])
     assert [e["world_size"] for e in events_of(leader_dir, "rendezvous")] == [2]
     os.kill(_agent_of_node(dirs, 1), signal.SIGKILL)
     wait_for(lambda: [e for e in events_in(dirs, "spare_promoted") if e["source"] == "agent"],

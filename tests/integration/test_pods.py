@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SCRIPTS, read_events, unbroken_cmd, wait_for
+from conftest import SCRIPTS, offered, read_events, unbroken_cmd, wait_for
 from pods import Cluster, JobSetRun, StatefulSetRun, unavailable
 
 pytestmark = [pytest.mark.usefixtures("no_process_outlives_its_test"),
@@ -107,7 +107,8 @@ def test_a_deleted_training_pod_hands_its_ranks_to_the_standby_and_returns_as_on
     run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=1.0, on_event=print).start()
     try:
         node0, node1, standby = run.pod("node", 0), run.pod("node", 1), run.pod("standby", 0)
-        wait_for(lambda: events(standby, "spare_ready"), 180, "the standby pod's spare")
+        wait_for(lambda: offered(events(standby, "spares_offered")), 180,
+                 "the standby pod's spare offered")
         # Both nodes past step 10, so node 1's agent has seen its worker in the resilient
         # loop (a SIGTERM before that is a plain stop: CI once deleted it that early).
         wait_for(lambda: steps_at_least(node0, 10) and steps_at_least(node1, 10), 120, "step 10")
@@ -127,7 +128,8 @@ def test_a_deleted_training_pod_hands_its_ranks_to_the_standby_and_returns_as_on
         returned = wait_for(lambda: events(back, "node_returned"), 120, "node 1 to return",
                             explain=back.dir / "volumes" / "run")
         assert returned[0]["returned_node"] == 1 and len(events(back, "agent_start")) == 1
-        wait_for(lambda: events(back, "spare_ready"), 180, "the returned node's spare")
+        wait_for(lambda: offered(events(back, "spares_offered")), 180,
+                 "the returned node's spare offered")
 
         # Force-delete the pod that now holds rank 1: after the node timeout, the returned
         # node's spare takes it; the standby pod is recreated as a standby again.
@@ -195,7 +197,8 @@ def test_etcd_as_pods_the_leaders_pod_lost_a_restart_continues_and_a_reapply_sta
         wait_for(lambda: _etcd_ready(etcd), 60, "the 3 etcd pods to serve")
         run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=1.0, on_event=print).start()
         node0, node1, standby = run.pod("node", 0), run.pod("node", 1), run.pod("standby", 0)
-        wait_for(lambda: events(standby, "spare_ready"), 180, "the standby pod's spare")
+        wait_for(lambda: offered(events(standby, "spares_offered")), 180,
+                 "the standby pod's spare offered")
         wait_for(lambda: steps_at_least(node0, 10), 120, "step 10")
         leader = next(p for p in (node0, node1) if events(p, "node_set"))
         deleted_at = time.time()

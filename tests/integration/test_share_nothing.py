@@ -31,6 +31,7 @@ from conftest import (
     finish,
     finish_on,
     go_file,
+    offered,
     run_dir_on,
     start_on,
     unbroken_cmd,
@@ -185,7 +186,8 @@ def test_sigterm_to_a_training_nodes_agent_hands_its_ranks_to_a_standby_node(iso
     a0 = _unbroken(hosts, 0, *flags(0), steps=300)
     a1 = _unbroken(hosts, 1, *flags(1), steps=300)
     standby = _unbroken(hosts, 2, *flags(2), "--standby", steps=300)
-    wait_for(lambda: _events(hosts, 2, "spare_ready"), 120, "the standby's spare")
+    wait_for(lambda: offered(_events(hosts, 2, "spares_offered")), 120,
+             "the standby's spare offered")
     wait_for(lambda: any(e["step"] >= 10 for e in _events(hosts, 0, "step")), 120, "step 10")
     worker = _events(hosts, 1, "workers_started")[0]["pids"]["1"]
     a1.send_signal(signal.SIGTERM)  # as a pod deletion or a spot reclaim does
@@ -215,8 +217,8 @@ def test_drain_from_another_host_after_a_leader_failover_on_etcd(isolated_hosts)
     a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=600, script_args=slow, shared=pace)
     standby = _unbroken(hosts, 2, *flags(2, "--standby"), steps=600, script_args=slow,
                         shared=pace)
-    ready = lambda: len(_events(hosts, 1, "spare_ready") + _events(hosts, 2, "spare_ready"))  # noqa: E731
-    wait_for(lambda: ready() >= 2, 120, "both spares")
+    wait_for(lambda: all(offered(_events(hosts, k, "spares_offered")) for k in (1, 2)), 120,
+             "both spares offered")
     wait_for(lambda: any(e["step"] >= 10 for e in _events(hosts, 0, "step")), 120, "step 10")
     a0.send_signal(signal.SIGKILL)  # the leader's agent dies, as its host would
     a0.wait()
@@ -255,7 +257,7 @@ def test_node_0_drained_on_etcd_moves_the_lead_first_and_its_agent_leaves(isolat
     a0 = _unbroken(hosts, 0, *flags(0), steps=400, script_args=slow, shared=pace)
     a1 = _unbroken(hosts, 1, *flags(1, "--spares", "1"), steps=400, script_args=slow,
                    shared=pace)
-    wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
+    wait_for(lambda: offered(_events(hosts, 1, "spares_offered")), 120, "node 1's spare offered")
     wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
     drain = hosts.run(1, unbroken_cmd("drain", *etcd, "--node", "0", "--timeout", "60"), 90)
     assert drain.returncode == 0, drain.stdout + drain.stderr
@@ -289,7 +291,7 @@ def test_drain_by_run_dir_on_a_followers_host_and_a_node_local_checkpoint_dir(is
     # The spare on node 1 only: rank 1 stays on host 1, away from rank 0's disk.
     a1 = _unbroken(hosts, 1, *_static(hosts, 1), "--spares", "1", steps=600, script_args=args,
                    shared=pace)
-    wait_for(lambda: _events(hosts, 1, "spare_ready"), 120, "node 1's spare")
+    wait_for(lambda: offered(_events(hosts, 1, "spares_offered")), 120, "node 1's spare offered")
     wait_for(lambda: any(e["step"] >= 5 for e in _events(hosts, 0, "step")), 120, "step 5")
     run_dir = Path(hosts.node_dir(1)) / "run"
     drain = hosts.run(1, unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"), 90)

@@ -27,6 +27,7 @@ from conftest import (
     finish_on,
     go_file,
     launch,
+    offered,
     run_dir_on,
     start,
     start_on,
@@ -240,6 +241,8 @@ def test_a_standby_node_takes_over_a_lost_node_in_place(isolated_hosts, clean_4)
         ready = wait_for(lambda: len(events_of(node2, "spare_ready")) >= 2 and
                          events_of(node2, "spare_ready"), 120, "the standby's spares to warm up",
                          explain=node2)
+        wait_for(lambda: len(offered(events_of(node2, "spares_offered"))) == 2, 60,
+                 "the standby's spares offered", explain=node2)
         # In steady state: on a loaded machine the spares can be warm before the workers
         # have built DDP, and a node lost then is a fault before the in-place loop runs.
         wait_for(lambda: any(e["step"] >= 3 for e in events_of(node0, "step")), 120,
@@ -288,8 +291,8 @@ def test_draining_a_node_moves_its_ranks_to_a_standby_node_and_its_agent_leaves(
         return hosts.run(0, unbroken_cmd("drain", str(node0), *flags), 90)
 
     try:
-        wait_for(lambda: len(events_of(node2, "spare_ready")) >= 2, 120,
-                 "the standby's spares to warm up", explain=node2)
+        wait_for(lambda: len(offered(events_of(node2, "spares_offered"))) == 2, 120,
+                 "the standby's spares offered", explain=node2)
         refused = drain("--node", "0")
         assert refused.returncode != 0 and "node 0 hosts the control store (the embedded TCPStore)" in refused.stderr
         cmd = drain("--node", "1", "--timeout", "60")

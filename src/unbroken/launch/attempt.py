@@ -153,7 +153,8 @@ class AttemptWatch:
         if hung is not None and not self.resilient:
             return Outcome(Ending.FAULT, self.publish_fault(hung, attempt))
         stall = sup.hangs.stall_report() if self.resilient else None
-        if not self._control_due(bool(failed) or stall is not None or relayed):
+        spares_news = self.resilient and self._board.news([s.wid for s in sup.ready_spares()])
+        if not self._control_due(bool(failed) or stall is not None or relayed or spares_news):
             sup.fill_pool(self._t0)
             return None
         if stall is not None:  # the leader finds the culprit (launch/culprit.py)
@@ -172,7 +173,9 @@ class AttemptWatch:
                 sup.mirror_target(target)
             if sup.spare_target:
                 sup.tend_spares(sup.training())
-            self._board.offer([s.wid for s in sup.ready_spares()])
+            ready = [s.wid for s in sup.ready_spares()]
+            if self._board.offer(ready):
+                self.events.emit(ev.SparesOffered(wids=ready))
             self._board.host({w.wid: w.rank for w in sup.workers
                               if w.proc.returncode in (None, 0)})
         if fault is not None:
@@ -229,7 +232,7 @@ class AttemptWatch:
     def _control_due(self, local_news: bool) -> bool:
         """Whether this look also reads the control plane. Every look does, except while
         the node is quiet (every worker here is training, nothing recovering, no exit
-        seen); then every `cfg.quiet_poll` seconds. A fault anywhere makes the survivors
+        seen, no change in its ready spares to offer); then every `cfg.quiet_poll` seconds. A fault anywhere makes the survivors
         here leave their generation within a step, which ends the quiet at once: recovery
         is not slowed, and a steady-state job does not load a shared control plane with
         twenty reads a second per agent."""

@@ -21,13 +21,21 @@ class SpareBoard:
         self.channel = channel
         self.keys = keys
         self.node = node
-        self._offered: list[str] | None = None
+        self._offered: list[str] = []  # an absent key offers nothing: no write needed
         self._hosted: dict[str, int] | None = None
 
-    def offer(self, ready: list[str]) -> None:
-        if ready != self._offered:
-            self.channel.write(self.keys.ready_spares(self.node), ready)
-            self._offered = list(ready)
+    def news(self, ready: list[str]) -> bool:
+        """Whether `ready` differs from what is offered: the next look should offer it."""
+        return ready != self._offered
+
+    def offer(self, ready: list[str]) -> bool:
+        """Publish the wids of this node's ready spares; whether the offer changed (and was
+        written)."""
+        if not self.news(ready):
+            return False
+        self.channel.write(self.keys.ready_spares(self.node), ready)
+        self._offered = list(ready)
+        return True
 
     def host(self, members: dict[str, int]) -> None:
         if members != self._hosted:

@@ -76,6 +76,7 @@ class Event(StrEnum):
     SPARE_READY = "spare_ready"
     SPARE_REQUEST_DECLINED = "spare_request_declined"
     SPARE_STARTED = "spare_started"
+    SPARES_OFFERED = "spares_offered"
     STALL = "stall"
     STALL_REPORTED = "stall_reported"
     STANDBYS_STARTED = "standbys_started"

@@ -61,8 +61,8 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "LeadHandedOver", "LeadHandoverBlocked", "LeaderSteppedDown", "LeaderDeposed", "NodeSet", "NodeTakenOver",
         "NodeQuarantined", "AgentError", "AgentExit", "EventsDropped"),
     "recovery": (
-        "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparePromoted",
-        "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted", "DrainRefused",
+        "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparesOffered",
+        "SparePromoted", "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted", "DrainRefused",
         "Drained", "ReplacementStarted", "DeparturesSent", "StallReported", "Stall",
         "HangBlamed", "GenPlan", "GenUp", "RecoveryFallback"),
     "worker": (

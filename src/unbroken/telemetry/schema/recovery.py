@@ -70,6 +70,14 @@ class SpareStarted(EventBody):
     pid: int = doc("its process id")
 
 
+@event(Event.SPARES_OFFERED)
+class SparesOffered(EventBody):
+    """An agent published its node's ready spares (`ready/<node>`) when that list changed:
+    from then on the leader's planner may assign them to another node's slots."""
+
+    wids: list[str] = doc("the spares offered now (empty: none any more)")
+
+
 @event(Event.SPARE_PROMOTED)
 class SparePromoted(EventBody):
     """A ready spare takes a slot: the agent's record, and the worker's own when it sees it
