@@ -232,10 +232,10 @@ class AttemptWatch:
     def _control_due(self, local_news: bool) -> bool:
         """Whether this look also reads the control plane. Every look does, except while
         the node is quiet (every worker here is training, nothing recovering, no exit
-        seen, no change in its ready spares to offer); then every `cfg.quiet_poll` seconds. A fault anywhere makes the survivors
-        here leave their generation within a step, which ends the quiet at once: recovery
-        is not slowed, and a steady-state job does not load a shared control plane with
-        twenty reads a second per agent."""
+        seen, no change in its ready spares to offer); then every `cfg.quiet_poll`
+        seconds. A fault anywhere makes the survivors here leave their generation within a
+        step, which ends the quiet at once: recovery is not slowed, and a steady-state job
+        does not load a shared control plane with twenty reads a second per agent."""
         now = time.monotonic()
         quiet = (self.cfg.quiet_poll > 0 and not local_news and not self.busy
                  and (not self.in_place or self.resilient) and self.sup.training())

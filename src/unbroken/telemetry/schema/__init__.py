@@ -62,8 +62,8 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "NodeQuarantined", "AgentError", "AgentExit", "EventsDropped"),
     "recovery": (
         "FaultFields", "Fault", "ExitAfterDone", "NodeLost", "SpareStarted", "SparesOffered",
-        "SparePromoted", "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted", "DrainRefused",
-        "Drained", "ReplacementStarted", "DeparturesSent", "StallReported", "Stall",
+        "SparePromoted", "SpareAssigned", "SpareRequestDeclined", "SpareLost", "DrainStarted",
+        "DrainRefused", "Drained", "ReplacementStarted", "DeparturesSent", "StallReported", "Stall",
         "HangBlamed", "GenPlan", "GenUp", "RecoveryFallback"),
     "worker": (
         "WorkerStart", "Resume", "Step", "StepFailed", "GenLeave", "SwitchFailed", "GenSwitch",
