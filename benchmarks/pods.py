@@ -219,14 +219,18 @@ class Watch:
 
 def _ready(watch: Watch, node0: Pod, standby: Pod | None, delete_at: int) -> bool:
     """Past a committed checkpoint, rank 0 mid-way to the next one (step `delete_at` + 10k),
-    and in the standby arms the standby pod's spare ready."""
+    and in the standby arms the standby pod's spare offered to the leader (not only ready:
+    until its agent offers it, the leader cannot move the deleted pod's ranks onto it)."""
     events = watch.events(node0)
     steps = [e["step"] for e in events if e["event"] == "step"]
     if not steps or steps[-1] < delete_at or steps[-1] % CHECKPOINT_EVERY != delete_at % CHECKPOINT_EVERY:
         return False
     if not any(e["event"] == "checkpoint_saved" for e in events):
         return False
-    return standby is None or any(e["event"] == "spare_ready" for e in watch.events(standby))
+    if standby is None:
+        return True
+    offers = [e["wids"] for e in watch.events(standby) if e["event"] == "spares_offered"]
+    return bool(offers and offers[-1])
 
 
 def _world_size_at(events: list[dict], t: float) -> int | None:
