@@ -42,6 +42,12 @@ class Proxy:
         with self._lock:
             self._withhold = pattern
 
+    @property
+    def withholding(self) -> bytes | None:
+        """The pattern `first_line_only` waits for (None: that request has gone through)."""
+        with self._lock:
+            return self._withhold
+
     def cut(self) -> None:
         with self._lock:
             self._cut = True

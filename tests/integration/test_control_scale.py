@@ -119,8 +119,9 @@ def test_a_watch_that_lost_its_place_to_compaction_reads_everything_again(etcd_e
 def test_a_watch_stream_that_confirms_only_some_watches_is_opened_again(etcd_endpoint):
     """etcd's gateway may stop reading a watch request's body once it replies: the stream
     then confirms only its first watch, whose events keep it busy (a leader's lease). It is
-    opened again from its start revision once CREATE_WAIT passes with no confirmation, and
-    misses nothing."""
+    opened again once CREATE_WAIT passes with no confirmation; its confirmations show a
+    write since the copy's read, so the copy reads again before it says live, and the write
+    made while the first stream was partial is in it from that moment (issue 41)."""
     host, port = etcd_endpoint.split(":")
     proxy = Proxy((host, int(port)))
     direct = EtcdBackend([etcd_endpoint], "run")
@@ -142,9 +143,25 @@ def test_a_watch_stream_that_confirms_only_some_watches_is_opened_again(etcd_end
         mirror = watcher.kv.mirror
         direct.set("b/x", "1")  # under the watch the first stream never confirms
         wait_for(lambda: mirror.live, 10 * CREATE_WAIT, "the stream opened again, all confirmed")
-        assert mirror.reconnects >= 1 and "confirmed 1 of 2 watches, then none" in str(mirror.last_error)
         before = watcher.kv.requests
+        assert mirror.reconnects >= 1 and "confirmed 1 of 2 watches, then none" in str(mirror.last_error)
+        assert mirror.reads == 1  # after the reopen's confirmations: one read, never two
         assert watcher.get("b/x") == "1"  # from the copy, which missed nothing
+        assert watcher.kv.requests == before
+
+        # Again once the copy has read and been live: a blip, the reopened stream partial
+        # again, and a write under the unconfirmed watch while it is.
+        reconnects = mirror.reconnects
+        proxy.first_line_only(b"/v3/watch")
+        proxy.cut()
+        proxy.mend()
+        wait_for(lambda: mirror.reconnects > reconnects and proxy.withholding is None,
+                 10 * CREATE_WAIT, "the stream opened again, its body cut to one watch")
+        direct.set("b/y", "2")
+        wait_for(lambda: mirror.live, 10 * CREATE_WAIT, "the stream opened again, all confirmed")
+        before = watcher.kv.requests
+        assert mirror.reads == 2  # the lease moved since the first read: read again
+        assert watcher.get("b/y") == "2" and watcher.get("b/x") == "1"
         assert watcher.kv.requests == before
     finally:
         stop.set()

@@ -4,16 +4,20 @@ An agent looks at the control plane many times a second; with a mirror, a look a
 key costs no request at all, and a change is seen one round trip after it is written (the
 watch event). An idle job costs etcd nothing but the agents' lease refreshes.
 
-How it stays right (docs/design-notes.md, "Watches"):
+How it stays right (docs/design-notes.md, "Watches"; the bookkeeping is the pure
+`watched_copy.WatchedCopy`):
 
-- **One consistent start.** The watched keys are read in one txn (one revision R), and the
-  watch starts at R + 1: no change falls between the read and the watch.
-- **Resumed, not restarted.** A broken stream (a blip, an etcd restart) is opened again from
-  the last revision seen + 1; the mirror is not live meanwhile, and reads go to etcd (where
-  they fail or wait as any request does), so a frozen mirror never makes a lease look silent.
+- **Live means complete.** The copy says it is live only once every watch of its stream is
+  confirmed *and* it holds every watched write up to a revision read after the stream was
+  opened: a confirmation that shows a write since the copy's last full read makes it read
+  every watched key again first (one txn), since a watch created in the past is confirmed
+  before its missed events arrive.
+- **Resumed, not replayed.** A broken stream is opened again from the newest revision seen
+  + 1; the mirror is not live meanwhile, and reads go to etcd (where they fail or wait as
+  any request does), so a frozen mirror never makes a lease look silent.
 - **Compaction.** If etcd has compacted the revision to resume from, it cancels the watch
-  (`compact_revision`); the mirror then reads every watched key again (a full re-read,
-  counted in `resyncs`) and watches from there.
+  (`compact_revision`); the mirror then reads every watched key again once its next stream
+  is confirmed (counted in `resyncs`).
 - **Read your writes.** A backend that wrote a watched key reads it from the mirror only once
   the mirror has reached that write's revision (`caught_up`).
 
@@ -25,30 +29,22 @@ JSON lines. The values are what etcd holds; nothing in them is executed.
 from __future__ import annotations
 
 import base64
-import bisect
 import json
 import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from unbroken.control.backend import StoreUnavailable
 from unbroken.control.etcd_gateway import EtcdGateway
 from unbroken.control.schema import Watched
+from unbroken.control.watched_copy import Change, KeyOrder, Kv, WatchedCopy
+
+__all__ = ["CREATE_WAIT", "KeyOrder", "Kv", "Mirror", "prefix_end", "ranges"]
 
 _RETRY_PAUSE = (0.05, 1.0)  # seconds between reconnects: first, and at most (doubling)
 CREATE_WAIT = 1.0  # seconds for etcd to confirm a stream's next watch, else it is opened again
-
-
-@dataclass
-class Kv:
-    """A mirrored key: its value and etcd's revisions of it."""
-
-    value: bytes
-    create_revision: int
-    mod_revision: int
 
 
 def _b64(raw: bytes) -> str:
@@ -69,41 +65,12 @@ def ranges(run_prefix: str, watched: Iterable[Watched]) -> list[dict[str, str]]:
     return out
 
 
-class KeyOrder:
-    """The mirrored keys in sorted order, so that the keys under a prefix are found by
-    bisection, not by a scan of every key (a leader at 2,048 agents mirrors some 10,000
-    keys, and reads several queues at every look). Pure; not thread-safe on its own."""
-
-    def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._keys = sorted(keys)
-
-    def add(self, key: str) -> None:
-        """Note `key` (already noted: nothing)."""
-        i = bisect.bisect_left(self._keys, key)
-        if i == len(self._keys) or self._keys[i] != key:
-            self._keys.insert(i, key)
-
-    def remove(self, key: str) -> None:
-        i = bisect.bisect_left(self._keys, key)
-        if i < len(self._keys) and self._keys[i] == key:
-            del self._keys[i]
-
-    def under(self, prefix: str) -> list[str]:
-        """The keys that start with `prefix`, in order."""
-        i = bisect.bisect_left(self._keys, prefix)
-        out = []
-        while i < len(self._keys) and self._keys[i].startswith(prefix):
-            out.append(self._keys[i])
-            i += 1
-        return out
-
-
 class Mirror:
     """The watched keys of one run, kept current by a watch stream on a thread of its own.
 
-    `get(key)` answers from the copy while it is live (None: not covered, or not live: ask
-    etcd); `version` grows with every change seen (and every re-read), and `wait_change`
-    blocks until it does. `close()` ends the thread."""
+    `get(key)` answers from the copy while it is live (None: unset; False: not covered, or
+    not live: ask etcd); `version` grows with every change seen (and every re-read), and
+    `wait_change` blocks until it does. `close()` ends the thread."""
 
     def __init__(self, gateway: EtcdGateway, run_prefix: str, watched: list[Watched]) -> None:
         self._gateway = gateway
@@ -111,13 +78,11 @@ class Mirror:
         self.watched = tuple(watched)
         self._exact = {w.key for w in watched if not w.prefix}
         self._prefixes = tuple(w.key for w in watched if w.prefix)
-        self._kvs: dict[str, Kv] = {}
-        self._order = KeyOrder()  # the keys of `_kvs`, sorted: `under` bisects
+        self._copy = WatchedCopy(len(self.watched))
         self._cond = threading.Condition()
-        self.revision = 0  # the newest revision the copy reflects
-        self.version = 0  # grows at every change and every full re-read
-        self.live = False
         self.resyncs = 0  # full re-reads after the resume revision was compacted away
+        self.reads = 0  # full reads of every watched key: the first, after a compaction, after
+        #                 a stream whose confirmations showed a write the copy may lack
         self.reconnects = 0
         self.last_error: str | None = None  # why the stream last broke
         self._closed = False
@@ -126,6 +91,22 @@ class Mirror:
         self._thread.start()
 
     # ------------------------------------------------------------ what readers see
+    @property
+    def live(self) -> bool:
+        """Every watch confirmed, and every watched write up to a revision read after the
+        stream was opened held (watched_copy's invariant)."""
+        return self._copy.live
+
+    @property
+    def revision(self) -> int:
+        """The newest revision the copy reflects."""
+        return self._copy.revision
+
+    @property
+    def version(self) -> int:
+        """Grows at every change of the copy and every full read."""
+        return self._copy.version
+
     def covers(self, key: str) -> bool:
         return key in self._exact or key.startswith(self._prefixes)
 
@@ -135,7 +116,7 @@ class Mirror:
         if not self.covers(key) or not self.caught_up(floor):
             return False
         with self._cond:
-            return self._kvs.get(key)
+            return self._copy.get(key)
 
     def under(self, prefix: str, floor: int = 0) -> dict[str, Kv] | bool:
         """Every mirrored key under `prefix` (which the mirror must cover whole); False as
@@ -143,25 +124,25 @@ class Mirror:
         if not prefix.startswith(self._prefixes) or not self.caught_up(floor):
             return False
         with self._cond:
-            return {k: self._kvs[k] for k in self._order.under(prefix)}
+            return self._copy.under(prefix)
 
     def caught_up(self, floor: int, timeout: float = 0.5) -> bool:
         """Live, and at or past revision `floor` (waited for up to `timeout` seconds: the
         event of a write just made is a round trip away)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.live and self.revision < floor:
+            while self._copy.live and self._copy.revision < floor:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-            return self.live
+            return self._copy.live
 
     def wait_change(self, seen: int, timeout: float) -> int:
         """Block until `version` moves past `seen` (or `timeout` seconds); the version."""
         with self._cond:
-            self._cond.wait_for(lambda: self.version != seen or self._closed, timeout)
-            return self.version
+            self._cond.wait_for(lambda: self._copy.version != seen or self._closed, timeout)
+            return self._copy.version
 
     def close(self) -> None:
         """End the stream and the thread. The socket is shut down, not closed: the thread,
@@ -174,24 +155,21 @@ class Mirror:
             except OSError:
                 pass
         with self._cond:
-            self.live = False
+            self._copy.drop()
             self._cond.notify_all()
 
     # ------------------------------------------------------------ the stream
     def _run(self) -> None:
         pause = _RETRY_PAUSE[0]
-        synced = False
         while not self._closed:
             try:
-                if not synced:
-                    self._read_all()
-                    synced = True
-                synced = self._follow()
+                self._follow()
                 pause = _RETRY_PAUSE[0]
             except (StoreUnavailable, OSError, ValueError) as exc:
                 self.last_error = str(exc)  # a blip: opened again from the last revision seen
             with self._cond:
-                self.live = False
+                self._copy.drop()
+                self._cond.notify_all()
             if self._closed:
                 return
             self.reconnects += 1
@@ -199,34 +177,33 @@ class Mirror:
             pause = min(_RETRY_PAUSE[1], pause * 2)
 
     def _read_all(self) -> None:
-        """Read every watched key at one revision: the copy starts (or starts again) there."""
+        """Read every watched key at one revision: the copy is that read from then on."""
         reply = self._gateway.call("kv/txn", {
             "success": [{"request_range": r} for r in ranges(self._prefix, self.watched)]})
         kvs: dict[str, Kv] = {}
         for response in reply.get("responses", []):
             for kv in response.get("response_range", {}).get("kvs", []):
-                self._keep(kvs, kv)
+                kvs[self._relative(kv["key"])] = _kv(kv)
         with self._cond:
-            self._kvs, self._order = kvs, KeyOrder(kvs)
-            self.revision = int(reply["header"]["revision"])
-            self.version += 1
+            self._copy.load(kvs, int(reply["header"]["revision"]))
+            self.reads += 1
             self._cond.notify_all()
 
-    def _follow(self) -> bool:
-        """Stream changes from revision + 1 until the stream breaks (raises) or etcd cancels
-        it; False when the resume revision was compacted away (the copy must be read again).
+    def _follow(self) -> None:
+        """Stream changes until the stream breaks (raises), etcd cancels it, or etcd has
+        compacted its start away (returns; the copy reads everything at the next stream).
 
         etcd's gateway drops the rest of a request body once it starts its reply (Go's HTTP
         server discards unread body when a handler writes), so a stream may confirm only
         some of its watches. One that goes CREATE_WAIT without confirming its next watch
-        (while the confirmed ones' events may keep it busy) is opened again, from the
-        revision it started at: the copy is live only once every watch is confirmed, and no
-        change is missed."""
-        start = self.revision
-        body = "\n".join(json.dumps({"create_request": {
-            **r, "start_revision": str(start + 1), "watch_id": i}})
-            for i, r in enumerate(ranges(self._prefix, self.watched), start=1))  # 0: etcd picks
-        conn, response = self._gateway.stream("watch", body.encode())
+        (while the confirmed ones' events may keep it busy) is opened again: the copy is
+        live only once every watch is confirmed and it has caught up (WatchedCopy)."""
+        with self._cond:
+            start = self._copy.open()
+        since = {} if start is None else {"start_revision": str(start)}
+        body = "\n".join(json.dumps({"create_request": {**r, **since, "watch_id": i}})
+                         for i, r in enumerate(ranges(self._prefix, self.watched), start=1))
+        conn, response = self._gateway.stream("watch", body.encode())  # watch_id 0: etcd picks
         self._conn = conn
         conn.sock.settimeout(CREATE_WAIT)
         deadline = time.monotonic() + CREATE_WAIT  # for the next confirmation, events or not
@@ -240,9 +217,7 @@ class Mirror:
                 if line is None or (created < len(self.watched) and time.monotonic() > deadline):
                     # The confirmed watches' events may keep coming: a deadline for the
                     # next confirmation decides, not a silence (a loaded etcd confirms its
-                    # watches one by one, each well within it). Replay what this stream
-                    # delivered, on all watches.
-                    self.revision = start
+                    # watches one by one, each well within it).
                     raise StoreUnavailable(f"etcd confirmed {created} of {len(self.watched)} "
                                            f"watches, then none for {CREATE_WAIT:g}s")
                 if not line:
@@ -252,49 +227,43 @@ class Mirror:
                     raise StoreUnavailable(f"etcd ended the watch: {line[:200]!r}")
                 if result.get("compact_revision") and result.get("canceled"):
                     self.resyncs += 1
-                    return False
+                    with self._cond:
+                        self._copy.forget()
+                    return
                 if result.get("canceled"):
                     raise StoreUnavailable(f"etcd cancelled a watch: {result.get('cancel_reason')}")
+                header = int(result.get("header", {}).get("revision", 0))
                 if result.get("created"):
                     created += 1
                     deadline = time.monotonic() + CREATE_WAIT
+                    with self._cond:
+                        must_read = self._copy.confirm(int(result.get("watch_id", 0)) - 1, header)
+                    if must_read:
+                        self._read_all()
                     if created == len(self.watched):
                         conn.sock.settimeout(None)  # silent for as long as nothing changes
                         with self._cond:
-                            self.live = True
                             self._cond.notify_all()
                     continue
-                self._apply(result)
-            return True
+                self._apply(result.get("events", []), header)
         finally:
             self._conn = None
             conn.close()
 
-    def _apply(self, result: dict[str, Any]) -> None:
-        events = result.get("events", [])
+    def _apply(self, events: list[dict[str, Any]], header: int) -> None:
+        changes = [Change(key=self._relative(e["kv"]["key"]),
+                          revision=int(e["kv"]["mod_revision"]),
+                          kv=None if e.get("type") == "DELETE" else _kv(e["kv"]))
+                   for e in events]
         with self._cond:
-            for event in events:
-                kv = event["kv"]
-                key = self._relative(kv["key"])
-                if event.get("type") == "DELETE":
-                    self._kvs.pop(key, None)
-                    self._order.remove(key)
-                else:
-                    if key not in self._kvs:
-                        self._order.add(key)
-                    self._keep(self._kvs, kv)
-            revision = int(result.get("header", {}).get("revision", 0))
-            if events:
-                revision = max(revision, max(int(e["kv"]["mod_revision"]) for e in events))
-            self.revision = max(self.revision, revision)
-            self.version += 1
-            self._cond.notify_all()
+            if self._copy.apply(changes, header):
+                self._cond.notify_all()
 
     def _relative(self, key_b64: str) -> str:
         return base64.b64decode(key_b64).decode()[len(self._prefix):]
 
-    def _keep(self, into: dict[str, Kv], kv: dict[str, Any]) -> None:
-        into[self._relative(kv["key"])] = Kv(
-            value=base64.b64decode(kv.get("value", "")),
-            create_revision=int(kv.get("create_revision", 0)),
-            mod_revision=int(kv.get("mod_revision", 0)))
+
+def _kv(kv: dict[str, Any]) -> Kv:
+    return Kv(value=base64.b64decode(kv.get("value", "")),
+              create_revision=int(kv.get("create_revision", 0)),
+              mod_revision=int(kv.get("mod_revision", 0)))
