@@ -45,7 +45,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, self.callbacks.pop(fullname))
+                callbacks = self.callbacks.pop(fullname, None)
+                if callbacks is not None:  # else a finder imported it meanwhile: they ran
+                    spec.loader = _Loader(spec.loader, callbacks)
                 return spec
         return None
 

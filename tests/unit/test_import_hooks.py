@@ -47,3 +47,32 @@ def test_an_unwatched_import_is_not_touched(tmp_path, monkeypatch):
         assert importlib.import_module("ub_hooked_b").value == 3
     finally:
         sys.modules.pop("ub_hooked_b", None)
+
+
+def test_a_finder_that_imports_the_module_itself_meanwhile_breaks_nothing(tmp_path, monkeypatch):
+    """Another meta-path finder (an import hook of the user's) asked for the watched name
+    imports it re-entrantly: the callbacks run once, in that import, and the outer find
+    does not fail (it raised KeyError before)."""
+    import importlib.abc
+
+    _module(tmp_path, "ub_hooked_b", "value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("ub_hooked_b", lambda module: seen.append(module.value))
+
+    class Eager(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "ub_hooked_b" and self in sys.meta_path:
+                sys.meta_path.remove(self)
+                importlib.import_module(name)
+            return None
+
+    eager = Eager()
+    sys.meta_path.insert(1, eager)
+    try:
+        assert importlib.import_module("ub_hooked_b").value == 1
+        assert seen == [1]
+    finally:
+        if eager in sys.meta_path:
+            sys.meta_path.remove(eager)
+        sys.modules.pop("ub_hooked_b", None)
