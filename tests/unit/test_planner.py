@@ -450,3 +450,57 @@ def test_a_worker_that_stops_the_job_ends_it_without_spending_the_budget_or_a_st
     assert s.nodes.job.faults == {}  # no strike against its node
     crash = run(fresh(budget=3), deaths=[death(1)])[0]
     assert crash.nodes.job.faults  # ...where a crash counts one
+
+
+def fixed(state, who="the Trainer", **kw):
+    """Every survivor's departure, from a job whose framework fixed the world size."""
+    return {m: replace(d, fixed_world=who) for m, d in all_left(state, **kw).items()}
+
+
+def test_a_fixed_world_never_shrinks_under_shrink_it_waits_for_its_replacement_and_says_so():
+    s, _ = run(fresh(), deaths=[death(1, node=0)])
+    s, out = run(s, nleft=3, departures=fixed(s, except_dead={"1.0"}), now=100.05)
+    assert not of(out, WritePlan)  # under --on-fault shrink, no shrunk generation
+    (order,) = of(out, Order)  # the replacement ordered at once, not after a delay
+    assert order.node == 0 and order.order.kind == OrderKind.REPLACE and order.order.slot == 1
+    said = [c.text for c in out if c.__class__.__name__ == "Say"]
+    assert said == [f"rank(s) [1]: waiting up to {SHRINK.join_timeout:g}s for a spare or a "
+                    "replacement, since the Trainer cannot change its world size"]
+    s, out = run(s, now=100.5)
+    assert not of(out, WritePlan) and not [c for c in out if c.__class__.__name__ == "Say"]
+    s, out = run(s, joiners=[Joiner("1.1", 1)], now=101)
+    assert of(out, WritePlan)[0].plan.members == ["0.0", "1.1", "2.0", "3.0"]
+
+
+def test_a_fixed_world_whose_replacement_never_comes_restarts_instead_of_shrinking():
+    s, _ = run(fresh(), deaths=[death(1, node=0)])
+    s, _ = run(s, nleft=3, departures=fixed(s, except_dead={"1.0"}), now=100.05)
+    s, out = run(s, now=100 + SHRINK.join_timeout + 1)
+    assert not of(out, WritePlan)
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.FALLBACK and "not refilled in time" in end.reason
+
+
+def test_a_fault_that_recurs_before_any_step_is_committed_restarts_every_worker():
+    s = fresh()
+    deps = all_left(s)
+    deps["2.0"] = left("2.0", reason=LeaveReason.EXCEPTION, error="RuntimeError: gather")
+    s, out = run(s, nleft=4, departures=deps)
+    assert of(out, WritePlan) and not of(out, EndAttempt)  # the first: in place
+    s, _ = run(s, nup=4, now=100.1)
+    deps = {m: replace(d, gen=s.gen) for m, d in deps.items()}  # again, still at step 10
+    s, out = run(s, nleft=4, departures=deps, now=100.2)
+    (end,) = of(out, EndAttempt)
+    assert end.action == EndAction.RESTART and "a second fault at step 10" in end.reason
+    assert s.budget.spent == 2  # both faults paid, no more
+
+
+def test_a_fault_after_a_committed_step_is_recovered_in_place_again():
+    s = fresh()
+    deps = all_left(s)
+    deps["2.0"] = left("2.0", reason=LeaveReason.EXCEPTION, error="RuntimeError: one")
+    s, _ = run(s, nleft=4, departures=deps)
+    s, _ = run(s, nup=4, now=100.1)
+    deps = {m: replace(d, gen=s.gen, step=11) for m, d in deps.items()}
+    s, out = run(s, nleft=4, departures=deps, now=100.2)
+    assert of(out, WritePlan) and not of(out, EndAttempt)

@@ -169,6 +169,8 @@ class Departure:
     error: str | None = None
     traceback: str | None = None
     sharded: bool = False  # its state is sharded: the job cannot shrink in place
+    fixed_world: str | None = None  # what fixed its world size (a framework that caches it,
+    #                                 e.g. "the Trainer"): the job cannot shrink in place
 
 
 @dataclass

@@ -43,7 +43,7 @@ from unbroken.control.messages import (
     SwitchTarget,
 )
 from unbroken.errors import ErrorClass
-from unbroken.launch import node_life, planner_drains
+from unbroken.launch import node_life, planner_drains, planner_refills
 from unbroken.launch.culprit import take_in_stalls
 from unbroken.launch.node_life import Strike
 from unbroken.launch.planner_commands import (
@@ -180,7 +180,7 @@ class _Decision:
         if not self.ended:
             self._stall()
         if not self.ended:
-            self._order_refills()
+            self.out += planner_refills.order(self.s, self.config, self.now)
 
     # ------------------------------------------------------------ spares
     def _free_spares(self, avoid: set[int]) -> list[tuple[int, str]]:
@@ -293,19 +293,6 @@ class _Decision:
         if s.spares.promised.get(joiner.slot) == joiner.wid:
             del s.spares.promised[joiner.slot]
 
-    def _order_refills(self) -> None:
-        """Order replacements: at once under `wait`; under `shrink` once the survivors run a
-        newer generation (a start-up beside their switch would slow it), or after a delay."""
-        s, config = self.s, self.config
-        for refill in list(s.spares.refills):
-            switched = s.phase == Phase.RUNNING and s.gen > refill.broke_gen
-            if not (config.policy == Policy.WAIT or switched
-                    or self.now - refill.since > config.replacement_delay):
-                continue
-            s.spares.refills.remove(refill)
-            s.spares.awaited[refill.slot] = self.now
-            self.out.append(Order(refill.node, NodeOrder(OrderKind.REPLACE, slot=refill.slot)))
-
     # ------------------------------------------------------------ hangs
     def _stall(self) -> None:
         """Order the culprits of a stall killed (`culprit.take_in_stalls`)."""
@@ -415,6 +402,16 @@ class _Decision:
             return self._fallback(why or "no live worker holds the committed state")
         if not any(r.holds_state for r in left.values()):
             return self._fallback("every worker that held the committed state is gone")
+        if rec.held is None:
+            rec.held = max(r.step for r in left.values())
+            again, s.last_held = rec.held == s.last_held, rec.held
+            if again and rec.faults:
+                # Recovering a fault that recurs at once in place again would spend the whole
+                # budget in a second on one cause (say, a framework that counted the old world).
+                why = (f"a second fault at step {rec.held} before any step was committed "
+                       "since the last recovery in place: restarting every worker")
+                self.say(why)
+                return self.end(EndAction.RESTART, rec.faults[-1], why)
         members = list(left)
         missing = {s.slot_of[m] for m in s.members if m in s.dead}
         ready = [j for j in s.joiners if j not in members]
@@ -423,14 +420,14 @@ class _Decision:
         # spare is warm and joins in milliseconds, and the world size stays as it was.
         if set(s.spares.promised) - filled and self.now - rec.started < config.spare_wait:
             return
-        # Sharded state cannot shrink in place (it would need resharding): such a job
-        # always waits for its lost ranks' replacements.
-        policy = Policy.WAIT if any(r.sharded for r in left.values()) else config.policy
+        # Sharded state cannot shrink in place (it would need resharding), nor can a job
+        # whose framework fixed the world size (its sampler, step count and the process
+        # count that Accelerate and Lightning cache): such a job always waits for its lost
+        # ranks' spares or replacements, whatever --on-fault says.
+        policy, fixed = planner_refills.policy(s, left.values(), config)
         if policy == Policy.WAIT and missing - filled:
-            coming = set(s.spares.promised) | set(s.spares.awaited) \
-                | {r.slot for r in s.spares.refills}
-            hopeless = sorted(missing - filled - coming)
-            if hopeless:  # e.g. a standby node's rank: it starts no fresh worker
+            hopeless = planner_refills.hopeless(s, missing - filled)
+            if hopeless:
                 fault = next(s.dead[m] for m in s.members
                              if m in s.dead and s.slot_of[m] == hopeless[0])
                 why = (f"rank(s) {hopeless} cannot be refilled in place (no ready spare, and "
@@ -438,7 +435,10 @@ class _Decision:
                 self.say(why)
                 return self.end(EndAction.RESTART, fault, why)
             if self.now - rec.started < config.join_timeout:
+                self.out += planner_refills.waiting(rec, fixed, missing - filled, config)
                 return  # wait for the replacements to take the failed slots
+            if s.fixed_world:  # a framework's world is never shrunk
+                return self._fallback(f"rank(s) {sorted(missing - filled)} not refilled in time")
         # A drained member gives its slot to its spare once the spare is here; it left
         # holding the state like everyone else, and is told to exit, not that it failed.
         draining = s.drains.draining

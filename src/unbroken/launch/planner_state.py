@@ -92,6 +92,8 @@ class PlannerConfig:
 class Recovery:
     started: float  # when the generation broke
     faults: list[Fault] = field(default_factory=list)
+    held: int | None = None  # the newest committed step the survivors left with
+    said_wait: bool = False  # the wait for a fixed world's refills was said
 
 
 @dataclass
@@ -183,6 +185,9 @@ class PlannerState:
     drains: Drains = field(default_factory=Drains)
     seen: Cursors = field(default_factory=Cursors)
     recovered: int = 0  # faults recovered in place
+    last_held: int = -1  # the `held` of the attempt's last recovery in place
+    fixed_world: str | None = None  # what fixed the world size, as departures said: the
+    #                                 attempt never shrinks (`planner_refills.policy`)
     finished: bool = False
 
     @property

@@ -73,10 +73,11 @@ class Membership:
 
     def leave(self, gen: int, step: int, holds_state: bool, reason: LeaveReason,
               error: str | None = None, traceback: str | None = None,
-              sharded: bool = False) -> None:
+              sharded: bool = False, fixed_world: str | None = None) -> None:
         departure = Departure(
             wid=self.wid, gen=gen, step=step, holds_state=holds_state, reason=LeaveReason(reason),
-            t=time.time(), error=error, traceback=traceback, sharded=sharded)
+            t=time.time(), error=error, traceback=traceback, sharded=sharded,
+            fixed_world=fixed_world)
         if self._post is not None and self._post(self.attempt, departure):
             return
         self.channel.append(self.keys.gen(gen).departures,

@@ -53,6 +53,14 @@ class Generations:
         self.fault_point = fault_point  # injected faults at recovery points (tests, benchmarks)
         self.gen = 0
         self.sharded = False  # set by the run: departures say so, and the leader waits
+        self.fixed_world: str | None = None  # what fixed the world size (`Engine.fix_world`)
+
+    def fix_world(self, who: str) -> None:
+        """`who` (e.g. "the Trainer") caches the world size: from now on every departure of
+        this worker says so, and the leader never shrinks the job in place; a lost rank waits
+        for a spare or a replacement, whatever `--on-fault` says (docs/design-notes.md, "A
+        fixed world"). Called before the first step, on every rank."""
+        self.fixed_world = who
 
     def report_up(self, switch: Switch) -> None:
         """Tell the leader we are ready to train in the switch's generation."""
@@ -62,6 +70,7 @@ class Generations:
         """Leave the current generation; peers blocked on it fail now."""
         self.groups.abort()
         self.membership.leave(self.gen, step, holds_state, reason, sharded=self.sharded,
+                              fixed_world=self.fixed_world,
                               **detail)
 
     def replicated(self, get_state: Callable[[], Any], set_state: Callable[[Any], None],
