@@ -8,6 +8,9 @@ recovers its steps in place (docs/integrations.md; `--no-integrations` turns tha
 leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (torch.save).
 `--step-log PATH`: rank 0 appends "<global_step> <wall time>" to PATH at each step's end
 (benchmarks/frameworks.py reads it under every launcher, torchrun's included).
+`--zero STAGE`: train under DeepSpeed ZeRO stage 1 or 2 (CPU, gloo; `pip install deepspeed`),
+which the integration does not recover in place: a fault restarts every worker, and
+`--resume` resumes from the Trainer's own (DeepSpeed) checkpoint.
 """
 
 import argparse
@@ -31,6 +34,7 @@ p.add_argument("--step-log", default=None, metavar="PATH",
                help="rank 0 appends '<global_step> <time>' to PATH at each step's end")
 p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True) if "
                "the output dir holds a checkpoint, as restart-tolerant scripts do")
+p.add_argument("--zero", type=int, choices=(1, 2), default=None)
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -66,7 +70,13 @@ training = TrainingArguments(
     output_dir=args.output_dir, per_device_train_batch_size=2, max_steps=args.steps,
     gradient_accumulation_steps=args.accum, learning_rate=1e-2, save_strategy="steps",
     save_steps=args.save_steps, logging_steps=5, report_to="none", use_cpu=True,
-    ddp_backend="gloo", seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    ddp_backend="gloo", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    deepspeed=None if args.zero is None else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto", "torch_adam": True}},
+        "zero_optimization": {"stage": args.zero}})
 trainer = Trainer(model=model, args=training, train_dataset=Tokens(args.samples),
                   callbacks=[GpuTime()])
 resume = args.resume and any(d.startswith("checkpoint-") for d in os.listdir(args.output_dir)) \

@@ -58,12 +58,15 @@ def _assert_identical(reference: dict, path) -> None:
     assert not differ, f"parameters differ from the fault-free run: {differ}"
 
 
+@pytest.mark.parametrize("policy", [("--on-fault", "wait"), ()], ids=["wait", "torchrun-flags"])
 def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run(
-        tmp_path, fault_free):
-    """Two workers, gradient accumulation of 2, `--on-fault wait`: the replacement takes the
-    dead rank's slot with its state from the survivor, and the final parameters equal those
-    of a run without the fault, bit for bit."""
-    flags = (*FLAGS, "--on-fault", "wait")
+        tmp_path, fault_free, policy):
+    """Two workers, gradient accumulation of 2: the replacement takes the dead rank's slot
+    with its state from the survivor, and the final parameters equal those of a run without
+    the fault, bit for bit. With `--on-fault wait`, and with no flag beyond torchrun's (the
+    drop-in as sold; `--on-fault` at its default, shrink): a Trainer's world never shrinks,
+    where it used to shrink to one worker and fail (issue 42)."""
+    flags = (*FLAGS, *policy)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = start(run_dir, *flags, script=SCRIPT,
                  args=_args(out, "--accum", "2", "--step-sleep", "0.1",
@@ -71,6 +74,7 @@ def test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_
     survivor = _kill_rank_1_after(run_dir, out, 6)
     result = finish(proc, run_dir, timeout=300)
     assert_recovered_in_place(result, survivor, STEPS)
+    assert all(e["world_size"] == 2 for e in result.events("gen_plan"))  # never shrunk
     _assert_identical(fault_free, tmp_path / "faulted.pt")
 
 
@@ -106,6 +110,28 @@ def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
     assert_recovered_in_place(result, survivor, STEPS)
     promoted = [e["slot"] for e in result.events("spare_promoted") if e["source"] == "worker"]
     assert promoted == [1]
+    _assert_identical(fault_free, tmp_path / "faulted.pt")
+
+
+def test_a_trainer_job_killed_before_its_spare_is_ready_waits_and_ends_bit_identical(
+        tmp_path, fault_free):
+    """`--spares 1`, rank 1 SIGKILLed in the job's first steps, before the spare has warmed
+    up: a Trainer's world cannot shrink (Accelerate counts its processes once), so the
+    survivor waits for a spare or a replacement, saying so in one line, and the job ends
+    bit-identical to the fault-free run (issue 42: it used to shrink to one worker, fail its
+    item-count gather three times and exit 1)."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = start(run_dir, *FLAGS, "--spares", "1", script=SCRIPT,
+                 args=_args(out, "--accum", "2", "--step-sleep", "0.1",
+                            "--final", str(tmp_path / "faulted.pt")))
+    survivor = _kill_rank_1_after(run_dir, out, 1)
+    ready_before = [e for e in events_of(run_dir, "spare_ready") if e["source"] == "worker"]
+    result = finish(proc, run_dir, timeout=300)
+    assert not ready_before, "the spare was ready before the kill: not the case under test"
+    assert_recovered_in_place(result, survivor, STEPS)
+    assert "waiting up to" in result.output and "the Trainer cannot change its world size" \
+        in result.output, result.output
+    assert all(e["world_size"] == 2 for e in result.events("gen_plan"))  # never shrunk
     _assert_identical(fault_free, tmp_path / "faulted.pt")
 
 

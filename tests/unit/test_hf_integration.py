@@ -1,5 +1,6 @@
-"""The Trainer integration's version gate: outside the versions its private Trainer methods
-are tested with, a Trainer trains unprotected, saying so in one line."""
+"""The Trainer integration's gate: protection is decided by what the installed Trainer has
+(its seams, `integrations/hf_seams.py`) and does (the order of an update's calls,
+`integrations/update_order.py`), never by a list of version strings."""
 
 from __future__ import annotations
 
@@ -7,24 +8,53 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from unbroken.integrations import hf  # noqa: E402
+import transformers  # noqa: E402
+
+from unbroken.integrations import hf, hf_seams, hf_versions, seams  # noqa: E402
+from unbroken.integrations.seams import Seam  # noqa: E402
 
 
-def test_only_the_tested_minor_versions_are_supported():
-    """The newest 5.x and the last 4.x, each tested by a job (test_hf_trainer.py, and
-    test_hf_trainer_v4.py under 4.57): any patch release of those, and nothing else."""
-    assert hf.TESTED == ("4.57", "5.24")
-    for version in ("4.57.6", "4.57.0", "5.24.0", "5.24.3"):
-        assert hf.supported(version), version
-    for version in ("4.56.2", "4.5.7", "5.23.1", "5.25.0", "5.99.1", "6.0.0"):
-        assert not hf.supported(version), version
+def test_no_version_list_decides_protection(monkeypatch):
+    """A release the project has never heard of, with the seams present: protected."""
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    assert hf.unprotected() is None
+    src = (hf.__file__.rsplit("/", 1)[0])
+    import pathlib
+    for path in pathlib.Path(src).parent.rglob("*.py"):
+        assert "TESTED" not in path.read_text(), path
 
 
-def test_each_major_version_gets_its_own_epoch_hooks():
-    """5.x has `Trainer._run_epoch`; 4.x runs its epochs inline (hf_versions.py)."""
-    from unbroken.integrations import hf_versions
+def test_a_missing_seam_is_one_line_that_names_it_and_what_it_is_for(monkeypatch):
+    monkeypatch.delattr(transformers.Trainer, "_get_num_items_in_batch")
+    why = hf.unprotected()
+    assert why == ("transformers.trainer.Trainer._get_num_items_in_batch is missing (the "
+                   "adapter takes each update's boundary from its item count)")
+    assert "\n" not in why
 
-    class Trainer:
+
+def test_a_seam_whose_signature_changed_is_named_with_the_parameter(monkeypatch):
+    def training_step(self, model, batch):  # `inputs` and `num_items_in_batch` renamed
+        pass
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", training_step)
+    assert hf.unprotected().startswith(
+        "transformers.trainer.Trainer.training_step takes no parameter inputs, "
+        "num_items_in_batch (the adapter runs each micro-batch through it)")
+
+
+def test_seams_refuse_what_cannot_be_imported_or_called():
+    assert seams.fault(Seam("no_such_module_here", "x", "")) == "no_such_module_here cannot be imported"
+    assert seams.fault(Seam("transformers:__version__", "upper", "")) is None
+    assert seams.fault(Seam("transformers", "__version__", "")) == "transformers.__version__ is not callable"
+    assert seams.fault(Seam("transformers", "__version__", "", callable=False)) is None
+    assert seams.fault(Seam("transformers.trainer:Trainer", "no_such", "")) == \
+        "transformers.trainer.Trainer.no_such is missing"
+    assert seams.absent(object(), ("__class__", "_x"), "a thing") == "a thing has no attribute _x"
+
+
+def test_the_epoch_hooks_are_picked_by_what_the_trainer_has():
+    """`_run_epoch` (5.x): the epoch method; without it (4.x): the inline loop's hooks."""
+    class WithRunEpoch:
         class callback_handler:  # noqa: N801 - the Trainer's attribute
             callbacks: list = []
 
@@ -34,35 +64,12 @@ def test_each_major_version_gets_its_own_epoch_hooks():
         def _load_rng_state(self, checkpoint):
             pass
 
-    assert isinstance(hf_versions.epochs_for("4.57.6", Trainer()), hf_versions.InlineEpochs)
-    assert isinstance(hf_versions.epochs_for("5.24.0", Trainer()), hf_versions.EpochMethod)
+    class Inline:
+        class callback_handler:  # noqa: N801
+            callbacks: list = []
 
-
-@pytest.mark.parametrize(("batches", "accumulation"), [(9, 2), (8, 2), (16, 1), (7, 3), (2, 4)])
-def test_a_4x_joiners_epoch_is_the_one_its_peers_loop_computes(batches, accumulation):
-    """4.x's loop sets `state.epoch = epoch + (step + 1) / steps_in_epoch` at each update's
-    last micro-batch (or the epoch's last); a joiner, whose loop counters are shifted, gets the
-    same value from the step alone."""
-    from unbroken.integrations.hf_versions import epoch_at
-
-    peers, global_step = [], 0
-    for epoch in range(3):
-        for step in range(batches):
-            if (step + 1) % accumulation == 0 or step + 1 == batches:
-                global_step += 1
-                peers.append((global_step, epoch + (step + 1) / batches))
-    assert [(g, epoch_at(g, batches, accumulation)) for g, _ in peers] == peers
-
-
-def test_an_untested_version_leaves_the_trainer_alone_with_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(hf.transformers, "__version__", "4.56.2")
-
-    class Trainer:  # protect() must touch nothing of it but the mark
-        pass
-
-    trainer = Trainer()
-    assert hf.protect(trainer) is trainer
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "transformers 4.56.2" in err[0] and "unprotected" in err[0], err
-    assert trainer._unbroken is False
-    assert hf.protect(trainer) is trainer and capsys.readouterr().err == ""  # said once
+    assert isinstance(hf_versions.epochs_for(WithRunEpoch()), hf_versions.EpochMethod)
+    assert isinstance(hf_versions.epochs_for(Inline()), hf_versions.InlineEpochs)
+    names = {s.name for s in hf_seams.SEAMS + hf_versions.epoch_seams()}
+    assert {"_run_epoch", "_get_num_items_in_batch", "SkipBatchSampler", "skip_first_batches",
+            "DataLoaderShard"} <= names

@@ -41,8 +41,10 @@ step, with the Trainer's own batch skip, still inside `train()` (transformers 5.
 4.x such a job is restarted: `hf_versions`). Faults met elsewhere (the evaluation of
 `eval_on_start`, an `evaluate()` or `save_model()` the script calls outside `train()`) are
 not recovered in place: the worker fails, and the job recovers as it would without the
-integration. The private Trainer methods used are those of the transformers versions in
-`TESTED`; any other version trains unprotected, saying so in one line.
+integration. Protection is decided by what the installed Trainer has and does, never by
+its version: the private methods the integration uses are checked first (`hf_seams.SEAMS`), and the
+order of the calls in an update on the first two updates (`update_order`); a Trainer that
+lacks one, or breaks one, trains unprotected, saying which in one line.
 """
 
 from __future__ import annotations
@@ -59,24 +61,13 @@ from transformers import Trainer, TrainerCallback
 import unbroken
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.errors import JobStopped, is_peer_error
+from unbroken.integrations.hf_seams import unprotected
 from unbroken.integrations.hf_state import StateOfTrainer, take_slot
 from unbroken.integrations.hf_versions import InlineEpochs, Rewind, epochs_for
+from unbroken.integrations.update_order import Call, UpdateOrder
 from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
-
-TESTED = ("4.57", "5.24")
-"""transformers minor versions whose private Trainer methods the integration relies on
-(`_get_num_items_in_batch`, `_maybe_log_save_evaluate`, `_save_checkpoint`, the counter
-`_globalstep_last_logged`; in 5.x also `_clip_grad_norm`, `_get_grad_norm` and
-`_initial_global_step`; where a joiner starts, and a rerun after a rewind, are
-version-specific: `hf_versions`)."""
-
-
-def supported(version: str | None = None) -> bool:
-    """`version` (default: the installed one) is one the integration is tested with."""
-    version = version or transformers.__version__
-    return ".".join(version.split(".")[:2]) in TESTED
 
 
 def protect(trainer: Trainer, run: Run | None = None) -> Trainer:
@@ -87,9 +78,8 @@ def protect(trainer: Trainer, run: Run | None = None) -> Trainer:
     Idempotent."""
     if getattr(trainer, "_unbroken", None) is not None:
         return trainer
-    if not supported():
-        print(f"unbroken: transformers {transformers.__version__} is not one the Trainer "
-              f"integration is tested with ({', '.join(TESTED)}): this Trainer trains "
+    if (why := unprotected(trainer)) is not None:
+        print(f"unbroken: transformers {transformers.__version__}: {why}; this Trainer trains "
               "unprotected, and a fault restarts every worker", file=sys.stderr, flush=True)
         trainer._unbroken = False
         return trainer
@@ -106,12 +96,15 @@ class TrainerSteps:
         self._training_step = trainer.training_step  # bound: a subclass's override included
         self._num_items = trainer._get_num_items_in_batch
         self._clip_grad_norm = getattr(trainer, "_clip_grad_norm", None)  # 5.x; 4.x's is inline
-        self._epochs = epochs_for(transformers.__version__, trainer)  # where a joiner starts
+        self._epochs = epochs_for(trainer)  # where a joiner starts
         trainer.training_step = self.training_step
         trainer._get_num_items_in_batch = self.num_items
         for name in ("_clip_grad_norm", "_get_grad_norm"):  # 5.x; 4.x's norm is inline
             if hasattr(trainer, name):
-                setattr(trainer, name, self._norm(getattr(trainer, name)))
+                setattr(trainer, name, self._norm(getattr(trainer, name), name == "_clip_grad_norm"))
+        max_norm = trainer.args.max_grad_norm
+        self._order = UpdateOrder(trainer.args.gradient_accumulation_steps,
+                                  clips=self._clip_grad_norm is not None and bool(max_norm))
         trainer._maybe_log_save_evaluate = self._between_steps(trainer._maybe_log_save_evaluate)
         trainer.train = self._train(trainer.train)
         trainer.evaluate = self._long("evaluate", trainer.evaluate)
@@ -137,6 +130,8 @@ class TrainerSteps:
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
                   trainer_state=StateOfTrainer(trainer))
+        if self.engine.generations is not None:  # Accelerate counts the processes once
+            self.engine.generations.fix_world("the Trainer")
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
         self._exact = WorkerEnv.from_environ().exact_reduction
         if self._exact and isinstance(trainer.model_wrapped, DistributedDataParallel):
@@ -158,6 +153,7 @@ class TrainerSteps:
             self._epochs.start_at(self.engine.position.step)
 
     def pre_optimizer_step(self) -> None:
+        self._saw(Call.PRE_OPTIMIZER)
         if not self._skip_update:
             self._check()
         if self._skip_update:  # the Trainer steps the scheduler next: it is set back after
@@ -165,9 +161,11 @@ class TrainerSteps:
         self._update.enter_context(self.engine.updating())
 
     def optimizer_step(self) -> None:
+        self._saw(Call.OPTIMIZER)
         self._update.close()
 
     def step_end(self) -> None:
+        self._saw(Call.STEP_END, global_step=self.trainer.state.global_step)
         if self._skip_update:
             self.trainer.lr_scheduler.load_state_dict(self._scheduler_state)
         step = self.trainer.state.global_step - 1
@@ -183,6 +181,7 @@ class TrainerSteps:
         micro-batches are fetched, before any is run): the step boundary. The engine's
         `begin` runs here (a switch the leader asked for happens first, so that every member
         of the new generation meets at this count's gather); then the count, recovered."""
+        self._saw(Call.COUNT, batches=len(batches))
         self._micro, self._loss, self._skip_update = [], 0.0, False
         self._metrics = {}
         self._fetched = (batches, device)
@@ -203,6 +202,7 @@ class TrainerSteps:
     def training_step(self, model: Any, inputs: Any, num_items: Any = None) -> torch.Tensor:
         """The Trainer's `training_step`, on the current generation's model, recovered in
         place: see the module's docstring."""
+        self._saw(Call.MICRO)
         if self._skip_update:
             return torch.zeros((), device=self.trainer.args.device)
         self._micro.append(inputs)
@@ -218,6 +218,15 @@ class TrainerSteps:
                 self.engine.fail(step, exc)
             if self._redo(step):
                 return torch.zeros((), device=self.trainer.args.device)
+
+    def _saw(self, call: Call, **detail: int) -> None:
+        """The Trainer's `call`, checked against the update's order on the job's first
+        updates (`update_order`; generation 0 only: a recovery's replays are the adapter's
+        own). A broken invariant turns in-place recovery off before any fault."""
+        if self._order.checking and self.engine.position.gen == 0 \
+                and (broken := self._order.saw(call, **detail)) is not None:
+            self.engine.in_place_unavailable(f"the Trainer broke an order the adapter relies on "
+                                             f"({broken})")
 
     def _redo(self, step: int) -> bool:
         """After `engine.fail` inside an update: the new generation stands at the committed
@@ -312,13 +321,15 @@ class TrainerSteps:
             self.run.events.emit(ev.MicroBatchesReplayed(step=step, gen=self.engine.position.gen,
                                                          micro_batches=len(micro)))
 
-    def _norm(self, original: Any) -> Any:
+    def _norm(self, original: Any, clips: bool) -> Any:
         """The Trainer's gradient norm (and clipping) before the optimizer step, recovered in
         place: under FSDP2 it is a collective (each rank holds a shard of the gradients). A
         peer's fault met there drops the update's gradients; in the new generation the
         whole update is run again on the same inputs, its reduction included, and the norm
         is taken again (or the update is skipped, if the peers' state holds it)."""
         def norm(model: Any, *args: Any, **kwargs: Any) -> Any:
+            if clips:
+                self._saw(Call.CLIP)
             if self._skip_update:
                 return torch.zeros((), device=self.trainer.args.device)
             step, replay = self.engine.position.step, False

@@ -13,7 +13,8 @@ which epoch its loop starts in and how many batches it skips.
   `InlineEpochs` shifts the loop instead (see its docstring). Its loop cannot be rerun from
   an older step, so a sharded job (the only kind whose state a switch can take back) is
   restarted on a fault, said at the start.
-`epochs_for(version)` picks one; `hf.supported()` gates which versions get here at all.
+`epochs_for(trainer)` picks one by what the Trainer has (`_run_epoch`), never by version;
+`hf.unprotected()` checks first that the Trainer has every attribute the pick relies on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback
+
+from unbroken.integrations.seams import Seam
 
 PEER = "unbroken:peer"
 """The `resume_from_checkpoint` a 5.x joiner's first epoch passes to the Trainer's skip: its
@@ -38,9 +41,24 @@ class Rewind(Exception):  # noqa: N818
         self.step = step
 
 
-def epochs_for(version: str, trainer: Trainer) -> EpochMethod | InlineEpochs:
-    """The epoch hooks for transformers `version`, installed on `trainer`."""
-    return InlineEpochs(trainer) if version.split(".")[0] == "4" else EpochMethod(trainer)
+def epochs_for(trainer: Trainer) -> EpochMethod | InlineEpochs:
+    """The epoch hooks for the installed Trainer, installed on `trainer`: by what it has
+    (`_run_epoch`: 5.x), never by its version string."""
+    return EpochMethod(trainer) if hasattr(type(trainer), "_run_epoch") else InlineEpochs(trainer)
+
+
+def epoch_seams() -> tuple[Seam, ...]:
+    """The Trainer attributes the epoch hooks `epochs_for` picks rely on (`seams`)."""
+    from transformers import Trainer
+
+    trainer = "transformers.trainer:Trainer"
+    if hasattr(Trainer, "_run_epoch"):
+        return (Seam(trainer, "_run_epoch", "starts a joiner's epoch at its peers' step",
+                     ("epoch", "num_update_steps_per_epoch")),
+                Seam(trainer, "_load_rng_state", "keeps a joiner's RNG state from its peer"))
+    return (Seam(trainer, "_inner_training_loop", "shifts the inline epoch loop for a joiner"),
+            Seam("transformers.trainer_callback:TrainerCallback", "on_epoch_begin",
+                 "sets a joiner's epoch"))
 
 
 class EpochMethod:

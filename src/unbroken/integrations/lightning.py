@@ -43,8 +43,9 @@ integration): an exception of the script's own outside a step (a callback's
 `on_train_batch_end`, say: it leaves `fit()` as Lightning raises it), a peer's fault met
 in a raw collective outside a step (DDP's buffer broadcast in a validation forward).
 Manual optimization trains unprotected, saying so in one line.
-The private Lightning attributes used are those of the versions in `TESTED`; any other
-version trains unprotected, saying so in one line.
+The private Lightning attributes used are checked on the live Trainer first (`_LIVE`),
+whatever the version: a Lightning that lacks one trains unprotected, saying which in one
+line.
 """
 
 from __future__ import annotations
@@ -62,24 +63,26 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 from unbroken.errors import JobStopped, is_peer_error
+from unbroken.integrations import seams
 from unbroken.integrations.lightning_replay import UpdateBatches
 from unbroken.integrations.lightning_state import LightningState
 from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
 
-TESTED = ("2.6",)
-"""lightning minor versions whose private attributes the integration relies on (the
-checkpoint connector's `_loaded_checkpoint`, the fit loop's `_combined_loader`,
-`_data_fetcher`, the epoch loop's `_batches_that_stepped`, `_broadcast_sigterm_tensor`
-and `_build_kwargs`, automatic optimization's `_make_closure`, `ModelCheckpoint`'s
-`_last_global_step_saved` and `_last_checkpoint_saved`)."""
+_LIVE = (  # (the object, as reached from the Trainer, and what the adapter reads on it)
+    ("_checkpoint_connector", ("_loaded_checkpoint", "resume_start")),
+    ("fit_loop", ("_combined_loader", "_data_fetcher")),
+    ("fit_loop.epoch_loop", ("_batches_that_stepped", "_broadcast_sigterm_tensor", "_build_kwargs",
+                             "update_lr_schedulers", "automatic_optimization")),
+    ("fit_loop.epoch_loop.automatic_optimization", ("_make_closure",)),
+)
+"""Lightning's private attributes the integration relies on, checked on the live Trainer
+(`seams.absent`) before a fit is protected: protection is decided by what the installed
+Lightning has, never by its version string. `ModelCheckpoint`'s `_last_global_step_saved`
+and `_last_checkpoint_saved` are read where present (`lightning_state`)."""
 
 NAME = "unbroken_ddp"
-
-
-def supported(version: str = lightning.__version__) -> bool:
-    return ".".join(version.split(".")[:2]) in TESTED
 
 
 def _fake_world() -> bool:
@@ -230,9 +233,14 @@ class UnbrokenDDPStrategy(DDPStrategy):
 
 def _unprotected(trainer: Any) -> str | None:
     """Why this fit cannot be recovered in place, or None."""
-    if not supported():
-        return (f"lightning {lightning.__version__} is not one the integration is tested with "
-                f"({', '.join(TESTED)})")
+    for path, names in _LIVE:
+        obj = trainer
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            return f"lightning {lightning.__version__}: the Trainer has no {path}"
+        if (why := seams.absent(obj, names, f"the Trainer's {path}")) is not None:
+            return f"lightning {lightning.__version__}: {why}"
     if not trainer.lightning_module.automatic_optimization:
         return "manual optimization is not recovered in place"
     return None
@@ -270,6 +278,8 @@ class FitSteps:
         loop = trainer.fit_loop.epoch_loop
         loop.update_lr_schedulers = self._unless_no_update(loop.update_lr_schedulers)
         run.track(trainer.lightning_module, *trainer.optimizers, lightning=LightningState(self))
+        if self.engine.generations is not None:  # its sampler and step count hold the world
+            self.engine.generations.fix_world("Lightning")
         if run.joining:
             self._start()
 

@@ -105,8 +105,9 @@ class GenSwitch(EventBody):
 
 @event(Event.IN_PLACE_UNAVAILABLE)
 class InPlaceUnavailable(EventBody):
-    """Faults restart every worker from the checkpoint (said at the start of `run.train`, not
-    at the first fault)."""
+    """Faults restart every worker from the checkpoint (said at the start of `run.train`, or
+    where a framework's first updates broke the order its adapter relies on; never at the
+    first fault)."""
 
     reason: str = doc("the script initialised the process group itself, or its state cannot "
                       "be recovered in place (a second device mesh, a placement other than "
