@@ -42,7 +42,7 @@ from unbroken.launch.leader import Leader
 from unbroken.launch.orphan_guard import OrphanGuard
 from unbroken.launch.supervisor import NodeSupervisor
 from unbroken.launch.warm_pool import WarmPool
-from unbroken.launch.worker_spawn import launcher_defaults
+from unbroken.launch.worker_spawn import launcher_defaults, nccl_overrides
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -76,6 +76,8 @@ class Agent:
             script=cfg.script, args=cfg.script_args, faults=cfg.faults, instance=self.instance,
         ))
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
+        for line in nccl_overrides(cfg):
+            self.say(line)
         guard, pool, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
         try:

@@ -8,10 +8,12 @@ The spawner keeps no list of processes and watches none: `supervisor.NodeSupervi
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 from pathlib import Path
 
+from unbroken.control import nccl_env
 from unbroken.control.address import ControlAddress
 from unbroken.control.messages import AttemptPlan
 from unbroken.control.worker_env import Role, WorkerEnv
@@ -142,14 +144,28 @@ class WorkerSpawner:
 
 
 def launcher_defaults(env: dict[str, str], cfg: LaunchConfig) -> dict[str, str]:
-    """The variables a launcher sets unless the user did, as torchrun does: one thread per
-    worker when several share a node, and NCCL's error handling. In place, a communicator
-    error must abort the communicators without killing the process (2, CleanUpOnly): the
-    survivor leaves by the error and keeps its process. Otherwise torchrun's 1 (TearDown)."""
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if cfg.in_place else "1")
+    """The variables a launcher sets: one thread per worker when several share a node unless
+    the user set it, as torchrun does; NCCL's, in place, whatever the user set
+    (`control/nccl_env.py`: torch must never kill or stall a survivor; the agent says at its
+    start which values of the user's it overrides: `nccl_overrides`), otherwise torchrun's
+    error handling (1, TearDown) unless the user set it."""
+    env.update(nccl_env.needed(env, cfg.in_place, torch_version())[0])
     if cfg.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # no oversubscription
     return env
+
+
+def nccl_overrides(cfg: LaunchConfig) -> list[str]:
+    """One line for each NCCL variable of the user's that `launcher_defaults` overrides."""
+    return nccl_env.needed(os.environ, cfg.in_place, torch_version())[1]
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing torch (the agent never does)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
 
 
 def _idle_priority(pid: int) -> None:

@@ -23,6 +23,7 @@ from unbroken.runtime.process_group import (
     CheckpointGroups,
     bound_device,
     checkpoint_groups,
+    nccl_backed,
 )
 from unbroken.runtime.script_group import formed_by_launcher
 from unbroken.runtime.world import fake_world, is_fake_world
@@ -68,7 +69,7 @@ def form_first_group(env: WorkerEnv, backend: str, timeout: float, groups: Abort
     t0 = time.monotonic()
     # A group the script formed through the launcher's call (`script_group`) is ours.
     formed_by_script = dist.is_initialized() and not formed_by_launcher()
-    if backend == "nccl":
+    if nccl_backed(backend, torch.cuda.is_available()):
         if spare and env.local_rank >= torch.cuda.device_count():
             raise UserError(
                 f"a hot spare needs a GPU of its own, and this node has "

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ class AbortableGroups:
         without tearing the groups down (safe from another thread, while the main thread is
         blocked in one of them: see `runtime/watchdog.py`). Idempotent."""
         with self._lock:
-            if self.backend == "nccl" and dist.is_initialized():
+            if dist.is_initialized() and holds_nccl(dist.distributed_c10d._get_default_group()):
                 _abort_nccl_groups()
             current = _socket_inodes()
             for fd, inode in self._sockets.items():
@@ -167,11 +168,35 @@ def checkpoint_groups(form_timeout: float, timeout: float) -> CheckpointGroups:
     return CheckpointGroups(*groups)
 
 
-def bound_device(backend: str) -> dict:
-    """`init_process_group`'s `device_id` for NCCL: the communicator is bound to this
-    worker's device at once (eager init), which `abort` needs to reach it. Called after
-    `torch.cuda.set_device`. Nothing for gloo."""
-    if backend != "nccl":
+NCCL_CLASSES = frozenset({"ProcessGroupNCCL", "ProcessGroupNCCL2"})
+"""The CUDA backends whose communicators `interrupt` aborts (torch 2.15's `nccl` is
+ProcessGroupNCCL2 unless TORCH_DIST_USE_NCCL2=0: `control/nccl_env.py`)."""
+
+
+def nccl_backed(backend: str | None, cuda: bool) -> bool:
+    """`init_process_group(backend)` makes NCCL communicators: "nccl" (any form naming it:
+    "nccl-legacy", "cpu:gloo,cuda:nccl"), or no backend at all (None, "", "undefined"),
+    which torch makes "cpu:gloo,cuda:nccl" where a GPU is (`cuda`). Pure."""
+    name = str(backend or "undefined")
+    return "nccl" in name or (name in ("undefined", "None") and cuda)
+
+
+def holds_nccl(group: Any) -> bool:
+    """`group` has an NCCL backend for CUDA, whatever its name string said: decided by the
+    backend's class (legacy or nccl2), so that `init_process_group()` with no backend and
+    the mixed "cpu:gloo,cuda:nccl" are aborted like "nccl"."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError, AttributeError):
+        return False  # no CUDA backend (gloo alone, or a CPU build of torch)
+    return type(backend).__name__ in NCCL_CLASSES
+
+
+def bound_device(backend: str | None) -> dict:
+    """`init_process_group`'s `device_id` where it makes NCCL communicators (`nccl_backed`):
+    the communicator is bound to this worker's device at once (eager init), which `abort`
+    needs to reach it. Called after `torch.cuda.set_device`. Nothing for gloo."""
+    if not nccl_backed(backend, torch.cuda.is_available()):
         return {}
     return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 

@@ -21,7 +21,7 @@ from unbroken.control.messages import LeaveReason
 from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
+from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups, nccl_backed
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
 from unbroken.telemetry import schema as ev
 
@@ -79,7 +79,7 @@ class Generations:
         state, whole, from a member that holds it (`state_sync`)."""
         def sync(plan: Plan, committed_step: int, holds_state: bool) -> SyncResult:
             device = (torch.device("cuda", torch.cuda.current_device())
-                      if self.backend == "nccl" else None)
+                      if nccl_backed(self.backend, torch.cuda.is_available()) else None)
             return sync_state(None, committed_step, holds_state, get_state, set_state,
                               device=device,
                               before_send=lambda step: self.fault_point("send", step))

@@ -76,6 +76,9 @@ class Run:
         first = form_first_group(env, self.backend, config.timeout, groups,
                                  joining=env.joining or spare, spare=spare,
                                  in_place=env.in_place)
+        # Later generations are formed with generation 0's backend string, the script's
+        # own included ("cpu:gloo,cuda:nccl": its CPU collectives keep a backend).
+        self.backend = groups.backend or self.backend
         if env.in_place and first.formed_by_script:
             # The script formed the group itself: we cannot abort it from the inside, so a
             # leaving worker could not unblock its peers. Faults restart every worker.

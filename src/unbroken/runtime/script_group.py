@@ -19,6 +19,7 @@ generation, the checkpoint's groups) and the stand-in world pass through untouch
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -70,7 +71,8 @@ def _form(original: Any, env: WorkerEnv, backend: Any, args: tuple, kwargs: dict
     global _formed_here
     import torch
 
-    from unbroken.runtime.process_group import this_process
+    from unbroken.control import nccl_env
+    from unbroken.runtime.process_group import nccl_backed, this_process
     from unbroken.runtime.world import fake_world
 
     joiner = env.joining or env.role == Role.SPARE
@@ -79,8 +81,12 @@ def _form(original: Any, env: WorkerEnv, backend: Any, args: tuple, kwargs: dict
                                                       else env.rank), env.world_size)
         _formed_here = True
         return
-    name = str(backend or "")
-    if "nccl" in name and "device_id" not in kwargs and torch.cuda.is_available():
+    if env.in_place:  # the script may have changed os.environ since the launcher set it
+        changes, lines = nccl_env.needed(os.environ, True, torch.__version__)
+        os.environ.update(changes)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+    if nccl_backed(backend, torch.cuda.is_available()) and "device_id" not in kwargs:
         if torch.cuda.current_device() != env.local_rank:
             torch.cuda.set_device(env.local_rank)
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
