@@ -71,5 +71,6 @@ def test_the_epoch_hooks_are_picked_by_what_the_trainer_has():
     assert isinstance(hf_versions.epochs_for(WithRunEpoch()), hf_versions.EpochMethod)
     assert isinstance(hf_versions.epochs_for(Inline()), hf_versions.InlineEpochs)
     names = {s.name for s in hf_seams.SEAMS + hf_versions.epoch_seams()}
-    assert {"_run_epoch", "_get_num_items_in_batch", "SkipBatchSampler", "skip_first_batches",
+    epochs = "_run_epoch" if hasattr(transformers.Trainer, "_run_epoch") else "_inner_training_loop"
+    assert {epochs, "_get_num_items_in_batch", "SkipBatchSampler", "skip_first_batches",
             "DataLoaderShard"} <= names
