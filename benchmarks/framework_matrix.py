@@ -8,13 +8,16 @@ matrix's green cells.
 Each cell is a framework version with a companion (transformers with the newest and the
 oldest Accelerate it allows; Lightning alone). For each cell this script:
 
-1. makes a venv at `<root>/<cell>` whose own site-packages come first and this checkout's
-   `.venv` after (a `.pth` line: `site.addsitedir`), so torch 2.13.0, the project (editable)
-   and every other package are the venv's, and only what the cell installs shadows them;
+1. makes a venv at `<root>/<cell>` whose own site-packages come first and, after them, this
+   checkout's `.venv` *without the frameworks and what they import optionally* (`HIDDEN`:
+   a folder of links to every other entry of the `.venv`'s site-packages, added by a `.pth`
+   line, `site.addsitedir`), so torch 2.13.0, the project (editable) and the test tools are
+   the `.venv`'s, and the frameworks, their hub, tokenizers and kernels are what the cell's
+   own install brings, as on a user's machine (the `.venv`'s `kernels` 0.19 broke
+   transformers 5.0's import: not the user's case);
 2. `pip install`s the cell's versions there (pip sees the `.venv`'s torch as installed and
-   keeps it; a package of the `.venv` it replaces is "outside environment", left alone;
-   what the release needs older, the hub and tokenizers of 4.x, pip resolves into the
-   cell) and checks what `importlib.metadata` then gives;
+   keeps it) with what they need (the hub, tokenizers, safetensors: the versions pip picks
+   for that release) and checks what `importlib.metadata` then gives;
 3. runs the cell's tests with that venv's python (its workers too: `sys.executable`), in a
    clone of the checkout's HEAD made for the run (its `src` first on PYTHONPATH: an edit of
    the working tree during a run of half an hour changes nothing), for
@@ -69,9 +72,19 @@ ACCELERATE_NEWEST = "1.16.0"
 ACCELERATE_OLDEST = {"4.46.3": "0.26.0", "4.57.6": "0.26.0", "5.0.0": "1.1.0",
                      "5.24.0": "1.1.0", "5.25.0": "1.1.0"}
 LIGHTNING = ["2.4.0", "2.5.0", "2.6.6"]
-# Under transformers 4.x the hub is older than the one the checkout's `datasets` (which
-# transformers imports where installed) needs: the datasets of the 4.x days beside it.
-HF4_COMPANIONS = ["datasets==4.1.1"]
+
+
+HIDDEN = ("transformers", "accelerate", "kernels", "huggingface_hub", "tokenizers",
+          "datasets", "trl", "safetensors", "lightning", "pytorch_lightning",
+          "lightning_fabric", "lightning_utilities", "torchmetrics", "deepspeed", "peft",
+          "hf_xet")
+"""Packages of the `.venv` a cell does not see (each as installed: its modules and its
+dist-info): the cell's pip install brings what its release needs."""
+
+
+def _hidden(entry: str) -> bool:
+    """`entry` of a site-packages folder is one of `HIDDEN`'s (a package or its dist-info)."""
+    return entry.split("-")[0].lower() in HIDDEN
 
 
 @dataclass
@@ -93,10 +106,9 @@ class Outcome:
 def cells() -> list[Cell]:
     out = []
     for version in TRANSFORMERS:
-        extra = HF4_COMPANIONS if version.startswith("4.") else []
         for accelerate in dict.fromkeys([ACCELERATE_NEWEST, ACCELERATE_OLDEST[version]]):
             out.append(Cell(f"transformers-{version}+accelerate-{accelerate}",
-                            [f"transformers=={version}", f"accelerate=={accelerate}", *extra],
+                            [f"transformers=={version}", f"accelerate=={accelerate}"],
                             HF_TESTS))
     for version in LIGHTNING:
         out.append(Cell(f"lightning-{version}", [f"lightning=={version}"], LIGHTNING_TESTS))
@@ -113,7 +125,12 @@ def make_venv(path: Path) -> Path:
             text=True).strip())
         base = Path(sysconfig.get_paths(vars={"base": str(REPO / ".venv"),
                                                "platbase": str(REPO / ".venv")})["purelib"])
-        (own / "zz_unbroken_venv.pth").write_text(f"import site; site.addsitedir({str(base)!r})\n")
+        shared = path / "shared-site"
+        shared.mkdir()
+        for entry in base.iterdir():
+            if not _hidden(entry.name):
+                (shared / entry.name).symlink_to(entry)
+        (own / "zz_unbroken_venv.pth").write_text(f"import site; site.addsitedir({str(shared)!r})\n")
     return python
 
 

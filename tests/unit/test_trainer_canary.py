@@ -76,12 +76,17 @@ def traced_run(tmp_path) -> list[list]:
 
 
 def test_the_installed_trainer_calls_the_seams_as_the_golden_trace_says(tmp_path):
+    """The order on every release (benchmarks/framework_matrix.py runs this test in each
+    cell); the trace, call for call, on the release CI pins."""
     assert unprotected() is None, "a seam is missing: see hf_seams.SEAMS"
     trace = traced_run(tmp_path)
-    order = UpdateOrder(accumulation=2, clips=True, updates=3)
+    clips = hasattr(transformers.Trainer, "_clip_grad_norm")  # 4.x clips inline
+    order = UpdateOrder(accumulation=2, clips=clips, updates=3)
     for call, detail in trace:
         assert order.saw(Call(call), **detail) is None, order.broken
     assert order.checked == 3
-    assert trace == json.loads(GOLDEN.read_text()), (
-        f"transformers {transformers.__version__} calls the seams differently: "
-        f"{json.dumps(trace)}")
+    golden = json.loads(GOLDEN.read_text())
+    if transformers.__version__ == golden["transformers"]:
+        assert trace == golden["trace"], (
+            f"transformers {transformers.__version__} calls the seams differently: "
+            f"{json.dumps(trace)}")
