@@ -74,3 +74,12 @@ def test_the_epoch_hooks_are_picked_by_what_the_trainer_has():
     epochs = "_run_epoch" if hasattr(transformers.Trainer, "_run_epoch") else "_inner_training_loop"
     assert {epochs, "_get_num_items_in_batch", "SkipBatchSampler", "skip_first_batches",
             "DataLoaderShard"} <= names
+
+
+def test_a_5x_trainer_with_an_inline_epoch_loop_trains_unprotected():
+    """5.0.0 has no `_run_epoch`: the inline loop's joiner hooks, verified on 4.x's loop,
+    ended a replacement's run with other parameters there (benchmarks/framework_matrix.py)."""
+    assert hf_seams.unverified_inline_loop(False, "5.0.0")
+    assert not hf_seams.unverified_inline_loop(False, "4.57.6")
+    assert not hf_seams.unverified_inline_loop(True, "5.25.0")
+    assert not hf_seams.unverified_inline_loop(True, "99.0.0")

@@ -73,14 +73,15 @@ from unbroken.telemetry import schema as ev
 _LIVE = (  # (the object, as reached from the Trainer, and what the adapter reads on it)
     ("_checkpoint_connector", ("_loaded_checkpoint", "resume_start")),
     ("fit_loop", ("_combined_loader", "_data_fetcher")),
-    ("fit_loop.epoch_loop", ("_batches_that_stepped", "_broadcast_sigterm_tensor", "_build_kwargs",
-                             "update_lr_schedulers", "automatic_optimization")),
+    ("fit_loop.epoch_loop", ("_batches_that_stepped", "_build_kwargs", "update_lr_schedulers",
+                             "automatic_optimization")),
     ("fit_loop.epoch_loop.automatic_optimization", ("_make_closure",)),
 )
 """Lightning's private attributes the integration relies on, checked on the live Trainer
 (`seams.absent`) before a fit is protected: protection is decided by what the installed
 Lightning has, never by its version string. `ModelCheckpoint`'s `_last_global_step_saved`
-and `_last_checkpoint_saved` are read where present (`lightning_state`)."""
+and `_last_checkpoint_saved` are read where present (`lightning_state`), and the epoch
+loop's `_broadcast_sigterm_tensor` (2.6) is turned off where present."""
 
 NAME = "unbroken_ddp"
 
@@ -274,7 +275,8 @@ class FitSteps:
         self.local_batches = 0  # a joiner's batches run again with local collectives
         # Rank 0's per-batch raw broadcast of a SIGTERM flag would pair with a joiner's
         # first collective: off (a drain is the agent's, not Lightning's).
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"):  # 2.6: present
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         loop = trainer.fit_loop.epoch_loop
         loop.update_lr_schedulers = self._unless_no_update(loop.update_lr_schedulers)
         run.track(trainer.lightning_module, *trainer.optimizers, lightning=LightningState(self))
