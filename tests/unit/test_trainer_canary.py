@@ -55,7 +55,11 @@ def traced_run(tmp_path) -> list[list]:
             return original(*a, **k)
         setattr(trainer, name, traced)
 
-    wrap("_get_num_items_in_batch", Call.COUNT, lambda batches, device: {"batches": len(batches)})
+    def at() -> int:  # the scheduler's count of steps (the Trainer makes it in train())
+        return trainer.lr_scheduler.last_epoch
+
+    wrap("_get_num_items_in_batch", Call.COUNT,
+         lambda batches, device: {"batches": len(batches), "scheduler_at": at()})
     wrap("training_step", Call.MICRO)
     if hasattr(trainer, "_clip_grad_norm"):
         wrap("_clip_grad_norm", Call.CLIP)
@@ -65,10 +69,11 @@ def traced_run(tmp_path) -> list[list]:
             trace.append([Call.PRE_OPTIMIZER.value, {}])
 
         def on_optimizer_step(self, args, state, control, **kw):
-            trace.append([Call.OPTIMIZER.value, {}])
+            trace.append([Call.OPTIMIZER.value, {"scheduler_at": at()}])
 
         def on_step_end(self, args, state, control, **kw):
-            trace.append([Call.STEP_END.value, {"global_step": state.global_step}])
+            trace.append([Call.STEP_END.value, {"global_step": state.global_step,
+                                                "scheduler_at": at()}])
 
     trainer.add_callback(Record())
     trainer.train()
@@ -81,7 +86,7 @@ def test_the_installed_trainer_calls_the_seams_as_the_golden_trace_says(tmp_path
     assert unprotected() is None, "a seam is missing: see hf_seams.SEAMS"
     trace = traced_run(tmp_path)
     clips = hasattr(transformers.Trainer, "_clip_grad_norm")  # 4.x clips inline
-    order = UpdateOrder(accumulation=2, clips=clips, updates=3)
+    order = UpdateOrder(accumulation=2, clips=clips, schedules=True, updates=3)
     for call, detail in trace:
         assert order.saw(Call(call), **detail) is None, order.broken
     assert order.checked == 3

@@ -52,3 +52,33 @@ def test_each_broken_invariant_is_named_once(calls, says):
     broken = feed(order, calls)
     assert broken is not None and says in broken
     assert not order.checking and order.saw(Call.COUNT, batches=1) is None  # said once
+
+
+def scheduled(k: int, step: int, at: int, stepped: int = 1, early: int = 0) -> list:
+    """An update whose scheduler stands at `at` at the count, `at + early` at the optimizer
+    step and `at + early + stepped` at on_step_end."""
+    return [(C, {"batches": k, "scheduler_at": at}), *[M] * k, K, P,
+            (OPT, {"scheduler_at": at + early}),
+            (E, {"global_step": step, "scheduler_at": at + early + stepped})]
+
+
+def test_a_scheduler_stepped_once_between_the_optimizer_step_and_step_end_holds():
+    order = UpdateOrder(accumulation=2, clips=True, schedules=True)
+    assert feed(order, scheduled(2, 1, 0) + scheduled(2, 2, 1)) is None
+    assert order.checked == 2
+
+
+@pytest.mark.parametrize("calls, says", [
+    (scheduled(2, 1, 0, stepped=0), "the scheduler did not step between the optimizer step"),
+    (scheduled(2, 1, 0, stepped=0, early=1), "the scheduler stepped before the optimizer step"),
+    (scheduled(2, 1, 0) + scheduled(2, 2, 1, stepped=0), "update 2: the scheduler did not step"),
+])
+def test_a_scheduler_out_of_place_is_named(calls, says):
+    order = UpdateOrder(accumulation=2, clips=True, schedules=True)
+    broken = feed(order, calls)
+    assert broken is not None and says in broken, broken
+
+
+def test_without_a_per_update_scheduler_its_count_is_not_checked():
+    order = UpdateOrder(accumulation=2, clips=True, schedules=False)
+    assert feed(order, scheduled(2, 1, 0, stepped=0) + scheduled(2, 2, 0, stepped=0)) is None

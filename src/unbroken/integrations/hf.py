@@ -130,6 +130,7 @@ class TrainerSteps:
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
                   trainer_state=StateOfTrainer(trainer))
+        self._order.schedules = _steps_per_update(trainer.lr_scheduler)
         if self.engine.generations is not None:  # Accelerate counts the processes once
             self.engine.generations.fix_world("the Trainer")
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
@@ -161,11 +162,12 @@ class TrainerSteps:
         self._update.enter_context(self.engine.updating())
 
     def optimizer_step(self) -> None:
-        self._saw(Call.OPTIMIZER)
+        self._saw(Call.OPTIMIZER, scheduler_at=self._scheduler_at())
         self._update.close()
 
     def step_end(self) -> None:
-        self._saw(Call.STEP_END, global_step=self.trainer.state.global_step)
+        self._saw(Call.STEP_END, global_step=self.trainer.state.global_step,
+                  scheduler_at=self._scheduler_at())
         if self._skip_update:
             self.trainer.lr_scheduler.load_state_dict(self._scheduler_state)
         step = self.trainer.state.global_step - 1
@@ -181,7 +183,7 @@ class TrainerSteps:
         micro-batches are fetched, before any is run): the step boundary. The engine's
         `begin` runs here (a switch the leader asked for happens first, so that every member
         of the new generation meets at this count's gather); then the count, recovered."""
-        self._saw(Call.COUNT, batches=len(batches))
+        self._saw(Call.COUNT, batches=len(batches), scheduler_at=self._scheduler_at())
         self._micro, self._loss, self._skip_update = [], 0.0, False
         self._metrics = {}
         self._fetched = (batches, device)
@@ -227,6 +229,10 @@ class TrainerSteps:
                 and (broken := self._order.saw(call, **detail)) is not None:
             self.engine.in_place_unavailable(f"the Trainer broke an order the adapter relies on "
                                              f"({broken})")
+
+    def _scheduler_at(self) -> int:
+        """The scheduler's count of steps (`last_epoch`; -1 without one)."""
+        return _last_epoch(self.trainer.lr_scheduler)
 
     def _redo(self, step: int) -> bool:
         """After `engine.fail` inside an update: the new generation stands at the committed
@@ -434,6 +440,19 @@ class TrainerSteps:
         if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by the epoch
             trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
         self._training_step(view, next(iter(trainer.callback_handler.train_dataloader)), None)
+
+
+def _steps_per_update(scheduler: Any) -> bool:
+    """The Trainer steps `scheduler` once per update (a `ReduceLROnPlateau` steps on a
+    metric, and none may be set)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper, if any
+    return inner is not None and not isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau) \
+        and isinstance(getattr(inner, "last_epoch", None), int)
+
+
+def _last_epoch(scheduler: Any) -> int:
+    inner = getattr(scheduler, "scheduler", scheduler)
+    return getattr(inner, "last_epoch", -1)
 
 
 def _no_sync(view: Any) -> Any:

@@ -11,7 +11,13 @@ The Trainer's update, as `integrations/hf.py` relies on it (docs/integrations.md
    through a method of its own and clipping is on);
 4. `pre_optimizer`: `on_pre_optimizer_step`, after every micro-batch and the clipping;
 5. `optimizer`: `on_optimizer_step`, after it (one optimizer step);
-6. `step_end`: `on_step_end`, after it, with `global_step` one past the last update's.
+6. the scheduler: where the Trainer steps one per update (`schedules`), it steps between
+   the optimizer step and `on_step_end`, never during the micro-batches (the committed
+   state, taken at `on_step_end`, holds its step; a skipped update's is set back there);
+7. `step_end`: `on_step_end`, after it, with `global_step` one past the last update's.
+
+The scheduler is seen by its count of steps (`last_epoch`), read at the item count, the
+optimizer step and `on_step_end`, never by wrapping it (its state dict is the job's state).
 
 An adapter whose framework breaks one of these turns in-place recovery off before any fault
 (a fault then restarts every worker, as under torchrun) and says which, in one line.
@@ -49,6 +55,9 @@ class UpdateOrder:
     """The Trainer's `gradient_accumulation_steps`: the most micro-batches in one update."""
     clips: bool
     """The Trainer clips through a method the adapter sees (`clip` is expected)."""
+    schedules: bool = False
+    """The Trainer steps a scheduler once per update (not `ReduceLROnPlateau`, which steps
+    on a metric): its count (`scheduler_at`) is checked."""
     updates: int = 2
     """How many updates are checked; then `saw` checks nothing."""
     checked: int = 0
@@ -57,17 +66,22 @@ class UpdateOrder:
     _calls: list[Call] = field(default_factory=list)
     _batches: int = 0
     _last_step: int | None = None
+    _scheduled: dict[Call, int] = field(default_factory=dict)
 
     @property
     def checking(self) -> bool:
         return self.broken is None and self.checked < self.updates
 
-    def saw(self, call: Call, batches: int = 0, global_step: int = 0) -> str | None:
-        """`call` happened (`batches`: the count's, `global_step`: at `step_end`). The
-        invariant it breaks, the first time one is broken; None otherwise."""
+    def saw(self, call: Call, batches: int = 0, global_step: int = 0,
+            scheduler_at: int = 0) -> str | None:
+        """`call` happened (`batches`: the count's, `global_step`: at `step_end`,
+        `scheduler_at`: the scheduler's steps so far, at the count, the optimizer step and
+        `step_end`). The invariant it breaks, the first time one is broken; None otherwise."""
         if not self.checking:
             return None
         wrong = self._wrong(call, batches, global_step)
+        if wrong is None and self.schedules:
+            wrong = self._scheduler(call, scheduler_at)
         self._calls.append(call)
         if wrong is not None:
             self.broken = f"update {self.checked + 1}: {wrong}"
@@ -75,6 +89,19 @@ class UpdateOrder:
         if call is Call.STEP_END:
             self.checked += 1
             self._last_step, self._calls = global_step, []
+        return None
+
+    def _scheduler(self, call: Call, at: int) -> str | None:
+        seen = self._scheduled
+        if call is Call.COUNT:
+            seen.clear()
+            seen[call] = at
+        elif call is Call.OPTIMIZER:
+            seen[call] = at
+            if at != seen.get(Call.COUNT, at):
+                return "the scheduler stepped before the optimizer step"
+        elif call is Call.STEP_END and at <= seen.get(Call.OPTIMIZER, at - 1):
+            return "the scheduler did not step between the optimizer step and on_step_end"
         return None
 
     def _wrong(self, call: Call, batches: int, global_step: int) -> str | None:
