@@ -1,7 +1,7 @@
 """The framework releases we claim, each installed as a user would, with the framework tests.
 
 Protection is decided by behaviour (`integrations/hf_seams.py`, `update_order.py`,
-`lightning._LIVE`), so a release the matrix never saw is still protected if it behaves. The
+`lightning_seams._LIVE`), so a release the matrix never saw is still protected if it behaves. The
 range we *declare* (pyproject.toml's `hf` and `lightning` extras, the README) is exactly the
 matrix's green cells.
 
@@ -58,20 +58,29 @@ HF_TESTS = [
     "test_a_trainer_job_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run",
     "tests/integration/test_hf_trainer.py::"
     "test_a_trainer_job_killed_before_its_spare_is_ready_waits_and_ends_bit_identical",
+    "tests/integration/test_trl.py::test_an_sft_trainer_job_recovers_in_place",
 ]
 LIGHTNING_TESTS = [
     "tests/integration/test_lightning.py::"
     "test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_free_run",
 ]
+PYTORCH_LIGHTNING_TESTS = [
+    "tests/integration/test_lightning.py::"
+    "test_the_standalone_pytorch_lightning_package_recovers_in_place_bit_identical",
+]
 
 # transformers releases: the oldest wished for, the last 4.x, the first 5.x, the pinned
 # one's predecessor and the pinned (newest) one; each with Accelerate's newest and the
-# oldest that release allows (its own `accelerate>=` requirement).
+# oldest that release allows (its own `accelerate>=` requirement), and TRL unpinned: pip
+# picks the newest TRL that declares it runs with that transformers (TRL's test then runs).
 TRANSFORMERS = ["4.46.3", "4.57.6", "5.0.0", "5.24.0", "5.25.0"]
 ACCELERATE_NEWEST = "1.16.0"
 ACCELERATE_OLDEST = {"4.46.3": "0.26.0", "4.57.6": "0.26.0", "5.0.0": "1.1.0",
                      "5.24.0": "1.1.0", "5.25.0": "1.1.0"}
 LIGHTNING = ["2.4.0", "2.5.0", "2.6.6"]
+PYTORCH_LIGHTNING = ["2.4.0", "2.6.6"]
+"""The standalone package, each beside `lightning` of the same release (the test compares
+with a fault-free run on `lightning`)."""
 
 
 HIDDEN = ("transformers", "accelerate", "kernels", "huggingface_hub", "tokenizers",
@@ -108,10 +117,14 @@ def cells() -> list[Cell]:
     for version in TRANSFORMERS:
         for accelerate in dict.fromkeys([ACCELERATE_NEWEST, ACCELERATE_OLDEST[version]]):
             out.append(Cell(f"transformers-{version}+accelerate-{accelerate}",
-                            [f"transformers=={version}", f"accelerate=={accelerate}"],
+                            [f"transformers=={version}", f"accelerate=={accelerate}", "trl"],
                             HF_TESTS))
     for version in LIGHTNING:
         out.append(Cell(f"lightning-{version}", [f"lightning=={version}"], LIGHTNING_TESTS))
+    for version in PYTORCH_LIGHTNING:
+        out.append(Cell(f"pytorch_lightning-{version}",
+                        [f"lightning=={version}", f"pytorch-lightning=={version}"],
+                        PYTORCH_LIGHTNING_TESTS))
     return out
 
 
@@ -163,7 +176,7 @@ def run_cell(cell: Cell, root: Path, checkout: Path) -> Outcome:
         return Outcome({}, error=f"pip: {pip.stderr.strip().splitlines()[-1:]}",
                        seconds=round(time.monotonic() - t0, 1))
     got = installed(python, names)
-    want = {p.split("==")[0]: p.split("==")[1] for p in cell.pins}
+    want = {p.split("==")[0]: p.split("==")[1] for p in cell.pins if "==" in p}
     if any(got[n] != v for n, v in want.items()) or not got["torch"].startswith("2.13"):
         return Outcome(got, error=f"installed {got}, not {want} on torch 2.13",
                        seconds=round(time.monotonic() - t0, 1))

@@ -10,14 +10,15 @@ leave the CPU idle. `--final PATH`: rank 0 saves the final parameters there (tor
 validation's batches sleep S seconds each. `--raise-at N`: rank 1's callback raises at the
 end of the batch whose update makes `global_step` N (a bug in the script, for the tests). `--accum K`: gradient accumulation
 over K batches. `--checkpoint-every N`: Lightning's `ModelCheckpoint` saves every N steps,
-in `--checkpoint-dir` (the newest kept).
+in `--checkpoint-dir` (the newest kept). `--package pytorch_lightning`: the same job on the
+standalone `pytorch_lightning` package.
 """
 
 import argparse
+import importlib
 import os
 import time
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,7 +36,10 @@ p.add_argument("--checkpoint-every", type=int, default=0)
 p.add_argument("--checkpoint-dir", default="checkpoints")
 p.add_argument("--final", default=None)
 p.add_argument("--strategy", default="ddp")
+p.add_argument("--package", default="lightning.pytorch", choices=["lightning.pytorch", "pytorch_lightning"],
+               help="which Lightning to train with: the `lightning` package or the standalone one")
 args = p.parse_args()
+pl = importlib.import_module(args.package)
 
 torch.set_num_threads(1)
 

@@ -80,6 +80,22 @@ def test_a_lightning_fit_recovers_in_place_and_ends_bit_identical_to_a_fault_fre
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
 
 
+def test_the_standalone_pytorch_lightning_package_recovers_in_place_bit_identical(
+        tmp_path, fault_free):
+    """The same job on the standalone `pytorch_lightning` package at an old release (CI
+    pins 2.4.0 beside `lightning` 2.6.6): its `strategy="ddp"` is replaced as the
+    `lightning` package's is, rank 1 is SIGKILLed, the survivor stays in `fit()`, and the
+    final parameters equal the fault-free run's on `lightning`, bit for bit (both releases
+    draw the same batches and make the same updates)."""
+    pytest.importorskip("pytorch_lightning")
+    run_dir, proc = _faulted(tmp_path, "--step-sleep", "0.1", "--package", "pytorch_lightning")
+    survivor = _kill_rank_1_after(run_dir, 3)
+    result = finish(proc, run_dir, timeout=300)
+    assert "trains unprotected" not in result.output, result.output
+    assert_recovered_in_place(result, survivor, STEPS)
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
 def test_a_fault_during_validation_is_recovered_at_the_next_step(tmp_path, fault_free):
     """Rank 1 dies while both validate, after batch 5, in the middle of step 2's update: the
     survivor's epoch-end `sync_dist` reduce fails and gives its local value; at the update's

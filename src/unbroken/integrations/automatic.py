@@ -20,7 +20,9 @@ from unbroken.import_hooks import when_imported
 def arm() -> None:
     """Protect every Hugging Face `Trainer` (and subclass: TRL's) when it trains."""
     when_imported("transformers.trainer", _wrap_trainer_train)
-    when_imported("lightning.pytorch.strategies", _replace_lightning_ddp)
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        when_imported(f"{package}.strategies",
+                      functools.partial(_replace_lightning_ddp, package=package))
 
 
 def wanted() -> bool:
@@ -47,12 +49,13 @@ def _wrap_trainer_train(module: ModuleType) -> None:
     trainer_class.train = train
 
 
-def _replace_lightning_ddp(module: ModuleType) -> None:
+def _replace_lightning_ddp(module: ModuleType, package: str) -> None:
     """Lightning's `strategy="ddp"` (and `"auto"`, which picks it for several processes)
     builds `unbroken_ddp` (`unbroken.integrations.lightning`) when the Trainer is built,
-    if `wanted()`. Left alone: a `DDPStrategy(...)` the script builds itself, the other DDP
-    names (`ddp_spawn`, `ddp_fork`, `ddp_notebook`, `ddp_find_unused_parameters_*`), `fsdp`,
-    `deepspeed`, and the standalone `pytorch_lightning` package."""
+    if `wanted()`; the same in the `lightning` package and the standalone
+    `pytorch_lightning` (`package`). Left alone: a `DDPStrategy(...)` the script builds
+    itself, the other DDP names (`ddp_spawn`, `ddp_fork`, `ddp_notebook`,
+    `ddp_find_unused_parameters_*`), `fsdp` and `deepspeed`."""
     registry = module.StrategyRegistry
     entry = registry["ddp"]  # a dict: the class, its description and init params
     original = entry["strategy"]
@@ -61,9 +64,9 @@ def _replace_lightning_ddp(module: ModuleType) -> None:
 
     def ddp(**kwargs: Any) -> Any:
         if wanted():
-            from unbroken.integrations.lightning import UnbrokenDDPStrategy
+            from unbroken.integrations.lightning import strategy_class
 
-            return UnbrokenDDPStrategy(**kwargs)
+            return strategy_class(package)(**kwargs)
         return original(**kwargs)
 
     ddp._unbroken = True  # type: ignore[attr-defined]

@@ -43,59 +43,47 @@ integration): an exception of the script's own outside a step (a callback's
 `on_train_batch_end`, say: it leaves `fit()` as Lightning raises it), a peer's fault met
 in a raw collective outside a step (DDP's buffer broadcast in a validation forward).
 Manual optimization trains unprotected, saying so in one line.
-The private Lightning attributes used are checked on the live Trainer first (`_LIVE`),
+The private Lightning attributes used are checked on the live Trainer first (`lightning_seams`),
 whatever the version: a Lightning that lacks one trains unprotected, saying which in one
 line.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from contextlib import ExitStack
 from typing import Any
 
-import lightning
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
 from unbroken.errors import JobStopped, is_peer_error
-from unbroken.integrations import seams
+from unbroken.import_hooks import when_imported
 from unbroken.integrations.lightning_replay import UpdateBatches
+from unbroken.integrations.lightning_seams import PACKAGES, unprotected
 from unbroken.integrations.lightning_state import LightningState
 from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
 
-_LIVE = (  # (the object, as reached from the Trainer, and what the adapter reads on it)
-    ("_checkpoint_connector", ("_loaded_checkpoint", "resume_start")),
-    ("fit_loop", ("_combined_loader", "_data_fetcher")),
-    ("fit_loop.epoch_loop", ("_batches_that_stepped", "_build_kwargs", "update_lr_schedulers",
-                             "automatic_optimization")),
-    ("fit_loop.epoch_loop.automatic_optimization", ("_make_closure",)),
-)
-"""Lightning's private attributes the integration relies on, checked on the live Trainer
-(`seams.absent`) before a fit is protected: protection is decided by what the installed
-Lightning has, never by its version string. `ModelCheckpoint`'s `_last_global_step_saved`
-and `_last_checkpoint_saved` are read where present (`lightning_state`), and the epoch
-loop's `_broadcast_sigterm_tensor` (2.6) is turned off where present."""
-
 NAME = "unbroken_ddp"
-
 
 def _fake_world() -> bool:
     """A joiner's stand-in world (the worker's bootstrap formed it for the script's call)."""
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
-class UnbrokenDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy, whose `fit()` recovers in place (the module's docstring).
-    Outside `fit()` (validate, test, predict) it is Lightning's DDP. `run`: an
-    `unbroken.init()` of the script's own (its anomaly checks, checkpoints, skipped steps);
-    default: one made when `fit()` sets up."""
+class InPlaceDDP:
+    """Lightning's DDP strategy, whose `fit()` recovers in place (the module's docstring):
+    mixed into the installed package's `DDPStrategy` (`strategy_class`). Outside `fit()`
+    (validate, test, predict) it is Lightning's DDP. `run`: an `unbroken.init()` of the
+    script's own (its anomaly checks, checkpoints, skipped steps); default: one made when
+    `fit()` sets up."""
+
+    package = "lightning.pytorch"
+    """The Lightning package whose `DDPStrategy` this one extends (`PACKAGES`)."""
 
     def __init__(self, *args: Any, run: Run | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -119,8 +107,8 @@ class UnbrokenDDPStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.steps is None:
-            why = _unprotected(trainer)
+        if trainer.state.fn == "fit" and self.steps is None:  # TrainerFn.FITTING
+            why = unprotected(trainer, self.package)
             if why is not None:
                 print(f"unbroken: {why}: this fit trains unprotected, and a fault restarts "
                       "every worker", file=sys.stderr, flush=True)
@@ -174,7 +162,7 @@ class UnbrokenDDPStrategy(DDPStrategy):
         if self.steps is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return self.steps.optimizer_step(
-            lambda wrapped: super(UnbrokenDDPStrategy, self).optimizer_step(
+            lambda wrapped: super(InPlaceDDP, self).optimizer_step(
                 optimizer, wrapped, model, **kwargs), closure)
 
     def on_train_end(self) -> None:
@@ -185,32 +173,32 @@ class UnbrokenDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ collectives
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self.local:
-            self._outside_step(lambda: super(UnbrokenDDPStrategy, self).barrier(*args, **kwargs),
+            self._outside_step(lambda: super(InPlaceDDP, self).barrier(*args, **kwargs),
                                None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.local:
             return obj
-        return self._outside_step(lambda: super(UnbrokenDDPStrategy, self).broadcast(obj, src), obj)
+        return self._outside_step(lambda: super(InPlaceDDP, self).broadcast(obj, src), obj)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if self.local:
             return tensor
         return self._outside_step(
-            lambda: super(UnbrokenDDPStrategy, self).reduce(tensor, group, reduce_op), tensor)
+            lambda: super(InPlaceDDP, self).reduce(tensor, group, reduce_op), tensor)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         if self.local:
             return torch.stack([tensor] * self.world_size)
         return self._outside_step(
-            lambda: super(UnbrokenDDPStrategy, self).all_gather(tensor, group, sync_grads),
+            lambda: super(InPlaceDDP, self).all_gather(tensor, group, sync_grads),
             torch.stack([tensor] * self.world_size))
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self.local:
             return decision
         return self._outside_step(
-            lambda: super(UnbrokenDDPStrategy, self).reduce_boolean_decision(decision, all),
+            lambda: super(InPlaceDDP, self).reduce_boolean_decision(decision, all),
             decision)
 
     def _outside_step(self, collective: Any, local: Any) -> Any:
@@ -232,19 +220,28 @@ class UnbrokenDDPStrategy(DDPStrategy):
             return local
 
 
-def _unprotected(trainer: Any) -> str | None:
-    """Why this fit cannot be recovered in place, or None."""
-    for path, names in _LIVE:
-        obj = trainer
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None:
-            return f"lightning {lightning.__version__}: the Trainer has no {path}"
-        if (why := seams.absent(obj, names, f"the Trainer's {path}")) is not None:
-            return f"lightning {lightning.__version__}: {why}"
-    if not trainer.lightning_module.automatic_optimization:
-        return "manual optimization is not recovered in place"
-    return None
+def strategy_class(package: str = "lightning.pytorch") -> type:
+    """`InPlaceDDP` on `package`'s `DDPStrategy` (one of `PACKAGES`), made once and
+    registered in its `StrategyRegistry` as `unbroken_ddp`. This module registers it for
+    each package the script imports."""
+    made = _CLASSES.get(package)
+    if made is None:
+        strategies = importlib.import_module(f"{package}.strategies")
+        made = type("UnbrokenDDPStrategy", (InPlaceDDP, strategies.DDPStrategy),
+                    {"package": package, "__module__": __name__, "__doc__": InPlaceDDP.__doc__})
+        _CLASSES[package] = made
+        made.register_strategies(strategies.StrategyRegistry)
+    return made
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """`UnbrokenDDPStrategy`: the strategy on the `lightning` package's DDP."""
+    if name == "UnbrokenDDPStrategy":
+        return strategy_class("lightning.pytorch")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _NoUpdate(Exception):  # noqa: N818
@@ -259,7 +256,7 @@ class _NoUpdate(Exception):  # noqa: N818
 class FitSteps:
     """One `fit()`'s optimizer steps on the engine's step transaction."""
 
-    def __init__(self, trainer: Any, strategy: UnbrokenDDPStrategy, run: Run) -> None:
+    def __init__(self, trainer: Any, strategy: InPlaceDDP, run: Run) -> None:
         self.trainer, self.strategy, self.run = trainer, strategy, run
         self.engine: Engine = run.engine
         self.in_step = False
@@ -307,8 +304,9 @@ class FitSteps:
                 self._start()
             return
         fit_loop = self.trainer.fit_loop
+        fabric = importlib.import_module(PACKAGES[self.strategy.package] + ".utilities.data")
         for loader in fit_loop._combined_loader.flattened:  # the iterator predates set_epoch
-            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+            fabric._set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
         for _ in range(fit_loop.epoch_loop.batch_progress.current.completed):
             next(fit_loop._data_fetcher.iterator)
 
@@ -468,4 +466,6 @@ class FitSteps:
         loss.backward()
 
 
-UnbrokenDDPStrategy.register_strategies(StrategyRegistry)
+for _package in PACKAGES:  # `unbroken_ddp`, for whichever the script imports
+    when_imported(f"{_package}.strategies",
+                  lambda _module, package=_package: strategy_class(package))
