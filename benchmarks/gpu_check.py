@@ -1,314 +1,147 @@
-"""What one GPU can check of the CUDA and NCCL paths, for when a GPU is lent (the `device`
-tool). Each check prints PASS or FAIL with its figures; the exit code is the number of
-failures (2 with no CUDA device: nothing was checked).
+"""What one GPU can check of the NCCL and CUDA paths (shared/reviews/nccl-risks.md), ready
+for the day a GPU is lent (the `device` tool):
 
-1. **Checkpoint of CUDA tensors**: a model and AdamW on the GPU, three steps with
-   `run.steps()` and an async checkpoint each step; a fresh `Run` loads the newest one, and
-   every tensor equals the trained one.
-2. **State sync of CUDA tensors**: two processes (gloo transport, the state on the GPU)
-   stream a CUDA model's state through `send_tensors`/`recv_bytes` in 1 MiB chunks; the
-   receiver's state equals the sender's. (NCCL refuses two ranks on one GPU, so the
-   transport here is gloo; the NCCL transport needs two GPUs.)
-3. **An NCCL world of size 1** (`AbortableGroups.form`, bound to the device): created, an
-   all-reduce, aborted from another thread (`interrupt`, as the watchdog does), torn down,
-   created again under a new prefix, and an all-reduce again.
-4. **A device error is the worker's own**: a device-side assert in a subprocess raises,
-   and `errors.classify` says `own_device`.
-5. **One host copy of CUDA shards** (issue 26): FSDP2 over a world of one on the GPU; a
-   snapshot round copies the shards into the rank's host buffer (on the CPU), the device's
-   peak memory does not grow across the round (no device memory held for snapshots), and a
-   rollback two steps later restores every tensor exactly.
-6. **The replica checksum on the device** (issue 27): the integer checksum of a model's
-   parameters and AdamW state computed on the GPU equals the one computed on a CPU copy
-   (integer sums do not depend on the reduction order), its time per GB of state, and
-   whether a step rerun on the same data gives bit-identical gradients with and without
-   `torch.use_deterministic_algorithms` (a rerun's classification compares bitwise unless
-   `rerun_rtol` is given).
+    PYTHONPATH=src python3 benchmarks/gpu_check.py                 # every check, < 5 min
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --only A,C      # a subset again
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run       # on CPU, gloo: the code only
 
-    .venv/bin/python benchmarks/gpu_check.py
-    .venv/bin/python benchmarks/gpu_check.py --dry-run   # checks 1, 2, 5 and 6 on CPU tensors
+The checks (`gpu_checks.py`; the letters are the review's, I and the numbers ours):
 
-`--dry-run` runs checks 1, 2, 5 and 6 with CPU tensors, so that the script itself is tested
-on a machine without a GPU; it proves nothing about CUDA.
+- A abort with work queued: the all-reduce aborted while queued behind ~1 s of GPU work;
+  how long the abort takes, whether a stream sync then raises (risk 1's premise: it does
+  not), what `get_error()` says, that the fence refuses the update, that the next
+  collective is a peer error.
+- B a stale `exception_dump` key in the job's store, torch's heartbeat monitor at 5 s, our
+  in-place environment: the process survives 30 s (risk 3).
+- C generation churn: 10 generations formed, a DDP step twice, aborted, torn down; threads,
+  fds, RSS and device memory must stay flat (risk 10).
+- D backend strings: `init_process_group()`, `"cpu:gloo,cuda:nccl"` and `"nccl"`: the group
+  holds NCCL, `interrupt` reaches it, the next collective fails as a peer error (risk 4).
+- E pinned footprint: the checkpoint staging's pinned bytes against the tensors' (risk 7,
+  fixed by issue 51: fails until then).
+- F state sync through the device: torch refuses point-to-point to self, so one GPU cannot
+  carry it: skipped, saying so (`gpu_multi.py` needs 2 GPUs).
+- G FSDP2 aborted mid-forward: reset, re-formed, mesh rebound, a step; device memory back
+  to the level before the failed step (risk 10).
+- H environment facts: the backend's class, NCCL's version, the settings torch reports.
+- I the fence's cost: a bf16 GPT-size model with fused AdamW, 50 steps with and without the
+  fence, medians.
+- J a planned switch's leave with an all-reduce queued: the device drains before the abort,
+  and the all-reduce's result is whole.
+- 1 checkpoints of CUDA tensors equal clones taken at each commit; 4 a device-side assert is
+  the worker's own device error; 6 the replica checksum on the device equals the CPU's.
+
+Each check runs in a process of its own (`--child`), with its own timeout and the
+environment `unbroken run` gives an in-place worker (the launcher's `launcher_defaults`),
+and appends its JSON line to `--out` when it ends, so a run cut off still returns what ran
+(a timeout or a crash is `fail`). The last line printed is one JSON object:
+`{"torch", "device", "dry_run", "checks": {"A_abort_queued": {"result": "pass"|"fail"|
+"skipped", "why", ...figures}}}`; the exit status is the number of failures.
+
+`--dry-run` runs each check's own code on CPU tensors and gloo up to its first CUDA-only
+call (A, C, D, E, F, G, J, 1 and 6 run their control flow; B, H, I and 4 are skipped) and
+says what it
+exercised: it proves the script, nothing about CUDA. It runs in the integration tier
+(tests/integration/test_gpu_check_dry_run.py). The script needs torch >= 2.11 and nothing of
+the venv: the lent machines have their own torch and no network.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
-import threading
+import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
-from harness import REPO, launch, temp_root, wait_or_kill
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(REPO / "src"))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-RESULTS: list[tuple[str, bool, str]] = []
-DEVICE = "cuda"  # "cpu" with --dry-run
+import gpu_checks  # noqa: E402
 
 
-def check(name: str, ok: bool, detail: str) -> None:
-    RESULTS.append((name, ok, detail))
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+def in_place_env() -> dict[str, str]:
+    """The environment an in-place worker gets from `unbroken run` (its NCCL settings)."""
+    from unbroken.launch.config import LaunchConfig
+    from unbroken.launch.worker_spawn import launcher_defaults
+
+    env = launcher_defaults(dict(os.environ), LaunchConfig(script="train.py"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "src"),
+                                                      os.environ.get("PYTHONPATH")]))
+    return env
 
 
-def _model(device: str | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """On `device` (a spawned process passes it: DEVICE is the parent's)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 16)).to(device or DEVICE)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def checkpoint_of_cuda_tensors(root: Path) -> None:
-    import unbroken
-
-    model, optimizer = _model()
-    run = unbroken.init(checkpoint_dir=root / "ckpt", checkpoint_every=1, backend="gloo")
-    run.track(model, optimizer)
-    for _ in run.steps(3):
-        model(torch.randn(32, 256, device=DEVICE)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    run.close()
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    fresh, fresh_opt = _model()
-    again = unbroken.init(checkpoint_dir=root / "ckpt", checkpoint_every=1, backend="gloo")
-    again.track(fresh, fresh_opt)
-    list(again.steps(3))  # loads the newest checkpoint, and has nothing left to run
-    again.close()
-    same = all(torch.equal(trained[k], v) for k, v in fresh.state_dict().items())
-    placed = all(v.device.type == DEVICE for v in fresh.state_dict().values())
-    check("checkpoint of CUDA tensors", again.step == 3 and same and placed,
-          f"resumed at step {again.step}, equal {same}, on {DEVICE} {placed}")
-
-
-def _sync_side(rank: int, store: str, out: str, device: str) -> None:
-    global DEVICE
-    DEVICE = device
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from unbroken.runtime.state_sync import pack, recv_bytes, send_tensors, unpack
-
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    model, optimizer = _model()
-    if rank == 0:  # the holder: a trained state
-        model(torch.randn(8, 256, device=DEVICE)).sum().backward()
-        optimizer.step()
-    model_sd, optim_sd = get_state_dict(model, [optimizer])
-    header, tensors = pack({"model": model_sd, "optim": optim_sd})
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    sizes = torch.tensor([total])
-    dist.broadcast(sizes, src=0)
-    if rank == 0:
-        send_tensors(tensors, total, 1, None, torch.device("cpu"), chunk=1 << 20)
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out + ".sent")
-    else:
-        got = unpack(header, recv_bytes(int(sizes[0]), 0, None, torch.device("cpu"),
-                                        chunk=1 << 20))
-        set_state_dict(model, [optimizer], model_state_dict=got["model"],
-                       optim_state_dict=got["optim"])
-        dist.barrier()
-        sent = torch.load(out + ".sent", weights_only=True)
-        same = all(torch.equal(sent[k], v.cpu()) and v.device.type == DEVICE
-                   for k, v in model.state_dict().items())
-        Path(out).write_text(f"{same} {int(sizes[0])}")
-    if rank == 0:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-def state_sync_of_cuda_tensors(root: Path) -> None:
-    out = str(root / "sync.txt")
-    mp.spawn(_sync_side, args=(str(root / "store"), out, DEVICE), nprocs=2, join=True)
-    same, nbytes = Path(out).read_text().split()
-    check("state sync of CUDA tensors", same == "True", f"{int(nbytes)} bytes, equal {same}")
-
-
-def nccl_world_of_one(_: Path) -> None:
-    from unbroken.runtime.process_group import AbortableGroups
-
-    torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
-    groups = AbortableGroups()
+def run_check(key: str, out: Path, dry: bool, env: dict[str, str]) -> dict:
+    """`key`'s check in a child process; its line from `out`, or a `fail` saying why not."""
+    timeout = gpu_checks.CHECKS[key].timeout
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", key, "--out", str(out)]
     t0 = time.monotonic()
-    groups.form(dist.PrefixStore("g1/", store), 0, 1, "nccl", 30, 60)
-    x = torch.ones(1024, device="cuda")
-    dist.all_reduce(x)
-    torch.cuda.synchronize()
-    formed = time.monotonic() - t0
-    aborter = threading.Thread(target=groups.interrupt)  # as the watchdog thread does
-    aborter.start()
-    aborter.join(timeout=30)
-    t1 = time.monotonic()
-    groups.abort()
-    torn = time.monotonic() - t1
-    t2 = time.monotonic()
-    groups.form(dist.PrefixStore("g2/", store), 0, 1, "nccl", 30, 60)
-    y = torch.full((1024,), 2.0, device="cuda")
-    dist.all_reduce(y)
-    torch.cuda.synchronize()
-    again = time.monotonic() - t2
-    groups.destroy()
-    check("NCCL world of one: create, abort, re-create", bool(y[0].item() == 2.0)
-          and not aborter.is_alive(),
-          f"formed {formed:.2f}s, torn down {torn:.2f}s, re-formed {again:.2f}s")
-
-
-def _host_copy_side(rank: int, out: str, device: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from unbroken.runtime.shards import LocalShards
-    from unbroken.runtime.snapshots import PeerSnapshots
-
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    model, optimizer = _model(device)
-    fully_shard(model, mesh=init_device_mesh(device, (1,)))
-
-    def step() -> None:
-        model(torch.randn(8, 256, device=device)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    for _ in range(3):
-        step()
-    shards = LocalShards(model, [optimizer], {})
-    at_3 = [t.detach().cpu().clone() for t in shards.tensors()]
-    snaps = PeerSnapshots(shards, replicas=1, every=1, record=lambda *a, **k: None)
-    snaps.use_group(dist.new_group(backend="gloo"), 0, 1, 1)
-
-    def peak(body) -> int:  # noqa: ANN001 - the device memory a step's peak adds
-        if not cuda:
-            body()
-            return 0
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.max_memory_allocated()
-        body()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-
-    snaps.take(3)
-    with_round = peak(lambda: (step(), snaps.wait()))  # the round beside step 4
-    plain = peak(step)  # step 5, no round
-    grew = max(0, with_round - plain)
-    back = snaps.rollback()
-    same = back == 3 and snaps.own.buf.device.type == "cpu" and all(
-        torch.equal(a, b.detach().cpu()) for a, b in zip(at_3, shards.tensors(), strict=True))
-    Path(out).write_text(f"{same} {grew} {shards.nbytes()}")
-    dist.destroy_process_group()
-
-
-def host_copy_of_cuda_shards(root: Path) -> None:
-    out = str(root / "host_copy.txt")
-    mp.spawn(_host_copy_side, args=(out, DEVICE), nprocs=1, join=True)
-    same, grew, nbytes = Path(out).read_text().split()
-    check("one host copy of CUDA shards", same == "True" and int(grew) < int(nbytes) // 10,
-          f"{int(nbytes)} bytes of shards, rollback exact: {same}, a step with a round "
-          f"peaked {int(grew)} bytes of device memory above one without")
-
-
-_DEVICE_ERROR = """
-import torch
-from unbroken.errors import classify, current_device
-torch.cuda.set_device(0)
-try:
-    x = torch.zeros(4, device="cuda")
-    x[torch.tensor([10], device="cuda")] = 1.0
-    torch.cuda.synchronize()
-    print("RESULT no error")
-except Exception as exc:
-    print("RESULT", type(exc).__name__, classify(exc, current_device()).value)
-"""
-
-
-def device_error_is_own(root: Path) -> None:
-    run_dir = root / "device-error"  # a process of its own, tracked by the harness
-    proc = launch([sys.executable, "-c", _DEVICE_ERROR], run_dir,
-                  env={"CUDA_LAUNCH_BLOCKING": "1", "PYTHONPATH": str(REPO / "src")})
-    code = wait_or_kill(proc, run_dir, 120)
-    output = (run_dir / "launcher.log").read_text(errors="replace").splitlines()
-    results = [line.removeprefix("RESULT ") for line in output if line.startswith("RESULT ")]
-    last = results[-1] if results else "timed out after 120 s" if code is None else "nothing"
-    check("a device-side assert is the worker's own device error", last.endswith("own_device"),
-          last)
-
-
-def checksum_on_the_device(_: Path) -> None:
-    from unbroken.runtime.checksum import checksum, state_tensors
-
-    torch.manual_seed(0)
-    big = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(DEVICE)
-    optim = torch.optim.AdamW(big.parameters(), lr=1e-3)
-    x = torch.randn(64, 2048, device=DEVICE)
-    big(x).square().mean().backward()
-    optim.step()
-    tensors = state_tensors(big, [optim])
-    gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
-    on_device = checksum(tensors)
-    on_cpu = checksum([t.cpu() for t in tensors])
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        checksum(tensors)
-    ms = (time.perf_counter() - t0) / 5 * 1e3
-    check("the replica checksum on the device equals the CPU's", on_device == on_cpu,
-          f"{ms:.2f} ms for {gb:.3f} GB of parameters and AdamW state "
-          f"({ms / gb:.1f} ms per GB) on {DEVICE}")
-
-    def grads(deterministic: bool) -> list[torch.Tensor]:
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-        try:
-            big.zero_grad(set_to_none=True)
-            big(x).square().mean().backward()
-            return [p.grad.clone() for p in big.parameters()]
-        finally:
-            torch.use_deterministic_algorithms(False)
-
-    same = {mode: all(torch.equal(a, b) for a, b in zip(grads(mode), grads(mode), strict=True))
-            for mode in (False, True)}
-    check("a rerun on the same data is bit-identical in deterministic mode", same[True],
-          f"deterministic: {same[True]}, default: {same[False]} (a rerun is compared bitwise "
-          "unless rerun_rtol is given)")
+    try:
+        proc = subprocess.run(cmd + (["--dry-run"] if dry else []), env=env, timeout=timeout,
+                              capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        crashed = proc.returncode != 0
+    except subprocess.TimeoutExpired as exc:
+        tail = (((exc.stdout or b"") + (exc.stderr or b"")).decode(errors="replace")
+                .strip().splitlines()[-6:])
+        crashed, proc = True, None
+    seconds = round(time.monotonic() - t0, 1)
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    found = next((line for line in lines if line.get("check") == key), None)
+    if found is not None:
+        found["seconds"] = seconds
+        return found
+    why = (f"timed out after {timeout} s" if proc is None
+           else f"exited {proc.returncode}" if crashed else "wrote no result")
+    line = {"check": key, "result": "fail", "why": f"{why}: {' | '.join(tail)}",
+            "seconds": seconds}
+    with out.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
 
 
 def main() -> int:
-    global DEVICE
-    dry = "--dry-run" in sys.argv[1:]
-    checks = [checkpoint_of_cuda_tensors, state_sync_of_cuda_tensors, host_copy_of_cuda_shards,
-              checksum_on_the_device]
-    if dry:
-        DEVICE = "cpu"
-        print("dry run: checks 1, 2, 5 and 6 with CPU tensors (nothing about CUDA is shown)")
-    elif not torch.cuda.is_available():
-        print("no CUDA device: nothing was checked")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="check letters or numbers, e.g. A,C,1")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU tensors and gloo: the checks' own code, nothing about CUDA")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON lines file (default: a new one in the temp folder)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        return gpu_checks.run_child(args.child, args.out, args.dry_run)
+    keys = list(gpu_checks.CHECKS)
+    if args.only:
+        wanted = {w.strip().upper() for w in args.only.split(",") if w.strip()}
+        unknown = wanted - {k.split("_")[0].upper() for k in keys}
+        if unknown:
+            parser.error(f"--only: no check {sorted(unknown)}; the checks are "
+                         f"{', '.join(k.split('_')[0] for k in keys)}")
+        keys = [k for k in keys if k.split("_")[0].upper() in wanted]
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run to exercise the checks on CPU", file=sys.stderr)
         return 2
-    else:
-        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
-        checks += [nccl_world_of_one, device_error_is_own]
-    # The harness ends the checks' processes (mp.spawn's too) if this script is stopped.
-    tmp = temp_root("unbroken-gpu-check-")
-    for fn in checks:
-        try:
-            fn(tmp)
-        except Exception as exc:  # a check that raised is a failed check, reported
-            check(fn.__name__, False, f"{type(exc).__name__}: {exc}")
-    failures = sum(1 for _, ok, _ in RESULTS if not ok)
-    print(f"{len(RESULTS) - failures} passed, {failures} failed")
-    return failures
+    out = args.out or Path(tempfile.mkdtemp(prefix="unbroken-gpu-check-")) / "checks.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = in_place_env()
+    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    print(f"{device}, torch {torch.__version__}; results in {out}", flush=True)
+    checks = {}
+    for key in keys:
+        line = run_check(key, out, args.dry_run, env)
+        checks[key] = {k: v for k, v in line.items() if k != "check"}
+        print(f"{key:18} {line['result']:7} {line.get('seconds', 0):6.1f}s  {line['why']}",
+              flush=True)
+    print(json.dumps({"torch": torch.__version__, "device": device, "dry_run": args.dry_run,
+                      "checks": checks}))
+    return sum(1 for c in checks.values() if c["result"] == "fail")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,12 @@ class SdcGuilty(RuntimeError):
     its process must go, as after a sticky device error. Classified `OWN_DEVICE`."""
 
 
+class UpdateRefused(RuntimeError):
+    """The fence refused a step's update: the generation was aborted, or one of its NCCL
+    communicators reports an error, so the step's gradients may be partial
+    (`runtime/fence.py`). Classified `PEER`: the step is redone in the next generation."""
+
+
 class JobStopped(Exception):
     """Raised by every rank when the job must end and no restart can help (the anomaly
     limit was reached); its message is the one-line report. Classified `STOP`."""
@@ -108,6 +114,8 @@ def classify_text(type_name: str, text: str, own_device: int | None = None) -> E
         return ErrorClass.STOP
     if type_name == SdcGuilty.__name__:
         return ErrorClass.OWN_DEVICE
+    if type_name == UpdateRefused.__name__:
+        return ErrorClass.PEER
     if type_name == "OutOfMemoryError" or "out of memory" in whole.lower():
         return ErrorClass.USER
     if type_name == "AcceleratorError" or any(m in whole for m in OWN_DEVICE_MARKERS):

@@ -121,6 +121,29 @@ def test_replacements_make_the_run_bit_identical_even_when_the_state_sender_dies
     assert len(expected) == STEPS * 4
 
 
+def test_a_peer_killed_between_the_reduction_and_the_update_is_refused_at_the_fence(tmp_path):
+    """Rank 1 dies at step 12's update point (its gradients reduced, `at=update`), while
+    rank 0 is held 2 s at the same point: the leader breaks the generation, rank 0's
+    watchdog aborts it, and at its update the fence refuses (on NCCL the update would
+    otherwise have been queued behind the aborted reduction). Rank 0 leaves saying so,
+    still holding step 12's state; step 12 is redone once in the next generation, and the
+    run ends bit-identical to a fault-free one."""
+    args = [*ARGS, "--exact"]
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "2",
+                   args=[*args, "--final-state", str(tmp_path / "clean.pt")])
+    assert clean.code == 0, clean.output
+    faulty = launch(tmp_path / "faulty", "--nproc-per-node", "2", "--max-restarts", "2",
+                    "--on-fault", "wait", "--fault", "crash:rank=1,step=12,at=update",
+                    "--fault", "slow:rank=0,step=12,at=update,seconds=2",
+                    args=[*args, "--final-state", str(tmp_path / "faulty.pt")])
+    _assert_in_place(faulty, [("crash", 1)], replaced={1})
+    leave = [e for e in faulty.events("gen_leave") if e["slot"] == 0][0]
+    assert leave["step"] == 12 and leave["holds_state"], leave
+    assert leave["error"].startswith("UpdateRefused: generation 0 was aborted"), leave
+    assert_bit_identical(_state(tmp_path / "clean.pt"), _state(tmp_path / "faulty.pt"))
+    assert _committed_data(faulty) == _committed_data(clean)
+
+
 def test_an_exception_a_device_error_and_a_hang_each_recover_in_place(tmp_path):
     """Three faults in one job of 3 workers, none a full restart:
     - rank 1 raises at step 10: the runtime catches it, and even the raising worker keeps

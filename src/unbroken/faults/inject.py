@@ -87,7 +87,8 @@ class FaultInjector:
                 self._sleep(self._slow_seconds(fault, step_time))
 
     def at_point(self, point: str, step: int) -> None:
-        """At a recovery point (`join`, `send`) while holding committed step `step`."""
+        """At a point (`join`, `send`: recovery points; `update`: before step `step`'s update)
+        while holding committed step `step`."""
         self._fire([f for f in self._at_points if f.at == point and step >= f.step], step)
 
     def corrupt_gradients(self, step: int, params: Sequence[torch.Tensor]) -> bool:

@@ -3,7 +3,8 @@
 Process faults (`crash`, `hang`, `exception`, `device_error`, `slow`) take `at=POINT`, where
 the fault fires: `step` (default) at the start of step S; `join` when the worker, holding
 step S or later, starts forming a new generation's groups (a fault during a recovery);
-`send` when it is about to send its state to a peer (the state sender dies); `persist` in
+`send` when it is about to send its state to a peer (the state sender dies); `update` just
+before step S's update, its gradients reduced (at the fence, `runtime/fence.py`); `persist` in
 the background checkpoint writer, once the files of a checkpoint of step S or later are
 written but before it is committed (`crash`: the worker dies mid-write; `exception`: the
 writer dies; `slow`: the writer stalls for `seconds`).
@@ -53,7 +54,7 @@ FAULT_KINDS = {
                "bit `bit`, default 20, of element `index` of parameter `param`)",
 }
 
-FAULT_POINTS = ("step", "join", "send", "persist")
+FAULT_POINTS = ("step", "join", "send", "update", "persist")
 
 # The numeric kinds fire at one fixed point each: after backward, when the loss is checked,
 # after the update.

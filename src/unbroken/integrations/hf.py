@@ -60,11 +60,16 @@ from transformers import Trainer, TrainerCallback
 
 import unbroken
 from unbroken.control.worker_env import WorkerEnv
-from unbroken.errors import JobStopped, is_peer_error
+from unbroken.errors import JobStopped, UpdateRefused, is_peer_error
 from unbroken.integrations.hf_seams import unprotected
 from unbroken.integrations.hf_state import StateOfTrainer, take_slot
 from unbroken.integrations.hf_versions import InlineEpochs, Rewind, epochs_for
-from unbroken.integrations.update_order import Call, UpdateOrder
+from unbroken.integrations.update_order import (
+    Call,
+    UpdateOrder,
+    scheduler_steps,
+    steps_per_update,
+)
 from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.run import Run, init
 from unbroken.telemetry import schema as ev
@@ -130,7 +135,7 @@ class TrainerSteps:
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         run.track(trainer.model, optimizer, scheduler=trainer.lr_scheduler,
                   trainer_state=StateOfTrainer(trainer))
-        self._order.schedules = _steps_per_update(trainer.lr_scheduler)
+        self._order.schedules = steps_per_update(trainer.lr_scheduler)
         if self.engine.generations is not None:  # Accelerate counts the processes once
             self.engine.generations.fix_world("the Trainer")
         trainer.optimizer.step = self._unless_skipped(trainer.optimizer.step)
@@ -232,7 +237,7 @@ class TrainerSteps:
 
     def _scheduler_at(self) -> int:
         """The scheduler's count of steps (`last_epoch`; -1 without one)."""
-        return _last_epoch(self.trainer.lr_scheduler)
+        return scheduler_steps(self.trainer.lr_scheduler)
 
     def _redo(self, step: int) -> bool:
         """After `engine.fail` inside an update: the new generation stands at the committed
@@ -245,7 +250,7 @@ class TrainerSteps:
         self._replay(self._micro[:-1], step)
         return False
 
-    def _check(self) -> None:
+    def _check(self, again: bool = False) -> None:
         """The engine's check of the update, after every micro-batch's backward and the
         clipping, before the optimizer step (collective when numerical checks are on), and
         its verdict obeyed. RERUN: the engine dropped the update; it starts over as a new try
@@ -253,9 +258,10 @@ class TrainerSteps:
         and checked again. SKIPPED: the engine passed over the step: no optimizer step, the
         scheduler set back (`_skip_update`). ROLLED_BACK: the state went back (`Rewind`). A
         peer's fault met here (the check's gather, a replay) is recovered as in a
-        micro-batch, then the whole update is run again. `JobStopped` propagates."""
+        micro-batch, then the whole update is run again (`again`: from the start, after a
+        recovery the caller made). `JobStopped` propagates."""
         engine = self.engine
-        step, again = engine.position.step, False
+        step = engine.position.step
         while True:
             try:
                 if again:
@@ -403,9 +409,19 @@ class TrainerSteps:
     def _unless_skipped(self, original: Any) -> Any:
         """The update's optimizer step, unless the peers' state holds it or the engine
         passed over its step (an instance attribute of the Accelerator's wrapper, which no
-        checkpoint pickles)."""
+        checkpoint pickles). The fence before it may refuse it (`runtime/fence.py`: the
+        generation was aborted between the reduction and the update): recovered in place
+        like a fault met in the check, then the update is made in the new generation."""
         def step(*args: Any, **kwargs: Any) -> Any:
-            return None if self._skip_update else original(*args, **kwargs)
+            while not self._skip_update:
+                try:
+                    return original(*args, **kwargs)
+                except UpdateRefused as exc:
+                    at = self.engine.position.step
+                    self.engine.fail(at, exc)
+                    if not self._recount(at):
+                        self._check(again=True)
+            return None
         return step
 
     # ------------------------------------------------------------------ the engine's
@@ -440,19 +456,6 @@ class TrainerSteps:
         if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by the epoch
             trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
         self._training_step(view, next(iter(trainer.callback_handler.train_dataloader)), None)
-
-
-def _steps_per_update(scheduler: Any) -> bool:
-    """The Trainer steps `scheduler` once per update (a `ReduceLROnPlateau` steps on a
-    metric, and none may be set)."""
-    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper, if any
-    return inner is not None and not isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau) \
-        and isinstance(getattr(inner, "last_epoch", None), int)
-
-
-def _last_epoch(scheduler: Any) -> int:
-    inner = getattr(scheduler, "scheduler", scheduler)
-    return getattr(inner, "last_epoch", -1)
 
 
 def _no_sync(view: Any) -> Any:

@@ -402,8 +402,9 @@ class FitSteps:
                                                          micro_batches=replayed))
 
     def _attempt(self, step_fn: Any, closure: Any, step: int) -> tuple[Any, Verdict]:
-        """One try of the update's last batch: its closure, the engine's check, then the
-        update (torn if it raises); with the verdict. Anything but COMMIT (or an update the
+        """One try of the update's last batch: its closure, the engine's check, the fence
+        (which may refuse the update: a peer error), then the update (torn if it raises);
+        with the verdict. Anything but COMMIT (or an update the
         engine passed over) leaves the optimizer's step before its update (`_NoUpdate`)."""
         engine = self.engine
         with ExitStack() as update:
@@ -417,6 +418,7 @@ class FitSteps:
                 if verdict is not Verdict.COMMIT:
                     raise _NoUpdate(verdict)
                 update.enter_context(engine.updating())
+                engine.tracked.begin_update()  # the fence, after the closure's reduction
                 return result
 
             try:

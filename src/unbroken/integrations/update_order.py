@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Call(StrEnum):
@@ -135,3 +136,16 @@ class UpdateOrder:
                 and global_step != self._last_step + 1:
             return f"global_step went from {self._last_step} to {global_step} in one update"
         return None
+
+
+def steps_per_update(scheduler: Any) -> bool:
+    """The Trainer steps `scheduler` once per update: not a `ReduceLROnPlateau` (which steps
+    on a metric), and not none at all. Accelerate's wrapper is seen through."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    return inner is not None and type(inner).__name__ != "ReduceLROnPlateau" \
+        and isinstance(getattr(inner, "last_epoch", None), int)
+
+
+def scheduler_steps(scheduler: Any) -> int:
+    """The scheduler's count of steps (`last_epoch`; -1 without one)."""
+    return getattr(getattr(scheduler, "scheduler", scheduler), "last_epoch", -1)

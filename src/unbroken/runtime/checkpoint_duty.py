@@ -71,6 +71,17 @@ class CheckpointDuty:
         elif image is not None:
             image.release()
 
+    def roll_back(self, tracked: TrackedState, host_copy: Any, start: int) -> tuple[int | None, str]:
+        """Restore the newest copy of the state (collective): the host copy (`host_copy`: a
+        sharded job's own rounds, with `rollback()`; None: the newest save's staged copy),
+        else the newest checkpoint in storage. The step restored and where from ("host",
+        "storage"); (None, "") when there is neither (nothing changes)."""
+        step = host_copy.rollback() if host_copy is not None else self.rollback_in_memory(tracked)
+        if step is not None:
+            return step, "host"
+        step = self.load_newest(tracked, start)
+        return step, "storage" if step is not None else ""
+
     def rollback_in_memory(self, tracked: TrackedState) -> int | None:
         """Restore the newest save's staged copy, if every rank holds one of the same step
         (collective on the checkpoint's control group): no storage read. Its step, or None

@@ -48,6 +48,7 @@ from unbroken.runtime import spare, step_probe
 from unbroken.runtime.anomaly_duty import AnomalyDuty
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
+from unbroken.runtime.fence import Fence, unfenceable
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
@@ -58,7 +59,7 @@ from unbroken.runtime.heartbeat import (
 )
 from unbroken.runtime.numerics import Verdict
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups
+from unbroken.runtime.process_group import AbortableGroups, nccl_errors
 from unbroken.runtime.progress import ProgressMarks, seed_step
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.switching import NotNeeded, Switcher
@@ -107,6 +108,8 @@ class Engine:
         self._marks = ProgressMarks(heartbeat)
         self._t0 = 0.0
         self.anomalies = AnomalyDuty(s.anomalies, events.emit, file_drain)
+        self.fence = Fence(lambda: self._position, lambda gen: self._watchdog.aborted(gen),
+                           nccl_errors, lambda step: faults.at_point("update", step))
 
     # ------------------------------------------------------------------ position
     @property
@@ -180,6 +183,9 @@ class Engine:
         self.events.emit(ev.Resume(step=pos.step, total=last_step, gen=pos.gen))
         if self.anomalies.config.any and pos.rank == 0:
             self.events.emit(self.anomalies.describe())
+        if self.in_place and (why := unfenceable(tracked.optimizers, tracked.model)):
+            self.in_place_unavailable(why)
+        tracked.fence = self.fence if self.in_place else None
         if self.heartbeat is not None and self.in_place:
             self.heartbeat.set_generation(pos.gen)
             self._watchdog = Watchdog(self.heartbeat, self.groups.interrupt,
@@ -361,13 +367,9 @@ class Engine:
         in-memory copy (the newest round), or a replicated job's newest checkpoint's staged
         copy; its RNG state is restored with it."""
         start = self._position.step
-        tracked = self.need_tracked("a rollback")
-        sharded = self.switcher.sharded if self.switcher is not None else None
-        step = (sharded.rollback() if sharded is not None
-                else self.checkpoints.rollback_in_memory(tracked))
-        source = "host"
-        if step is None:
-            step, source = self.checkpoints.load_newest(tracked, start), "storage"
+        step, source = self.checkpoints.roll_back(
+            self.need_tracked("a rollback"),
+            self.switcher.sharded if self.switcher is not None else None, start)
         if step is None:
             return None
         self._move(self._position.moved(step=step, holds_state=True))

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
+from unbroken.runtime.fence import errors_of
+
 
 def _socket_inodes() -> dict[int, str]:
     """fd -> 'socket:[inode]' for every socket this process holds."""
@@ -190,6 +192,42 @@ def holds_nccl(group: Any) -> bool:
     except (RuntimeError, ValueError, AttributeError):
         return False  # no CUDA backend (gloo alone, or a CPU build of torch)
     return type(backend).__name__ in NCCL_CLASSES
+
+
+def drain_device(timeout: float) -> bool | None:
+    """Wait, at most `timeout` seconds, for the work this process queued on its GPU
+    (collectives included) to finish: a planned switch tears the old groups down only after
+    it, so that no healthy collective in flight is aborted with partial data. True if it
+    finished; False if the bound passed (a peer died in a collective: the abort that
+    follows is a fault's); None where CUDA was never initialised (nothing to wait for)."""
+    if not torch.cuda.is_initialized():
+        return None
+    done = threading.Event()
+
+    def sync() -> None:
+        torch.cuda.synchronize()
+        done.set()
+
+    threading.Thread(target=sync, name="unbroken-drain", daemon=True).start()
+    return done.wait(timeout)
+
+
+def nccl_errors() -> list[str]:
+    """`name: ERROR` for each current group whose NCCL backend reports an error
+    (`Backend.get_error()`: a timeout, a communicator error, a remote error, torch's own
+    abort); empty without NCCL (`fence.errors_of`)."""
+    if not dist.is_initialized():
+        return []
+    c10d = dist.distributed_c10d
+    backends = []
+    for group, name in list(c10d._world.pg_names.items()):
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        if type(backend).__name__ in NCCL_CLASSES:
+            backends.append((name, backend))
+    return errors_of(backends)
 
 
 def bound_device(backend: str | None) -> dict:

@@ -21,9 +21,20 @@ from unbroken.control.messages import LeaveReason
 from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.membership import Membership, Plan
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups, nccl_backed
+from unbroken.runtime.process_group import (
+    AbortableGroups,
+    CheckpointGroups,
+    drain_device,
+    nccl_backed,
+)
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
 from unbroken.telemetry import schema as ev
+
+DRAIN_BOUND = 10.0
+"""Seconds a planned switch waits for the device's work in flight (a step's update, the
+collectives after its commit) before it aborts the old groups anyway: past it, a member
+must have died in a collective, and the switch is a fault's (bounded below by the join
+timeout)."""
 
 
 @dataclass
@@ -66,12 +77,19 @@ class Generations:
         """Tell the leader we are ready to train in the switch's generation."""
         self.membership.report_up(switch.plan)
 
-    def leave(self, step: int, holds_state: bool, reason: LeaveReason, **detail: Any) -> None:
-        """Leave the current generation; peers blocked on it fail now."""
+    def leave(self, step: int, holds_state: bool, reason: LeaveReason,
+              **detail: Any) -> bool | None:
+        """Leave the current generation; peers blocked on it fail now. A planned switch
+        (`SWITCH`: every member healthy, at a step boundary) first lets the device's work
+        in flight finish (`drain_device`, bounded by `DRAIN_BOUND`), so that the abort
+        interrupts no healthy collective; whether it did is returned (None: not planned)."""
+        drained = drain_device(min(DRAIN_BOUND, self.join_timeout)) \
+            if reason is LeaveReason.SWITCH else None
         self.groups.abort()
         self.membership.leave(self.gen, step, holds_state, reason, sharded=self.sharded,
                               fixed_world=self.fixed_world,
                               **detail)
+        return drained
 
     def replicated(self, get_state: Callable[[], Any], set_state: Callable[[Any], None],
                    ) -> Callable[[Plan, int, bool], SyncResult]:

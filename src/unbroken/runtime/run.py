@@ -270,13 +270,12 @@ class Run:
             try:
                 engine.enter(step)
                 step_fn(step, engine.view)
-                verdict = engine.check(step, self._metrics)
+                if engine.check(step, self._metrics) is not Verdict.COMMIT:
+                    continue  # rerun, skipped or rolled back: done already
+                engine.tracked.update()  # behind the fence (`runtime/fence.py`)
             except Exception as exc:
                 engine.fail(step, exc)
                 continue
-            if verdict is not Verdict.COMMIT:  # rerun, skipped or rolled back: done already
-                continue
-            engine.tracked.update()
             engine.commit(step, self._metrics)
         engine.finish()
 

@@ -82,10 +82,11 @@ class Switcher:
     def leave(self, position: Position, reason: LeaveReason, **detail: Any) -> None:
         """Leave the current generation (peers blocked on us fail now), saying what we hold."""
         t0 = time.monotonic()
-        self.generations.leave(position.step, position.holds_state, reason, **detail)
+        drained = self.generations.leave(position.step, position.holds_state, reason, **detail)
         self.record(ev.GenLeave(gen=position.gen, step=position.step, reason=reason.value,
                                 holds_state=position.holds_state,
-                                duration=round(time.monotonic() - t0, 6)))
+                                duration=round(time.monotonic() - t0, 6),
+                                error=detail.get("error"), drained=drained))
 
     def join(self, position: Position, tracked: TrackedState,
              build: Callable[[Position], Any], *, joining: bool, slot: int,

@@ -7,13 +7,13 @@ or a peer's state overwrites it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from unbroken.errors import UserError
+from unbroken.errors import UpdateRefused, UserError
 
 
 class TrackedState:
@@ -29,7 +29,14 @@ class TrackedState:
         self.model, self.optimizers, self.extra = model, optimizers, extra
         self.whole = True
         """False while an update or a restore overwrites the tensors (a fault then leaves
-        this rank without committed state)."""
+        this rank without committed state); an update the fence refused before any tracked
+        optimizer began leaves it whole."""
+        self.fence: Callable[[], None] | None = None
+        """Called before any tracked optimizer updates (`runtime/fence.py`; set by the engine
+        in place); raises to refuse the update."""
+        self._began = False  # within `updating()`: a tracked optimizer passed the fence
+        for optimizer in optimizers:
+            optimizer.register_step_pre_hook(self._before_update)
 
     def state_dict(self, step: int, rng: bool = True) -> dict[str, Any]:
         """The state at committed step `step`: a checkpoint's (with this rank's RNG state),
@@ -66,10 +73,32 @@ class TrackedState:
         """The tensors are about to be overwritten (a peer's state arriving): not whole."""
         self.whole = False
 
+    def _before_update(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Every tracked optimizer's step pre-hook (`begin_update`). A step given a closure
+        runs its forward and backward inside (Lightning): its caller calls `begin_update`
+        after the closure (`Engine.fence`), and this hook, before it, passes."""
+        if kwargs.get("closure") is not None or (args and callable(args[0])):
+            return
+        self.begin_update()
+
+    def begin_update(self) -> None:
+        """An optimizer is about to update: the fence, which may refuse it (`UpdateRefused`).
+        Refused before any tracked optimizer of the update began, the state is as committed:
+        whole again, even inside `updating()`."""
+        if self.fence is not None:
+            try:
+                self.fence()
+            except UpdateRefused:
+                self.whole = self.whole or not self._began
+                raise
+        self._began = True
+
     @contextmanager
     def updating(self) -> Iterator[None]:
-        """Around an update that overwrites the state: torn if it raises."""
-        self.whole = False
+        """Around an update that overwrites the state: torn if it raises (unless the fence
+        refused it first, `begin_update`). The block's first change to the state must be a
+        tracked optimizer's step (fenced at its start) or come after `begin_update`."""
+        self.whole, self._began = False, False
         yield
         self.whole = True
 

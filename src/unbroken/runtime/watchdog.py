@@ -55,6 +55,11 @@ class Watchdog:
         with self._lock:
             self._inside = None
 
+    def aborted(self, gen: int) -> bool:
+        """This watchdog aborted generation `gen` (set before it interrupts the groups: the
+        fence reads it, `runtime/fence.py`)."""
+        return self._aborted_gen >= gen
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -97,6 +102,9 @@ class _NoWatchdog(Watchdog):
 
     def left(self) -> None:
         pass
+
+    def aborted(self, gen: int) -> bool:
+        return False
 
     def stop(self) -> None:
         pass

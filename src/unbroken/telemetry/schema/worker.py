@@ -71,6 +71,11 @@ class GenLeave(EventBody):
                       "formed; `no_state`: the state cannot come from a peer")
     holds_state: bool = doc("whether it holds the committed state")
     duration: float = doc("seconds to leave")
+    error: str | None = optional("the error it left on (`peer`, `exception`), first line: "
+                                 "`UpdateRefused` where the fence refused the step's update")
+    drained: bool | None = optional(
+        "a planned switch on a GPU: whether the device's work in flight finished before the "
+        "old groups were aborted (false: the drain's bound passed, and it was aborted)")
 
 
 @event(Event.SWITCH_FAILED)
