@@ -93,6 +93,29 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
     assert replayed == [(6, 3)], replayed  # the survivor's three earlier micro-batches
 
 
+def test_a_peer_killed_before_the_update_is_refused_at_the_fence_and_redone(
+        tmp_path, fault_free):
+    """Rank 1 dies at step 6's update point (`at=update`: its micro-batches reduced), rank 0
+    held 2 s at the same point: rank 0's watchdog aborts the generation, and the fence
+    refuses its optimizer step inside the Trainer's loop. The adapter recovers there, runs
+    the update's micro-batches again in the new generation and steps; the run ends
+    bit-identical to the fault-free one."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, *FLAGS, "--on-fault", "wait",
+                    "--fault", "crash:rank=1,step=6,at=update",
+                    "--fault", "slow:rank=0,step=6,at=update,seconds=2", script=SCRIPT,
+                    timeout=300, args=_args(out, "--accum", "2", "--save-steps", "100",
+                                            "--final", str(tmp_path / "faulted.pt")))
+    survivor = result.events("workers_started")[0]["pids"]["0"]
+    assert_recovered_in_place(result, survivor, STEPS)
+    leave = [e for e in result.events("gen_leave") if e["slot"] == 0][0]
+    assert leave["step"] == 6 and leave["holds_state"], leave
+    assert leave["error"].startswith("UpdateRefused"), leave
+    replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
+    assert replayed == [(6, 2)], replayed  # both micro-batches, their reduction again
+    _assert_identical(fault_free, tmp_path / "faulted.pt")
+
+
 def test_a_trainer_jobs_spare_takes_the_dead_rank(tmp_path, fault_free):
     """The spare built its Trainer as rank 0 of a stand-in world; promoted, it trains slot
     1's data shard: the final parameters equal the fault-free run's."""

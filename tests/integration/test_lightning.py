@@ -133,6 +133,25 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
     _assert_same_params(fault_free, tmp_path / "faulted.pt")
 
 
+def test_a_peer_killed_before_the_update_is_refused_at_the_fence(tmp_path, fault_free):
+    """Rank 1 dies at step 4's update point (`at=update`: after its last closure's reduction
+    and the check), rank 0 held 2 s there: the strategy's fence after the closure refuses
+    rank 0's update (the optimizer's own pre-hook, before the closure, let it by); the
+    update is redone in the new generation, its earlier batch first, and the final
+    parameters equal the fault-free run's."""
+    run_dir, proc = _faulted(tmp_path, flags=("--fault", "crash:rank=1,step=4,at=update",
+                                              "--fault", "slow:rank=0,step=4,at=update,seconds=2"))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
+                       explain=run_dir)
+    result = finish(proc, run_dir, timeout=300)
+    assert_recovered_in_place(result, started[0]["pids"]["0"], STEPS)
+    leave = [e for e in result.events("gen_leave") if e["slot"] == 0][0]
+    assert leave["step"] == 4 and leave["error"].startswith("UpdateRefused"), leave
+    replayed = [(e["step"], e["micro_batches"]) for e in result.events("micro_batches_replayed")]
+    assert replayed == [(4, 1)], replayed
+    _assert_same_params(fault_free, tmp_path / "faulted.pt")
+
+
 def test_a_fault_inside_lightnings_own_checkpoint_save_is_recovered_at_the_next_step(
         tmp_path, fault_free):
     """`ModelCheckpoint` every 3 steps; rank 1 SIGKILLed inside the save at step 9, after

@@ -261,12 +261,12 @@ class TrainerSteps:
         micro-batch, then the whole update is run again (`again`: from the start, after a
         recovery the caller made). `JobStopped` propagates."""
         engine = self.engine
-        step = engine.position.step
+        step, recovered = engine.position.step, again  # again after a recovery: said
         while True:
             try:
                 if again:
                     engine.enter(step)
-                    self._replay(self._micro, step, reduce_last=True, recovered=False)
+                    self._replay(self._micro, step, reduce_last=True, recovered=recovered)
                     self._clip()
                 self._metrics = {"loss": float(self._loss)}  # one sync per step
                 verdict = engine.check(step, self._metrics)
@@ -276,7 +276,7 @@ class TrainerSteps:
                 engine.fail(step, exc)
                 if self._recount(step):
                     return
-                again = True
+                again = recovered = True
                 continue
             if verdict is Verdict.COMMIT:
                 return
@@ -288,7 +288,7 @@ class TrainerSteps:
             engine.begin()  # RERUN: the same step again (a switch asked for comes first)
             if self._recount(step):
                 return
-            again = True
+            again, recovered = True, False
 
     def _clip(self) -> None:
         """The Trainer's gradient clipping, again: it clipped the first try's gradients
