@@ -152,6 +152,42 @@ def planned_switch_drain(dry: bool) -> dict:
                    drained=drained, waited_s=waited)
 
 
+def two_groups_aborted(dry: bool) -> dict:
+    """K: two NCCL groups (the default one and another, as HSDP has), each with an
+    all-reduce queued behind GPU work, aborted together by `interrupt` (each in a thread of
+    its own, bounded): how long it takes, and whether each group's next collective fails."""
+    from unbroken.errors import classify, current_device
+    from unbroken.runtime.process_group import ABORT_BOUND, AbortableGroups
+
+    dev = _device(dry)
+    backend = "gloo" if dry else "nccl"
+    groups = AbortableGroups()
+    groups.form(dist.PrefixStore("k/", _store()), 0, 1, backend, 30, 60)
+    other = dist.new_group(backend=backend, **({} if dry else {"device_id": torch.device("cuda", 0)}))
+    if not dry:
+        torch.cuda._sleep(int(2e9))
+    for group in (None, other):
+        dist.all_reduce(torch.ones(1 << 20, device=dev), group=group, async_op=True)
+    t0 = time.monotonic()
+    groups.interrupt()
+    took = round(time.monotonic() - t0, 3)
+    after = []
+    for group in (None, other):
+        try:
+            dist.all_reduce(torch.ones(4, device=dev), group=group)
+            _sync(dry)
+            after.append("no error")
+        except Exception as exc:  # noqa: BLE001
+            after.append(classify(exc, current_device()).value)
+    groups.abort()
+    if dry:
+        return _dry("two groups formed, interrupted together", took_s=took, after=after)
+    ok = took < ABORT_BOUND and after == ["peer", "peer"]
+    return _result(ok, f"both aborted in {took} s; next collectives: {after}",
+                   f"interrupt took {took} s (bound {ABORT_BOUND}); next collectives {after}",
+                   took_s=took, after=after)
+
+
 def stale_dump_key(dry: bool) -> dict:
     """B: torch's heartbeat monitor at 5 s over a store holding `exception_dump` (no one
     clears it): the in-place environment keeps the process alive for 30 s."""
@@ -529,6 +565,7 @@ CHECKS = {
     "H_environment": Check(environment_facts, 30),
     "I_fence_cost": Check(fence_cost, 60),
     "J_planned_switch_drain": Check(planned_switch_drain, 30),
+    "K_two_groups_aborted": Check(two_groups_aborted, 45),
     "1_checkpoints_at_commit": Check(checkpoints_at_commit, 60),
     "4_device_error": Check(device_error_is_own, 30),
     "6_checksum": Check(checksum_on_device, 30),

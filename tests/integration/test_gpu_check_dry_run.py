@@ -12,7 +12,7 @@ import sys
 from conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-CONTROL_FLOW = ("A", "C", "D", "E", "F", "G", "J", "1", "6")
+CONTROL_FLOW = ("A", "C", "D", "E", "F", "G", "J", "K", "1", "6")
 """The checks whose own code runs on CPU (the rest are CUDA's or NCCL's alone)."""
 
 

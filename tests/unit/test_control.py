@@ -170,3 +170,21 @@ def test_a_quiet_agent_polls_the_tcpstore_less_the_more_nodes_share_it():
     assert poll(2) == 0.0 and poll(25) == 0.0  # every look, as before
     assert poll(100) == 0.2 and poll(2048) == 0.5  # a bounded load on the one store
     assert poll(2048, "etcd") == 0.25
+
+
+def test_a_generations_rendezvous_clears_torchs_exception_dump_key_at_the_store_root():
+    """torch's NCCL heartbeat monitor polls `exception_dump` at the root of the store under
+    every prefix: a key one generation's failure left would kill every later process. The
+    TCP backend's rendezvous store deletes it there first, and nothing of the job's keys."""
+    import torch.distributed as dist
+
+    from unbroken.control.tcp import TORCH_DUMP_KEY, rendezvous_on
+
+    store = dist.HashStore()
+    store.set("unbroken/job/kept", "1")
+    store.set(TORCH_DUMP_KEY, b"\x07\x00\x00\x00")
+    gen = rendezvous_on(store, "unbroken/job/g/1/pg/")
+    assert not store.check([TORCH_DUMP_KEY]) and store.check(["unbroken/job/kept"])
+    gen.set("x", "1")
+    assert gen.check(["x"]) and not store.check(["x"])  # the generation's keys are prefixed
+    rendezvous_on(store, "unbroken/job/g/2/pg/")  # nothing to delete: no error

@@ -87,6 +87,11 @@ def connect_store(host: str, port: int, timeout: float) -> TCPStore:
         ) from None
 
 
+TORCH_DUMP_KEY = "exception_dump"
+"""The key torch's NCCL heartbeat monitor polls at the root of a process group's store
+(`ProcessGroupNCCL`'s global store: the store under every `PrefixStore`)."""
+
+
 class TcpBackend:
     """`backend.Backend` over a TCPStore; `run_id` scopes every key to one run."""
 
@@ -231,4 +236,16 @@ class TcpBackend:
 
 
     def rendezvous_store(self, prefix: str, timeout: float) -> Store:
-        return PrefixStore(self.run_prefix + prefix, connect_store(self.addr, self.port, timeout))
+        return rendezvous_on(connect_store(self.addr, self.port, timeout),
+                             self.run_prefix + prefix)
+
+
+def rendezvous_on(store: Store, prefix: str) -> Store:
+    """`store` under `prefix`, for a generation's process groups, with torch's
+    `exception_dump` key deleted at its root first: torch's NCCL heartbeat monitor polls it
+    there, past every prefix, and a key one generation's failure left would make it kill
+    every later process (nccl-risks, risk 3). Every member of every generation clears it
+    before it forms its groups (the etcd backend needs nothing: each generation's store
+    has a prefix of its own, which the monitor reads under)."""
+    store.delete_key(TORCH_DUMP_KEY)
+    return PrefixStore(prefix, store)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,29 +126,37 @@ def this_process() -> AbortableGroups:
     return _THIS_PROCESS
 
 
+ABORT_BOUND = 10.0
+"""Seconds `interrupt` waits for the NCCL groups' aborts, all running at once: an abort can
+block for the collective timeout (a communicator's abort waiting on a kernel that never
+ends, nccl-risks risk 6), and the watchdog thread that calls it must go on ticking the
+heartbeat. An abort still running past it finishes in its thread."""
+
+
 def _abort_nccl_groups() -> None:
     """Abort every process group's communicators, as `_abort_process_group()` does, but
     leave torch's registry of groups alone: the main thread, blocked in a collective, must
     fail with the communicator's error, not find the default group gone (a ValueError that
-    would pass for the script's own). The main thread tears the groups down afterwards."""
+    would pass for the script's own). The main thread tears the groups down afterwards.
+    Each group's abort runs in a thread of its own, together (not inside one NCCL group
+    call, which groups nothing for aborts), and all of them are waited for at most
+    `ABORT_BOUND` seconds in all."""
     c10d = dist.distributed_c10d
     groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
-    try:
-        backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
-    except (RuntimeError, ValueError):
-        backend = None
-    nccl = c10d.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
-    if nccl:
-        backend._group_start()  # one NCCL group: communicators' aborts cannot deadlock
-    try:
-        for group in groups:
-            try:
-                group.abort()
-            except RuntimeError:
-                pass  # already aborted (NCCL's own error handling got there first)
-    finally:
-        if nccl:
-            backend._group_end()
+
+    def abort(group: Any) -> None:
+        try:
+            group.abort()
+        except RuntimeError:
+            pass  # already aborted (NCCL's own error handling got there first)
+
+    threads = [threading.Thread(target=abort, args=(g,), name="unbroken-abort", daemon=True)
+               for g in groups]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + ABORT_BOUND
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass(frozen=True)
