@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -112,6 +113,9 @@ def main() -> int:
                         help="CPU tensors and gloo: the checks' own code, nothing about CUDA")
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON lines file (default: a new one in the temp folder)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="checks run at once (with --dry-run only: on a GPU the checks "
+                             "share one device, and their timings must not)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -134,9 +138,12 @@ def main() -> int:
     env = in_place_env()
     device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     print(f"{device}, torch {torch.__version__}; results in {out}", flush=True)
+    if args.jobs > 1 and not args.dry_run:
+        parser.error("--jobs: with --dry-run only (the checks share one GPU)")
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        lines = list(pool.map(lambda key: run_check(key, out, args.dry_run, env), keys))
     checks = {}
-    for key in keys:
-        line = run_check(key, out, args.dry_run, env)
+    for key, line in zip(keys, lines, strict=True):
         checks[key] = {k: v for k, v in line.items() if k != "check"}
         print(f"{key:18} {line['result']:7} {line.get('seconds', 0):6.1f}s  {line['why']}",
               flush=True)

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 
+import pytest
 import torch
 from conftest import (
     SCRIPTS,
@@ -188,16 +189,23 @@ def test_two_workers_killed_at_once(tmp_path):
     _assert_in_place(result, result_faults, replaced={1, 2})
 
 
-def test_kill_during_a_recovery(tmp_path):
-    """Rank 2 dies while the group re-forms after rank 1's death: a second plan follows."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3",
+@pytest.mark.parametrize("policy", [(), ("--on-fault", "wait")], ids=["shrink", "wait"])
+def test_kill_during_a_recovery(tmp_path, policy):
+    """Rank 2 dies while the group re-forms after rank 1's death: a second plan follows.
+    Under `wait` the next generation has a fresh replacement beside survivors whose failed
+    try had advanced torch's group-name counter: each member now names its groups from 0
+    (they named the world "1" and "0", and every later generation failed to form)."""
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3", *policy,
                     "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=0,at=join",
                     args=ARGS)
     _assert_in_place(result, [("crash", 1), ("crash", 2)], replaced={1, 2})
     injected = [e for e in result.events("fault_injected") if e["at"] == "join"]
     assert injected and injected[0]["rank"] == 2
-    # The survivors went through more than one plan before a generation held.
+    # The survivors went through more than one plan before a generation held, and within the
+    # join bound of the failed one (the join timeout, 60 s by default, and a second).
     assert len(result.events("gen_plan")) >= 2
+    up = [e["t"] for e in result.events("gen_up") if e["t"] > injected[0]["t"]]
+    assert up and up[0] - injected[0]["t"] < 60 + 1, up
 
 
 def test_fallback_to_full_restart_when_no_holder_is_left(tmp_path):

@@ -35,6 +35,8 @@ p.add_argument("--own-group", action="store_true",
                     "Lightning and torchtitan do")
 p.add_argument("--replacements-crash", action="store_true",
                help="a replacement worker raises before it can join (a crash loop)")
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+               help="cuda: the model on this worker's GPU, NCCL (benchmarks/gpu_multi.py)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -45,7 +47,8 @@ run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.ch
 if args.replacements_crash and run.joining and not run.spare:
     raise RuntimeError("this replacement cannot start")
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else "cpu"
+model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)).to(device)
 if args.fsdp:
     from torch.distributed.fsdp import fully_shard
 
@@ -67,7 +70,7 @@ def build():
 
 def step_fn(step, net):
     g = torch.Generator().manual_seed(step * 100 + run.rank)
-    x = torch.randn(4, 6, generator=g)
+    x = torch.randn(4, 6, generator=g).to(device)
     net(x).pow(2).mean().backward()
     if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
         time.sleep(args.step_sleep)

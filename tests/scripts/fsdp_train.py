@@ -28,23 +28,26 @@ p.add_argument("--checkpoint-every", type=int, default=10)
 p.add_argument("--out", default=None)
 p.add_argument("--two-meshes", action="store_true",
                help="shard the layers on two distinct meshes (not recoverable in place)")
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+               help="cuda: the model on this worker's GPU, NCCL (benchmarks/gpu_multi.py)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
 run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     snapshot_every=args.snapshot_every)
 world = run.world_size
+device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else "cpu"
 if args.hsdp:
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(args.device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
 else:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("shard",))
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(),
-                            torch.nn.Linear(args.width, 8))
+                            torch.nn.Linear(args.width, 8)).to(device)
 for layer in (model[0], model[2]):
     fully_shard(layer, mesh=mesh)
     if args.two_meshes:  # a mesh of another name: equal meshes would count as one
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
+        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("other",))
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 run.track(model, optimizer)
@@ -52,13 +55,13 @@ run.track(model, optimizer)
 
 def step_fn(step, net):
     g = torch.Generator().manual_seed(step * 100 + run.rank)
-    net(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    net(torch.randn(4, 8, generator=g).to(device)).pow(2).mean().backward()
     if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
         time.sleep(args.step_sleep)
 
 
 run.train(step_fn, steps=args.steps)
-full = [p.full_tensor().detach() for p in model.parameters()]
+full = [p.full_tensor().detach().cpu() for p in model.parameters()]
 if args.out and (not dist.is_initialized() or dist.get_rank() == 0):
     torch.save(full, args.out)
 run.close()

@@ -188,9 +188,9 @@ class Engine:
         tracked.fence = self.fence if self.in_place else None
         if self.heartbeat is not None and self.in_place:
             self.heartbeat.set_generation(pos.gen)
-            self._watchdog = Watchdog(self.heartbeat, self.groups.interrupt,
-                                      lambda gen, target, step: self.events.emit(
-                                          ev.AbortOnNotice(gen=gen, target_gen=target, step=step)))
+            self._watchdog = self.generations.watchdog = Watchdog(
+                self.heartbeat, self.groups.interrupt, lambda gen, target, step: self.events.emit(
+                    ev.AbortOnNotice(gen=gen, target_gen=target, step=step)))
             self._watchdog.start()
 
     def start_plain(self, last_step: int) -> None:

@@ -69,6 +69,13 @@ class AbortableGroups:
         block us for long); collectives then get the user's `timeout`.
         """
         self.backend = backend
+        if not dist.is_initialized():
+            # torch names each group by a process-wide counter, which `init_process_group`
+            # advances before its rendezvous and only destroying a formed world resets: a
+            # survivor whose earlier try timed out would name this world "1" where a fresh
+            # replacement names it "0", and every later rendezvous would wait for keys the
+            # other never writes. Every member starts each generation from 0.
+            dist.distributed_c10d._world.group_count = 0
         with self.recording():
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=join_timeout),

@@ -10,8 +10,12 @@ whole thing and falls back to a full restart, so it never hangs.
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ from unbroken.runtime.process_group import (
     nccl_backed,
 )
 from unbroken.runtime.state_sync import NoStateError, SyncResult, sync_state
+from unbroken.runtime.watchdog import NO_WATCHDOG, Watchdog
 from unbroken.telemetry import schema as ev
 
 DRAIN_BOUND = 10.0
@@ -35,6 +40,36 @@ DRAIN_BOUND = 10.0
 collectives after its commit) before it aborts the old groups anyway: past it, a member
 must have died in a collective, and the switch is a fault's (bounded below by the join
 timeout)."""
+
+
+FORM_SLACK = 10.0
+"""Seconds past the join timeout after which a worker still forming a generation's NCCL
+groups exits (`exit_if_stuck`): gloo's rendezvous and init time out at the join timeout,
+NCCL's blocking init waits for a member that never arrives without end."""
+
+
+@contextmanager
+def exit_if_stuck(bound: float, gen: int, armed: bool) -> Iterator[None]:
+    """Around forming generation `gen`'s groups: if it has not returned within `bound`
+    seconds (and `armed`: NCCL), say so and exit, so that this worker's agent replaces it
+    and the job goes on (a process blocked in `ncclCommInitRank` cannot be woken)."""
+    if not armed:
+        yield
+        return
+
+    def stuck() -> None:
+        print(f"unbroken: generation {gen}'s NCCL groups did not form within {bound:g} s (a "
+              "member never arrived, and NCCL's init does not time out): this worker exits, "
+              "and its agent replaces it", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(bound, stuck)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @dataclass
@@ -65,6 +100,10 @@ class Generations:
         self.gen = 0
         self.sharded = False  # set by the run: departures say so, and the leader waits
         self.fixed_world: str | None = None  # what fixed the world size (`Engine.fix_world`)
+        self.watchdog: Watchdog = NO_WATCHDOG
+        """The engine's (set when it starts): a switch's state sync and rebuild are inside
+        its abort window, so that a member dying then fails them at once (the leader breaks
+        the generation being joined) instead of after the collective timeout."""
 
     def fix_world(self, who: str) -> None:
         """`who` (e.g. "the Trainer") caches the world size: from now on every departure of
@@ -138,17 +177,22 @@ class Generations:
             try:
                 self.fault_point("join", committed_step)
                 store = self.membership.store_for(plan, self.join_timeout)
-                ckpt_groups = self.groups.form(store, plan.rank,
-                                              plan.world_size, self.backend, self.join_timeout,
-                                              self.timeout)
+                with exit_if_stuck(self.join_timeout + FORM_SLACK, plan.gen,
+                                   nccl_backed(self.backend, torch.cuda.is_available())):
+                    ckpt_groups = self.groups.form(store, plan.rank, plan.world_size,
+                                                  self.backend, self.join_timeout, self.timeout)
                 t3 = time.monotonic()
-                result = sync(plan, committed_step, holds_state)
-                t4 = time.monotonic()
-                rolled_back = max(0, committed_step - result.step) if holds_state else 0
-                committed_step, holds_state = result.step, True
-                formed(plan, ckpt_groups, result.step)
-                arrived = Position(plan.rank, plan.world_size, result.step, plan.gen, True)
-                view = build(arrived)
+                self.watchdog.entered(plan.gen, committed_step)  # abortable from here
+                try:
+                    result = sync(plan, committed_step, holds_state)
+                    t4 = time.monotonic()
+                    rolled_back = max(0, committed_step - result.step) if holds_state else 0
+                    committed_step, holds_state = result.step, True
+                    formed(plan, ckpt_groups, result.step)
+                    arrived = Position(plan.rank, plan.world_size, result.step, plan.gen, True)
+                    view = build(arrived)
+                finally:
+                    self.watchdog.left()
                 t5 = time.monotonic()
             except (NoStateError, TypeError) as exc:
                 # Nobody holds state, or ours cannot travel whole (sharded): a checkpoint must.
