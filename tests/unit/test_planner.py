@@ -495,6 +495,18 @@ def test_a_fault_that_recurs_before_any_step_is_committed_restarts_every_worker(
     assert s.budget.spent == 2  # both faults paid, no more
 
 
+def test_a_death_before_any_step_is_committed_is_recovered_in_place_again():
+    """A promoted spare killed at once: the survivors are at the same committed step, but a
+    death is not a recurring fault (only an exception of the job's own code is)."""
+    s = fresh()
+    s, out = run(s, deaths=[death(1, node=0)])
+    s, out = run(s, nleft=3, departures=all_left(s, except_dead={"1.0"}), now=100.05)
+    s, _ = run(s, nup=3, now=100.1)
+    s, _ = run(s, deaths=[death(2, node=0)], now=100.2)
+    s, out = run(s, nleft=2, departures=all_left(s, except_dead={"1.0", "2.0"}), now=100.3)
+    assert not of(out, EndAttempt), out
+
+
 def test_a_fault_after_a_committed_step_is_recovered_in_place_again():
     s = fresh()
     deps = all_left(s)

@@ -405,9 +405,9 @@ class _Decision:
         if rec.held is None:
             rec.held = max(r.step for r in left.values())
             again, s.last_held = rec.held == s.last_held, rec.held
-            if again and rec.faults:
-                # Recovering a fault that recurs at once in place again would spend the whole
-                # budget in a second on one cause (say, a framework that counted the old world).
+            if again and any(f.kind == FaultKind.EXCEPTION for f in rec.faults):
+                # An exception that recurs at once in place would spend the whole budget in a
+                # second (a framework that counted the old world); a death is another fault.
                 why = (f"a second fault at step {rec.held} before any step was committed "
                        "since the last recovery in place: restarting every worker")
                 self.say(why)
