@@ -203,11 +203,16 @@ def holds_nccl(group: Any) -> bool:
     """`group` has an NCCL backend for CUDA, whatever its name string said: decided by the
     backend's class (legacy or nccl2), so that `init_process_group()` with no backend and
     the mixed "cpu:gloo,cuda:nccl" are aborted like "nccl"."""
+    return _nccl_backend(group) is not None
+
+
+def _nccl_backend(group: Any) -> Any:
+    """`group`'s CUDA backend if it is NCCL's (by class), else None."""
     try:
         backend = group._get_backend(torch.device("cuda"))
     except (RuntimeError, ValueError, AttributeError):
-        return False  # no CUDA backend (gloo alone, or a CPU build of torch)
-    return type(backend).__name__ in NCCL_CLASSES
+        return None  # no CUDA backend (gloo alone, or a CPU build of torch)
+    return backend if type(backend).__name__ in NCCL_CLASSES else None
 
 
 def drain_device(timeout: float) -> bool | None:
@@ -237,11 +242,7 @@ def nccl_errors() -> list[str]:
     c10d = dist.distributed_c10d
     backends = []
     for group, name in list(c10d._world.pg_names.items()):
-        try:
-            backend = group._get_backend(torch.device("cuda"))
-        except (RuntimeError, ValueError, AttributeError):
-            continue
-        if type(backend).__name__ in NCCL_CLASSES:
+        if (backend := _nccl_backend(group)) is not None:
             backends.append((name, backend))
     return errors_of(backends)
 
