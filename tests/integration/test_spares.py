@@ -35,6 +35,8 @@ from conftest import (
     wait_for,
 )
 
+from unbroken.runtime.run import _JOIN_TIMEOUT  # how long a member waits to form a generation
+
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 
 
@@ -203,6 +205,47 @@ def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_pa
     assert stall < 3 * median + 0.05, (stall, median)
     # Bit-identical to the run without a drain: the spare got the exact state of rank 1.
     _same(torch.load(tmp_path / "drained.pt", weights_only=True),
+          torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+def test_a_peer_killed_in_a_drains_teardown_fails_over_within_the_join_bound(tmp_path):
+    """A drain moves rank 1 onto a spare; rank 2 is SIGKILLed in the drain's teardown (its
+    device drained, its old groups not yet torn down: `at=teardown`). The planned switch
+    becomes a fault switch at the same committed step: the second spare takes rank 2, rank
+    0 reaches the next generation within the worker's join bound + 1 s of the kill, and the
+    job ends bit-identical to a run with neither the drain nor the kill."""
+    steps = 200
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "3", script=CKPT_TRAIN,
+                   args=_args(steps, str(tmp_path / "clean.pt"), paced=False))
+    assert clean.code == 0, clean.output
+    run_dir, fast = tmp_path / "run", tmp_path / "fast"
+    proc = start(run_dir, "--nproc-per-node", "3", "--spares", "2", "--max-restarts", "1",
+                 "--fault", "crash:rank=2,step=0,at=teardown",
+                 script=CKPT_TRAIN, args=[*_args(steps, str(tmp_path / "final.pt"), paced=False),
+                                          *_paced(fast)])
+    wait_for(lambda: len(events_of(run_dir, "spare_ready")) == 2, 120, "both spares to warm up")
+    cmd = subprocess.run(unbroken_cmd("drain", str(run_dir), "--rank", "1", "--timeout", "60"),
+                         capture_output=True, text=True, timeout=90, cwd=REPO)
+    wait_for(lambda: any(e["step"] >= _switch_step(run_dir) + 3 for e in events_of(run_dir, "step")
+                         if e["rank"] == 0), 60, "3 paced steps after the switch")
+    fast.touch()
+    result = finish(proc, run_dir)
+    assert result.code == 0, result.output
+    (killed,) = [e for e in result.events("fault_injected") if e["at"] == "teardown"]
+    assert killed["rank"] == 2 and killed["kind"] == "crash"
+    # Both ranks refilled from the spares: the job never shrank, and nobody restarted.
+    assert not result.events("restart")
+    assert {e["world_size"] for e in result.events("gen_plan")} == {3}
+    promoted = [e for e in result.events("spare_promoted") if e["source"] == "agent"]
+    assert len(promoted) == 2, (promoted, cmd.stdout, cmd.stderr)
+    # Rank 0, a survivor, in the generation that holds: within the join bound of the kill.
+    (rank0,) = [e for e in result.events("gen_switch") if e["slot"] == 0]
+    assert rank0["step"] == killed["step"], "the same committed step: nothing redone, none lost"
+    took = rank0["t"] - killed["t"]
+    print(f"teardown kill: rank 0 in generation {rank0['gen']} {took:.2f} s after it "
+          f"({rank0['tries']} tries)")
+    assert took < _JOIN_TIMEOUT + 1.0, took
+    _same(torch.load(tmp_path / "final.pt", weights_only=True),
           torch.load(tmp_path / "clean.pt", weights_only=True))
 
 

@@ -3,7 +3,9 @@
 Process faults (`crash`, `hang`, `exception`, `device_error`, `slow`) take `at=POINT`, where
 the fault fires: `step` (default) at the start of step S; `join` when the worker, holding
 step S or later, starts forming a new generation's groups (a fault during a recovery);
-`send` when it is about to send its state to a peer (the state sender dies); `update` just
+`send` when it is about to send its state to a peer (the state sender dies); `teardown` in a
+planned switch (a drain, a promotion), once the device has drained and before the old groups
+are torn down; `update` just
 before step S's update, its gradients reduced (at the fence, `runtime/fence.py`); `persist` in
 the background checkpoint writer, once the files of a checkpoint of step S or later are
 written but before it is committed (`crash`: the worker dies mid-write; `exception`: the
@@ -54,7 +56,15 @@ FAULT_KINDS = {
                "bit `bit`, default 20, of element `index` of parameter `param`)",
 }
 
-FAULT_POINTS = ("step", "join", "send", "update", "persist")
+FAULT_POINTS = {
+    "step": "at the start of the step (the default)",
+    "join": "when the worker starts forming a new generation's groups (a fault in a recovery)",
+    "send": "when it is about to send its state to a peer",
+    "teardown": "in a planned switch, the device drained, before the old groups are torn down",
+    "update": "just before the step's update, its gradients reduced (at the fence)",
+    "persist": "in the background checkpoint writer, files written, before the commit",
+}
+"""Where a process fault fires (`at=`): each point's name and when it fires."""
 
 # The numeric kinds fire at one fixed point each: after backward, when the loss is checked,
 # after the update.

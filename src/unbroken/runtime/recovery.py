@@ -122,8 +122,12 @@ class Generations:
         (`SWITCH`: every member healthy, at a step boundary) first lets the device's work
         in flight finish (`drain_device`, bounded by `DRAIN_BOUND`), so that the abort
         interrupts no healthy collective; whether it did is returned (None: not planned)."""
-        drained = drain_device(min(DRAIN_BOUND, self.join_timeout)) \
-            if reason is LeaveReason.SWITCH else None
+        drained = None
+        if reason is LeaveReason.PEER:  # the flight recorder's evidence, before the abort
+            self.watchdog.dump("peer", self.gen)
+        if reason is LeaveReason.SWITCH:
+            drained = drain_device(min(DRAIN_BOUND, self.join_timeout))
+            self.fault_point("teardown", step)
         self.groups.abort()
         self.membership.leave(self.gen, step, holds_state, reason, sharded=self.sharded,
                               fixed_world=self.fixed_world,
