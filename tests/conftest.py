@@ -75,15 +75,16 @@ def unbroken_cmd(*args: str) -> list[str]:
 
 
 def start(run_dir: Path, *flags: str, script: Path | str = EXAMPLE, args: list[str] | None = None,
-          port: int | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `unbroken run` in the background, from `cwd` (default the repo); output goes to
-    run_dir/../agent-N.out."""
+          port: int | None = None, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `unbroken run` in the background, from `cwd` (default the repo), in `env`
+    (default ours); output goes to run_dir/../agent-N.out."""
     port_flags = ["--master-port", str(port)] if port is not None else ["--standalone"]
     cmd = unbroken_cmd("run", "--run-dir", str(run_dir), *port_flags, *flags, str(script), *(args or []))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out", "w+b")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd or REPO,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     proc.output_file = out  # type: ignore[attr-defined]
     return proc
 

@@ -10,6 +10,7 @@ loose, as a loaded machine must not fail them.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -101,3 +102,31 @@ def test_a_noisy_step_time_and_a_declared_long_evaluation_kill_nobody(tmp_path):
     # The jitter was real: sleeps from 10 to 30 ms spread the steps by about 20 ms (a ratio
     # would shrink as a loaded machine's compute time grows; the spread does not).
     assert durations[-20] - durations[20] > 0.01, (durations[20], durations[-20])
+
+
+def test_the_flight_recorder_is_dumped_by_every_rank_before_a_hang_is_cut(tmp_path):
+    """Flight recorder on (`TORCH_FR_BUFFER_SIZE`): rank 1 hangs alive in its step (a 300 s
+    `slow` fault: its watchdog thread still runs), ranks 0 and 2 wait for it in the gradient
+    all-reduce. Before the leader's verdict kills rank 1, its agent asks it to dump (reason
+    `asked`); ranks 0 and 2 dump before they leave the generation. Each dump is torch's own, with rank 0's and rank 2's last collective an all-reduce the culprit never
+    joined; the job then recovers in place and finishes."""
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "64"}
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "1",
+                    "--hang-timeout", "3", "--fault", "slow:rank=1,step=8,seconds=300",
+                    args=["--steps", "20", *TINY], env=env, timeout=300)
+    assert result.code == 0, result.output
+    (blamed,) = result.events("hang_blamed")
+    assert blamed["slot"] == 1
+    dumps = {e["rank"]: e for e in result.events("flight_recorder_dumped")}
+    assert dumps[1]["reason"] == "asked" and dumps.keys() == {0, 1, 2}, dumps
+    # gloo fails the survivors' all-reduce when the culprit dies (`peer`); NCCL would wait
+    # until the watchdog aborts it (`abort`): either is first, once
+    assert {dumps[0]["reason"], dumps[2]["reason"]} <= {"peer", "abort"}
+    assert all(dumps[r]["t"] < blamed["t"] + 5 for r in dumps)
+    for rank in (0, 2):
+        path = result.run_dir / "node_0" / "flight_recorder" / f"rank_{rank}"
+        assert dumps[rank]["path"] == str(path)
+        trace = pickle.loads(path.read_bytes())  # noqa: S301 - torch's own dump, written here
+        last = trace["entries"][-1]
+        assert "all_reduce" in last["profiling_name"], last
+    assert not result.events("restart")  # recovered in place

@@ -27,6 +27,8 @@ The page, in native 8-byte words (little-endian), in this order:
 | generation | `GEN_FORMAT` at `GEN_OFFSET` | the worker |
 | target generation, target step | `TARGET_FORMAT` at `TARGET_OFFSET` | the agent |
 | alive (monotonic_ns) | `ALIVE_FORMAT` at `ALIVE_OFFSET` | the worker's watchdog |
+| flight recorder dumps asked | `DUMP_FORMAT` at `DUMP_OFFSET` | the agent |
+| flight recorder dumps served | `DUMP_FORMAT` at `DUMPED_OFFSET` | the worker's watchdog |
 
 Each field is written as whole aligned words; a reader of several fields takes a `settled`
 read, since the other side may be writing them.
@@ -46,10 +48,13 @@ PROGRESS_OFFSET = struct.calcsize("<qqqq")  # the last field of BEAT_FORMAT, bum
 GEN_FORMAT = "<q"  # the generation the worker is in: written by the worker
 TARGET_FORMAT = "<qq"  # generation to move to, and from which step: written by the agent
 ALIVE_FORMAT = "<q"  # monotonic_ns of the watchdog thread's last run: written by the worker
+DUMP_FORMAT = "<q"  # a count of flight-recorder dumps: asked by the agent, served by the worker
 GEN_OFFSET = struct.calcsize(BEAT_FORMAT)
 TARGET_OFFSET = GEN_OFFSET + struct.calcsize(GEN_FORMAT)
 ALIVE_OFFSET = TARGET_OFFSET + struct.calcsize(TARGET_FORMAT)
-SIZE = ALIVE_OFFSET + struct.calcsize(ALIVE_FORMAT)  # the page's length in bytes
+DUMP_OFFSET = ALIVE_OFFSET + struct.calcsize(ALIVE_FORMAT)
+DUMPED_OFFSET = DUMP_OFFSET + struct.calcsize(DUMP_FORMAT)
+SIZE = DUMPED_OFFSET + struct.calcsize(DUMP_FORMAT)  # the page's length in bytes
 
 PHASE_STARTING = 0  # process up, no step finished yet
 PHASE_TRAINING = 1  # between or inside steps

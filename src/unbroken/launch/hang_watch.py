@@ -27,6 +27,7 @@ from unbroken.launch.culprit import frozen
 from unbroken.launch.worker_process import WorkerProcess
 
 HANG_QUIET = 3.0  # after a hang kill, seconds before another worker may be declared hung
+DUMP_WAIT = 1.0  # seconds a blamed worker's flight-recorder dump may hold up its kill
 
 
 class HangWatch:
@@ -131,9 +132,28 @@ class HangWatch:
         w = next((w for w in self._workers() if w.wid == order.wid), None)
         if w is None or w.proc.poll() is not None:
             return False
+        ask_dump(w)
         # The detail's words are the users' (logs, the report): kept as they were.
         self._kill_hung(w, w.hang.step_timeout(), f"blamed by the leader: {order.reason}; killed")
         return True
+
+
+def ask_dump(w: WorkerProcess) -> bool:
+    """Before a blamed worker is killed: ask its watchdog thread to dump torch's flight
+    recorder (it does where the worker turned the recorder on: `runtime/flight_recorder.py`),
+    and wait up to `DUMP_WAIT` for it. Not asked of a process that cannot answer: stopped,
+    or whose watchdog has not ticked for a second. True if it answered."""
+    beat = w.heartbeat.read()
+    if beat is None or beat.alive is None or time.monotonic() - beat.alive > 1.0 \
+            or is_stopped(w.pid):
+        return False
+    asked = w.heartbeat.ask_dump()
+    deadline = time.monotonic() + DUMP_WAIT
+    while asked is not None and time.monotonic() < deadline:
+        if w.heartbeat.dump_served(asked):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def is_stopped(pid: int) -> bool:

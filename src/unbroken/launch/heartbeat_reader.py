@@ -15,6 +15,9 @@ from unbroken.control.heartbeat_page import (
     ALIVE_FORMAT,
     ALIVE_OFFSET,
     BEAT_FORMAT,
+    DUMP_FORMAT,
+    DUMP_OFFSET,
+    DUMPED_OFFSET,
     GEN_FORMAT,
     GEN_OFFSET,
     SIZE,
@@ -65,6 +68,20 @@ class HeartbeatReader:
         words[TARGET_OFFSET // 8] = generation
         words.release()
         return True
+
+    def ask_dump(self) -> int | None:
+        """Ask the worker's watchdog to dump torch's flight recorder (where the worker turned
+        it on); returns the count to wait for (`dump_served`), None without a heartbeat."""
+        if self._map is None and self.read() is None:
+            return None
+        asked = struct.unpack_from(DUMP_FORMAT, self._map, DUMP_OFFSET)[0] + 1
+        struct.pack_into(DUMP_FORMAT, self._map, DUMP_OFFSET, asked)
+        return asked
+
+    def dump_served(self, asked: int) -> bool:
+        """The worker served the dump `ask_dump` returned `asked` for."""
+        return self._map is not None and \
+            struct.unpack_from(DUMP_FORMAT, self._map, DUMPED_OFFSET)[0] >= asked
 
     def promote(self, slot: int) -> bool:
         """Tell a waiting spare which slot it now fills."""

@@ -216,5 +216,7 @@ class EngineSettings:
     """Collectives' timeout, in seconds."""
     node: int = 0
     """The node this worker runs on (the straggler detector names it)."""
+    node_dir: str | None = None
+    """This node's run directory under `unbroken run` (flight-recorder dumps go there)."""
     anomalies: AnomalyConfig = field(default_factory=AnomalyConfig)
     """The detectors of what does not crash."""

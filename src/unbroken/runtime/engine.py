@@ -49,6 +49,7 @@ from unbroken.runtime.anomaly_duty import AnomalyDuty
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
 from unbroken.runtime.fence import Fence, unfenceable
+from unbroken.runtime.flight_recorder import FlightRecorder
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
@@ -64,7 +65,7 @@ from unbroken.runtime.progress import ProgressMarks, seed_step
 from unbroken.runtime.recovery import Generations
 from unbroken.runtime.switching import NotNeeded, Switcher
 from unbroken.runtime.tracked import TrackedState
-from unbroken.runtime.watchdog import NO_WATCHDOG, Watchdog
+from unbroken.runtime.watchdog import NO_WATCHDOG, Watchdog, watch
 from unbroken.runtime.world import is_fake_world, is_sharded
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
@@ -188,10 +189,9 @@ class Engine:
         tracked.fence = self.fence if self.in_place else None
         if self.heartbeat is not None and self.in_place:
             self.heartbeat.set_generation(pos.gen)
-            self._watchdog = self.generations.watchdog = Watchdog(
-                self.heartbeat, self.groups.interrupt, lambda gen, target, step: self.events.emit(
-                    ev.AbortOnNotice(gen=gen, target_gen=target, step=step)))
-            self._watchdog.start()
+            self._watchdog = self.generations.watchdog = watch(
+                self.heartbeat, self.groups.interrupt, self.events.emit, FlightRecorder(
+                    self.settings.node_dir, lambda: self._position.rank, self.events.emit))
 
     def start_plain(self, last_step: int) -> None:
         """Enter the job for a loop that steps the optimizer itself, up to `last_step`:

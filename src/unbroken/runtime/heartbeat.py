@@ -20,6 +20,9 @@ from unbroken.control.heartbeat_page import (
     ALIVE_FORMAT,
     ALIVE_OFFSET,
     BEAT_FORMAT,
+    DUMP_FORMAT,
+    DUMP_OFFSET,
+    DUMPED_OFFSET,
     GEN_FORMAT,
     GEN_OFFSET,
     LEAVE_NOW,
@@ -61,6 +64,7 @@ class HeartbeatWriter:
         struct.pack_into(GEN_FORMAT, self._map, GEN_OFFSET, -1)
         struct.pack_into(TARGET_FORMAT, self._map, TARGET_OFFSET, -1, 0)
         struct.pack_into(ALIVE_FORMAT, self._map, ALIVE_OFFSET, 0)
+        struct.pack_into(DUMP_FORMAT, self._map, DUMPED_OFFSET, 0)
         self._words = memoryview(self._map).cast("q")  # aligned 8-byte stores, each whole
         self._progress = 0
         self.phase = PHASE_STARTING
@@ -95,6 +99,17 @@ class HeartbeatWriter:
         before."""
         target_gen, at_step = self.target()
         return target_gen > gen and step >= at_step
+
+    def dump_asked(self) -> int | None:
+        """The count of flight-recorder dumps the agent asked for, if more than were served
+        (`dumped`); None otherwise."""
+        asked = struct.unpack_from(DUMP_FORMAT, self._map, DUMP_OFFSET)[0]
+        served = struct.unpack_from(DUMP_FORMAT, self._map, DUMPED_OFFSET)[0]
+        return asked if asked > served else None
+
+    def dumped(self, asked: int) -> None:
+        """Dumps up to `asked` are served (written, or nothing to write)."""
+        struct.pack_into(DUMP_FORMAT, self._map, DUMPED_OFFSET, asked)
 
     def promotion(self) -> int | None:
         """A spare's slot, once its agent has promoted it."""

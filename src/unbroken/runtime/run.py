@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from unbroken.control import departure_post
-from unbroken.control.worker_env import Role, WorkerEnv
+from unbroken.control.worker_env import Role, WorkerEnv, node_dir
 from unbroken.errors import UserError
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
@@ -89,6 +89,7 @@ class Run:
             seed=config.seed, shadow_steps=env.shadow_steps,
             snapshot_every=config.snapshot_every, snapshot_replicas=config.snapshot_replicas,
             local_world=env.local_world_size, timeout=config.timeout, node=env.node_rank,
+            node_dir=str(node_dir(env.run_dir, env.node_rank)) if env.run_dir else None,
             anomalies=config.anomalies)
         started = process_start_time()
         events.emit(ev.WorkerStart(pid=os.getpid(), world_size=env.world_size,

@@ -10,7 +10,10 @@ Every `period` seconds it
   aborts the generation's groups (`AbortableGroups.interrupt`). A planned switch (a
   grow-back, a drain: a step number) is made at that step boundary, never aborted. A collective
   blocked on a peer that will never answer then fails at once, and the main thread leaves by
-  the normal path (a peer error), instead of waiting for a socket that never closes.
+  the normal path (a peer error), instead of waiting for a socket that never closes;
+- dumps torch's flight recorder (where the user turned it on) before such an abort, and when
+  its agent asks, before the agent kills a rank blamed for a hang
+  (`runtime/flight_recorder.py`).
 
 The contract with the main thread (the engine's step transaction): it calls `entered(gen, step)` before a step's
 body and `left()` after the step's last collective (its checkpoint decision included). The
@@ -24,15 +27,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from unbroken.runtime.flight_recorder import FlightRecorder
 from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatWriter
+from unbroken.telemetry import schema as ev
 
 
 class Watchdog:
     def __init__(self, heartbeat: HeartbeatWriter, interrupt: Callable[[], None],
-                 on_abort: Callable[[int, int, int], None], period: float = 0.05) -> None:
+                 on_abort: Callable[[int, int, int], None], period: float = 0.05,
+                 dump: Callable[[str], object] = lambda reason: None) -> None:
         """`interrupt()` aborts the current generation's groups without tearing them down;
-        `on_abort(gen, target_gen, step)` records that it did (called outside the lock)."""
+        `on_abort(gen, target_gen, step)` records that it did (called outside the lock);
+        `dump(reason)` dumps the flight recorder (`FlightRecorder.dump`)."""
         self._heartbeat = heartbeat
+        self._dump = dump
+        self._dumped_gen = -1
+        self._dump_lock = threading.Lock()
         self._interrupt = interrupt
         self._on_abort = on_abort
         self.period = period
@@ -60,6 +70,16 @@ class Watchdog:
         fence reads it, `runtime/fence.py`)."""
         return self._aborted_gen >= gen
 
+    def dump(self, reason: str, gen: int) -> None:
+        """Dump the flight recorder for generation `gen`'s end, once per generation: the first
+        to see it end (this thread's abort, or the main thread leaving on a peer's error,
+        `Generations.leave`) has the evidence; a later dump would record the abort's work."""
+        with self._dump_lock:
+            if self._dumped_gen >= gen:
+                return
+            self._dumped_gen = gen
+        self._dump(reason)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -69,6 +89,12 @@ class Watchdog:
         while not self._stop.wait(self.period):
             self._heartbeat.tick()
             try:
+                asked = self._heartbeat.dump_asked()
+                if asked is not None:
+                    try:
+                        self._dump("asked")
+                    finally:
+                        self._heartbeat.dumped(asked)
                 aborted = self._abort_if_due()
                 if aborted is not None:
                     self._on_abort(*aborted)
@@ -83,9 +109,20 @@ class Watchdog:
             gen, step = self._inside
             if target_gen <= gen or at_step != LEAVE_NOW or self._aborted_gen >= gen:
                 return None
+            self.dump("abort", gen)  # the collective it is blocked in, before the abort ends it
             self._aborted_gen = gen
             self._interrupt()
         return gen, target_gen, step
+
+
+def watch(heartbeat: HeartbeatWriter, interrupt: Callable[[], None],
+          record: Callable[..., object], flight: FlightRecorder) -> Watchdog:
+    """The engine's watchdog, started: its aborts are `abort_on_notice` events, and it dumps
+    `flight`'s recorder (called once the worker's first generation is up)."""
+    dog = Watchdog(heartbeat, interrupt, lambda gen, target, step: record(
+        ev.AbortOnNotice(gen=gen, target_gen=target, step=step)), dump=flight.dump)
+    dog.start()
+    return dog
 
 
 class _NoWatchdog(Watchdog):
@@ -93,6 +130,9 @@ class _NoWatchdog(Watchdog):
 
     def __init__(self) -> None:
         self.errors = []
+
+    def dump(self, reason: str, gen: int) -> None:
+        pass
 
     def start(self) -> None:
         pass

@@ -39,6 +39,7 @@ class Event(StrEnum):
     EXIT_AFTER_DONE = "exit_after_done"
     FAULT = "fault"
     FAULT_INJECTED = "fault_injected"
+    FLIGHT_RECORDER_DUMPED = "flight_recorder_dumped"
     FORGED_MESSAGE = "forged_message"
     GEN_LEAVE = "gen_leave"
     GEN_PLAN = "gen_plan"

@@ -68,7 +68,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "worker": (
         "WorkerStart", "Resume", "Step", "StepFailed", "GenLeave", "SwitchFailed", "GenSwitch",
         "InPlaceUnavailable", "JoinerUnused", "SpareReady", "ShardSync", "SnapshotConfig",
-        "SnapshotsRefused", "AbortOnNotice", "Phase", "FaultInjected", "TrainingDone",
+        "SnapshotsRefused", "AbortOnNotice", "Phase", "FlightRecorderDumped", "FaultInjected", "TrainingDone",
         "StepDropped", "MicroBatchesReplayed", "RolledBack"),
     "checkpoint": (
         "CheckpointInterval", "CheckpointSaved", "CheckpointFailed", "CheckpointDirNotShared",

@@ -198,6 +198,19 @@ class Phase(EventBody):
     duration: float = doc("seconds")
 
 
+@event(Event.FLIGHT_RECORDER_DUMPED)
+class FlightRecorderDumped(EventBody):
+    """In place, where the user turned torch's flight recorder on: the worker's watchdog
+    dumped it before the evidence of a hang is destroyed (`runtime/flight_recorder.py`)."""
+
+    path: str = doc("the file written (torch's analyser, `fr_trace`, reads a folder of them)")
+    bytes: int = doc("its size")
+    reason: str = doc("`abort`: before its watchdog aborted its generation on the leader's "
+                      "notice; `peer`: a collective failed on a peer's fault, before the "
+                      "worker left the generation (the first of the two, once a generation); "
+                      "`asked`: its agent asked, before killing a rank blamed for a hang")
+
+
 @event(Event.FAULT_INJECTED)
 class FaultInjected(EventBody):
     """Just before an injected fault fires."""
@@ -205,8 +218,9 @@ class FaultInjected(EventBody):
     fault: str = doc("the fault as given")
     kind: str = doc("its kind")
     step: int | None = doc("the step")
-    at: str = doc("`step`, `join`, `send`, `persist`; `grad` (nan), `loss` (spike), "
-                  "`update` (bitflip)")
+    at: str = doc("a process fault's point: `step`, `join`, `send`, `teardown`, `update`, "
+                  "`persist` (the fault language's `FAULT_POINTS`); a numeric fault's: `grad` "
+                  "(nan), `loss` (spike), `update` (bitflip)")
 
 
 @event(Event.TRAINING_DONE)
