@@ -26,7 +26,7 @@ Scenarios (GPUs needed):
 The last line is `{"torch", "gpus", "dry_run", "scenarios": {name: {"result": "pass"|"fail"|
 "skipped", "why", ...}}}`; the exit status is the number of failures. `--dry-run` runs every
 scenario on gloo CPU processes (it proves the jobs and their checks, nothing about NCCL;
-about 75 s here: not in the integration tier until the suite's start-up cost is cut).
+about 75 s here): tests/integration/test_gpu_multi_dry_run.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ import os
 import random
 import signal
 
-import pytest
 import torch
 from conftest import (
     SCRIPTS,
@@ -189,13 +188,14 @@ def test_two_workers_killed_at_once(tmp_path):
     _assert_in_place(result, result_faults, replaced={1, 2})
 
 
-@pytest.mark.parametrize("policy", [(), ("--on-fault", "wait")], ids=["shrink", "wait"])
-def test_kill_during_a_recovery(tmp_path, policy):
+def test_kill_during_a_recovery(tmp_path):
     """Rank 2 dies while the group re-forms after rank 1's death: a second plan follows.
-    Under `wait` the next generation has a fresh replacement beside survivors whose failed
-    try had advanced torch's group-name counter: each member now names its groups from 0
-    (they named the world "1" and "0", and every later generation failed to form)."""
-    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3", *policy,
+    (The same faults under `--on-fault wait`, where the next generation has a fresh
+    replacement beside survivors whose failed try had advanced torch's group-name counter,
+    are `benchmarks/gpu_multi.py`'s `never_arrives`, whose dry run is
+    test_gpu_multi_dry_run.py: each member names its groups from 0, or every later
+    generation fails to form.)"""
+    result = launch(tmp_path / "run", "--nproc-per-node", "3", "--max-restarts", "3",
                     "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=0,at=join",
                     args=ARGS)
     _assert_in_place(result, [("crash", 1), ("crash", 2)], replaced={1, 2})
