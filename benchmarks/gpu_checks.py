@@ -373,6 +373,9 @@ def fsdp_abort_mid_step(dry: bool) -> dict:
         pass
     hook.remove()
     shards = LocalShards(model, [optimizer], {})
+    if (why := shards.unresettable()) is not None:  # in place is off for FSDP2 on this torch
+        groups.destroy()
+        return _skipped(f"{why} (in-place recovery of FSDP2 is turned off on it)")
     shards.reset_iteration()
     optimizer.zero_grad(set_to_none=True)
     groups.interrupt()

@@ -205,6 +205,19 @@ class LocalShards:
         n_buffers = sum(1 for _ in self.model.buffers())
         return [True] * n_params + [False] * n_buffers + [True] * (total - n_params - n_buffers)
 
+    def unresettable(self) -> str | None:
+        """Why a step aborted mid-flight cannot be undone in this process, or None: FSDP2
+        resets its per-iteration state only through `FSDPModule.reset_iter_state` (torch
+        2.13+; before it, an aborted forward leaves parameters unsharded and hooks queued
+        that nothing public clears). Decided by what the model's root module has."""
+        for module in self.model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            if state is not None and not hasattr(module, "reset_iter_state"):
+                return ("this torch's FSDP2 cannot reset a step aborted mid-flight "
+                        "(FSDPModule.reset_iter_state came in torch 2.13): a fault restarts "
+                        "every worker from the checkpoint")
+        return None
+
     def reset_iteration(self) -> None:
         """Put FSDP2 back in its between-steps state after a step aborted mid-flight (its
         parameters unsharded, reductions pending): every group resharded, per-iteration
@@ -215,7 +228,7 @@ class LocalShards:
             if state is None or not state()._is_root:
                 continue
             for fsdp_state in state()._state_ctx.all_states:
-                for group in fsdp_state._fsdp_param_groups:
+                for group in param_groups(fsdp_state):
                     result = group._all_gather_result
                     if result is not None and result.all_gather_work is not None:
                         group._all_gather_result = None  # never waited on: it failed
@@ -230,12 +243,21 @@ class LocalShards:
             mesh.__dict__.update(fresh.__dict__)
         for module in self.model.modules():
             state = getattr(module, "_get_fsdp_state", None)
-            group = state()._fsdp_param_group if state is not None else None
-            if group is None:
-                continue
-            for info in (group.mesh_info, group.post_forward_mesh_info):
-                if info is not None:
-                    info.__post_init__()  # re-reads the groups and this rank's place
+            for group in param_groups(state()) if state is not None else ():
+                for info in (group.mesh_info, group.post_forward_mesh_info):
+                    if info is not None:
+                        info.__post_init__()  # re-reads the groups and this rank's place
+
+
+def param_groups(fsdp_state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in torch 2.13+ (`_fsdp_param_groups`: a
+    module may hold several), one or none before (`_fsdp_param_group`, torch 2.11 and 2.12;
+    found by gpu_check.py's dry run under 2.11). Decided by what the state holds."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(fsdp_state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _plain(obj: Any) -> Any:

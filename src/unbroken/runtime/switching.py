@@ -71,6 +71,8 @@ class Switcher:
         """Before the first step: why this state cannot move between peers, or None. Sharded
         state forms generation 0's mesh on groups a leave can abort (collective)."""
         if self.sharded is not None:
+            if (why := self.sharded.shards.unresettable()) is not None:
+                return why
             self.sharded.form(position.rank, position.world_size)
             return None
         try:
