@@ -69,7 +69,7 @@ import gpu_checks  # noqa: E402
 def in_place_env() -> dict[str, str]:
     """The environment an in-place worker gets from `unbroken run` (its NCCL settings)."""
     from unbroken.launch.config import LaunchConfig
-    from unbroken.launch.worker_spawn import launcher_defaults
+    from unbroken.launch.workers.worker_spawn import launcher_defaults
 
     env = launcher_defaults(dict(os.environ), LaunchConfig(script="train.py"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "src"),

@@ -63,9 +63,9 @@ def abort_queued(dry: bool) -> dict:
     """A: the watchdog's abort (flag, then `interrupt`) while an all-reduce is queued
     behind ~1 s of GPU work; the fence must refuse the update behind it."""
     from unbroken.errors import UpdateRefused, classify, current_device, first_line
-    from unbroken.runtime.fence import Fence
+    from unbroken.runtime.generations.fence import Fence
+    from unbroken.runtime.groups.process_group import AbortableGroups, nccl_errors
     from unbroken.runtime.position import Position
-    from unbroken.runtime.process_group import AbortableGroups, nccl_errors
     from unbroken.runtime.tracked import TrackedState
 
     dev = _device(dry)
@@ -83,7 +83,7 @@ def abort_queued(dry: bool) -> dict:
     dist.all_reduce(model.weight.grad, async_op=True).wait()  # orders the stream, not the CPU
 
     def watchdog() -> None:
-        aborted.set()  # before the interrupt, as runtime/watchdog.py does
+        aborted.set()  # before the interrupt, as runtime/generations/watchdog.py does
         groups.interrupt()
 
     t0 = time.monotonic()
@@ -130,7 +130,7 @@ def planned_switch_drain(dry: bool) -> dict:
     """J: a planned switch's leave (`drain_device`, then the abort) with an all-reduce
     queued behind ~1 s of GPU work: the drain waits for it, so the abort finds nothing in
     flight and the all-reduce's result is whole."""
-    from unbroken.runtime.process_group import AbortableGroups, drain_device
+    from unbroken.runtime.groups.process_group import AbortableGroups, drain_device
 
     dev = _device(dry)
     groups = AbortableGroups()
@@ -157,7 +157,7 @@ def two_groups_aborted(dry: bool) -> dict:
     all-reduce queued behind GPU work, aborted together by `interrupt` (each in a thread of
     its own, bounded): how long it takes, and whether each group's next collective fails."""
     from unbroken.errors import classify, current_device
-    from unbroken.runtime.process_group import ABORT_BOUND, AbortableGroups
+    from unbroken.runtime.groups.process_group import ABORT_BOUND, AbortableGroups
 
     dev = _device(dry)
     backend = "gloo" if dry else "nccl"
@@ -192,7 +192,7 @@ def stale_dump_key(dry: bool) -> dict:
     """B: torch's heartbeat monitor at 5 s over a store holding `exception_dump` (no one
     clears it): the in-place environment keeps the process alive for 30 s."""
     os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = "5"
-    from unbroken.runtime.process_group import AbortableGroups
+    from unbroken.runtime.groups.process_group import AbortableGroups
 
     dev = _device(dry)
     store = _store()
@@ -228,7 +228,7 @@ def churn(dry: bool) -> dict:
     """C: generations formed, stepped, aborted and torn down; what each leaves behind."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from unbroken.runtime.process_group import AbortableGroups
+    from unbroken.runtime.groups.process_group import AbortableGroups
 
     dev = _device(dry)
     store, groups = _store(), AbortableGroups()
@@ -262,7 +262,12 @@ def backend_strings(dry: bool) -> dict:
     """D: each form of `init_process_group` that makes NCCL communicators holds NCCL, and
     `interrupt` makes its next collective fail as a peer error."""
     from unbroken.errors import classify, current_device
-    from unbroken.runtime.process_group import bound_device, holds_nccl, nccl_backed, this_process
+    from unbroken.runtime.groups.process_group import (
+        bound_device,
+        holds_nccl,
+        nccl_backed,
+        this_process,
+    )
 
     dev = _device(dry)
     store, seen = _store(), {}
@@ -317,7 +322,7 @@ def state_sync_on_device(dry: bool) -> dict:
     """F: `send_tensors`/`recv_bytes` through a device chunk. One GPU cannot carry it: torch
     refuses point-to-point to self, NCCL two ranks on one device. The dry run streams a
     state through the chunking, the point-to-point calls routed in-process."""
-    from unbroken.runtime import state_sync
+    from unbroken.runtime.generations import state_sync
 
     if not dry:
         return _skipped("torch refuses send/recv to self and NCCL two ranks on one GPU: "
@@ -343,8 +348,8 @@ def fsdp_abort_mid_step(dry: bool) -> dict:
     the recovery's own steps: reset, tear down, form again, a new mesh, rebind, a step."""
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken.runtime.process_group import AbortableGroups
-    from unbroken.runtime.shards import LocalShards, new_mesh
+    from unbroken.runtime.groups.process_group import AbortableGroups
+    from unbroken.runtime.sharded.shards import LocalShards, new_mesh
 
     dev = _device(dry)
     store, groups = _store(), AbortableGroups()
@@ -408,7 +413,7 @@ def environment_facts(dry: bool) -> dict:
     settings as the process has them."""
     if dry:
         return _skipped("dry run: the facts are NCCL's")
-    from unbroken.runtime.process_group import AbortableGroups
+    from unbroken.runtime.groups.process_group import AbortableGroups
 
     _device(dry)
     groups = AbortableGroups()
@@ -428,9 +433,9 @@ def fence_cost(dry: bool) -> dict:
     (the stream drained and the flags read before the update); median step times."""
     if dry:
         return _skipped("dry run: the fence's cost is a GPU's")
-    from unbroken.runtime.fence import Fence
+    from unbroken.runtime.generations.fence import Fence
+    from unbroken.runtime.groups.process_group import nccl_errors
     from unbroken.runtime.position import Position
-    from unbroken.runtime.process_group import nccl_errors
 
     dev = _device(dry)
     torch.manual_seed(0)
@@ -532,7 +537,7 @@ def device_error_is_own(dry: bool) -> dict:
 
 def checksum_on_device(dry: bool) -> dict:
     """6: the replica checksum computed on the device equals the CPU's; its time per GB."""
-    from unbroken.runtime.checksum import checksum, state_tensors
+    from unbroken.runtime.anomalies.checksum import checksum, state_tensors
 
     dev = _device(dry)
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ watch of its keys), over a `TrainingNode` that stands in for the `NodeSupervisor
 whose workers all train. It looks every `cfg.quiet_poll` seconds, as a training node's
 agent does. On `go`, every survivor's member posts its departure at once, as members whose
 collective failed do, and the agent's next look sends it: one `NodeDepartures` append per
-agent (`launch/departure_relay.py`; one member per simulated agent, so the gathering of a
+agent (`launch/workers/departure_relay.py`; one member per simulated agent, so the gathering of a
 node's members is not what this measures). One thread drives the looks of many agents in
 turn: 2,048 agents' loops of their own would not fit 2 cores.
 
@@ -48,14 +48,14 @@ from unbroken.control.schema import (
 )
 from unbroken.control.signing import Signer
 from unbroken.launch.attempt import AttemptWatch
-from unbroken.launch.budget import RestartBudget
 from unbroken.launch.config import LaunchConfig
-from unbroken.launch.departure_relay import DepartureGather
 from unbroken.launch.election import Election
 from unbroken.launch.follower import Follower as FollowerRole
-from unbroken.launch.hang_watch import HangWatch
-from unbroken.launch.plan_executor import PlanExecutor
-from unbroken.launch.planner_state import Inbox, PlannerConfig, initial_state
+from unbroken.launch.leader.plan_executor import PlanExecutor
+from unbroken.launch.planning.budget import RestartBudget
+from unbroken.launch.planning.planner_state import Inbox, PlannerConfig, initial_state
+from unbroken.launch.workers.departure_relay import DepartureGather
+from unbroken.launch.workers.hang_watch import HangWatch
 from unbroken.telemetry.events import EventLog
 
 SECRET = b"b" * 32
@@ -88,7 +88,7 @@ class TrainingNode:
     simulated node: its workers train (every look finds them stepping) but are not
     processes, so there is nothing to reap, stall or mirror. On `go` its member's departure
     is posted to its `PostBox`, whose real `DepartureGather` the real `AttemptWatch` empties
-    into the store as a real agent does (`launch/departure_relay.py`)."""
+    into the store as a real agent does (`launch/workers/departure_relay.py`)."""
 
     def __init__(self, node: int) -> None:
         self.workers: list = []

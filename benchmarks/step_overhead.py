@@ -32,8 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 from data import CharCorpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+from unbroken.runtime.generations.watchdog import Watchdog  # noqa: E402
 from unbroken.runtime.heartbeat import HeartbeatWriter  # noqa: E402
-from unbroken.runtime.watchdog import Watchdog  # noqa: E402
 
 
 def _setup(corpus: CharCorpus):

@@ -11,6 +11,7 @@ from unbroken.errors import CheckpointMismatch, ExitCode, JobStopped, UserError
 from unbroken.faults import FaultSpec, parse_faults
 
 if TYPE_CHECKING:
+    from unbroken.runtime.anomalies.numerics import Verdict
     from unbroken.runtime.config import (
         AnomalyConfig,
         NumericsConfig,
@@ -20,8 +21,7 @@ if TYPE_CHECKING:
         StragglerConfig,
         StragglerRemedy,
     )
-    from unbroken.runtime.exact_reduce import exact_allreduce
-    from unbroken.runtime.numerics import Verdict
+    from unbroken.runtime.groups.exact_reduce import exact_allreduce
     from unbroken.runtime.run import Run, init
     from unbroken.runtime.step_probe import timed
 
@@ -66,11 +66,11 @@ def __getattr__(name: str) -> Any:
 
         return timed
     if name == "Verdict":
-        from unbroken.runtime.numerics import Verdict
+        from unbroken.runtime.anomalies.numerics import Verdict
 
         return Verdict
     if name == "exact_allreduce":
-        from unbroken.runtime.exact_reduce import exact_allreduce
+        from unbroken.runtime.groups.exact_reduce import exact_allreduce
 
         return exact_allreduce
     raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

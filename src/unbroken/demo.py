@@ -15,7 +15,7 @@ from unbroken.errors import UserError
 from unbroken.launch.agent import Agent
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.flags.groups import Recovery
-from unbroken.launch.worker_logs import LogSpec, Std
+from unbroken.launch.log_spec import LogSpec, Std
 from unbroken.telemetry.events import EVENTS_FILE
 from unbroken.telemetry.live import EventTail
 from unbroken.telemetry.report import build_report, format_goodput

@@ -97,7 +97,7 @@ class SdcGuilty(RuntimeError):
 class UpdateRefused(RuntimeError):
     """The fence refused a step's update: the generation was aborted, or one of its NCCL
     communicators reports an error, so the step's gradients may be partial
-    (`runtime/fence.py`). Classified `PEER`: the step is redone in the next generation."""
+    (`runtime/generations/fence.py`). Classified `PEER`: the step is redone in the next generation."""
 
 
 class JobStopped(Exception):

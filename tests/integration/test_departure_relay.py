@@ -9,7 +9,7 @@ import stat
 
 from unbroken.control import departure_post
 from unbroken.control.messages import Departure, LeaveReason
-from unbroken.launch.departure_relay import DepartureRelay
+from unbroken.launch.workers.departure_relay import DepartureRelay
 
 
 def _left(wid: str) -> Departure:

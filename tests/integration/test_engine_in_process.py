@@ -25,10 +25,10 @@ from unbroken.control.tcp import TcpBackend
 from unbroken.faults.inject import FaultInjector
 from unbroken.runtime.config import EngineSettings
 from unbroken.runtime.engine import Engine
-from unbroken.runtime.membership import Membership
+from unbroken.runtime.generations.membership import Membership
+from unbroken.runtime.generations.recovery import Generations
+from unbroken.runtime.groups.process_group import AbortableGroups
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups
-from unbroken.runtime.recovery import Generations
 from unbroken.runtime.tracked import TrackedState
 
 WID = "0.0"

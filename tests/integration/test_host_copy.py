@@ -31,9 +31,9 @@ def _worker(rank: int, port: int, root: str, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     from unbroken.checkpoint.checkpointer import Checkpointer
-    from unbroken.runtime.shards import LocalShards
-    from unbroken.runtime.snapshot_pacer import SnapshotPacer
-    from unbroken.runtime.snapshots import PeerSnapshots
+    from unbroken.runtime.sharded.shards import LocalShards
+    from unbroken.runtime.sharded.snapshot_pacer import SnapshotPacer
+    from unbroken.runtime.sharded.snapshots import PeerSnapshots
     from unbroken.runtime.tracked import TrackedState
 
     torch.set_num_threads(1)

@@ -17,9 +17,9 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken.runtime.shards import LocalShards
-    from unbroken.runtime.snapshot_pacer import SnapshotPacer
-    from unbroken.runtime.snapshots import PeerSnapshots
+    from unbroken.runtime.sharded.shards import LocalShards
+    from unbroken.runtime.sharded.snapshot_pacer import SnapshotPacer
+    from unbroken.runtime.sharded.snapshots import PeerSnapshots
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))

@@ -8,9 +8,9 @@ import time
 
 from conftest import wait_for
 
-from unbroken.launch.heartbeat_reader import HeartbeatReader
+from unbroken.launch.workers.heartbeat_reader import HeartbeatReader
+from unbroken.runtime.generations.watchdog import Watchdog
 from unbroken.runtime.heartbeat import LEAVE_NOW, HeartbeatWriter
-from unbroken.runtime.watchdog import Watchdog
 
 
 def _watchdog(tmp_path):

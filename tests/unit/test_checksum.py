@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unbroken.runtime.checksum import checksum, state_tensors, wrap64
+from unbroken.runtime.anomalies.checksum import checksum, state_tensors, wrap64
 
 WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -7,12 +7,12 @@ stopped, who is behind, who is in a declared long phase, who is not reported yet
 from __future__ import annotations
 
 from unbroken.control.messages import FaultKind, OrderKind, StallReport, WorkerProgress
-from unbroken.launch.budget import RestartBudget
-from unbroken.launch.culprit import VerdictKind, find_culprits
-from unbroken.launch.hang_detector import HangDetector, percentile
-from unbroken.launch.planner import decide
-from unbroken.launch.planner_commands import EndAction, EndAttempt, Order, Record
-from unbroken.launch.planner_state import Inbox, PlannerConfig, initial_state
+from unbroken.launch.planning.budget import RestartBudget
+from unbroken.launch.planning.culprit import VerdictKind, find_culprits
+from unbroken.launch.planning.planner import decide
+from unbroken.launch.planning.planner_commands import EndAction, EndAttempt, Order, Record
+from unbroken.launch.planning.planner_state import Inbox, PlannerConfig, initial_state
+from unbroken.launch.workers.hang_detector import HangDetector, percentile
 from unbroken.runtime.heartbeat import PHASE_CHECKPOINT, PHASE_LONG, PHASE_TRAINING, Beat
 
 MEMBERS = ["0.0", "1.0", "2.0", "3.0"]

@@ -1,11 +1,11 @@
 """A node's departures of a generation go out in one write once every member here left, or
-when the window closes (`launch/departure_relay.py`, pure part)."""
+when the window closes (`launch/workers/departure_relay.py`, pure part)."""
 
 from __future__ import annotations
 
 from unbroken.control import departure_post
 from unbroken.control.messages import Departure, LeaveReason
-from unbroken.launch.departure_relay import DepartureGather
+from unbroken.launch.workers.departure_relay import DepartureGather
 
 
 def left(wid: str, gen: int = 0) -> Departure:

@@ -25,10 +25,10 @@ from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
 from unbroken.runtime.config import EngineSettings
 from unbroken.runtime.engine import Engine
-from unbroken.runtime.membership import Plan
+from unbroken.runtime.generations.membership import Plan
+from unbroken.runtime.generations.recovery import Generations
+from unbroken.runtime.generations.state_sync import NoStateError, SyncResult
 from unbroken.runtime.position import Position
-from unbroken.runtime.recovery import Generations
-from unbroken.runtime.state_sync import NoStateError, SyncResult
 from unbroken.runtime.tracked import TrackedState
 
 WID = "0.0"

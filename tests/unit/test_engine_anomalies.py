@@ -10,7 +10,7 @@ from builders import Recorder
 from unbroken.errors import JobStopped
 from unbroken.faults.inject import FaultInjector
 from unbroken.faults.spec import parse_faults
-from unbroken.runtime.anomaly_duty import LEDGER
+from unbroken.runtime.anomalies.anomaly_duty import LEDGER
 from unbroken.runtime.config import AnomalyConfig, EngineSettings, NumericsConfig
 from unbroken.runtime.engine import Engine, Verdict
 from unbroken.runtime.position import Position

@@ -1,4 +1,4 @@
-"""The fence before every update (runtime/fence.py): an update is refused when the
+"""The fence before every update (runtime/generations/fence.py): an update is refused when the
 generation was aborted or a backend reports an error, passes otherwise, through every way
 an optimizer is stepped. No process: the refusal's inputs are what the watchdog and torch's
 NCCL backend would give (`get_error()`: a CPU build has no NCCL backend to ask)."""
@@ -10,7 +10,8 @@ import torch
 from torch._C._distributed_c10d import ErrorType
 
 from unbroken.errors import ErrorClass, UpdateRefused, classify
-from unbroken.runtime.fence import Fence, errors_of, refusal, unfenceable
+from unbroken.runtime.generations.fence import Fence, refusal, unfenceable
+from unbroken.runtime.groups.process_group import errors_of
 from unbroken.runtime.position import Position
 from unbroken.runtime.tracked import TrackedState
 

@@ -1,5 +1,5 @@
 """The flight recorder's switches, where its dumps go, and one dump per generation's end
-(`runtime/flight_recorder.py`, `Watchdog.dump`). The dumps of real hangs:
+(`runtime/generations/flight_recorder.py`, `Watchdog.dump`). The dumps of real hangs:
 tests/integration/test_hang.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.runtime.flight_recorder import FlightRecorder, enabled
-from unbroken.runtime.watchdog import Watchdog
+from unbroken.runtime.generations.flight_recorder import FlightRecorder, enabled
+from unbroken.runtime.generations.watchdog import Watchdog
 
 
 @pytest.mark.parametrize(("environ", "on"), [

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from unbroken.runtime.shards import LocalShards, param_groups
+from unbroken.runtime.sharded.shards import LocalShards, param_groups
 
 
 def test_a_states_groups_are_read_from_the_list_or_the_single_group():

@@ -20,7 +20,7 @@ from importlinter.application import use_cases
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
-CONTRACTS = ("layers", "integrations", "agent")
+CONTRACTS = ("layers", "integrations", "agent", "runtime", "detectors", "launcher", "planner")
 
 
 def _lint(src: Path, monkeypatch: pytest.MonkeyPatch, contracts: tuple[str, ...]) -> bool:
@@ -62,10 +62,19 @@ FORBIDDEN = [
                  id="independent siblings: k8s imports demo"),
     pytest.param("newpackage.py", "import unbroken.errors", "layers",
                  id="a module that no layer names"),
-    pytest.param("integrations/trainer.py", "from unbroken.runtime import membership",
+    pytest.param("integrations/trainer.py", "from unbroken.runtime.generations import membership",
                  "integrations", id="an integration imports a private runtime module"),
-    pytest.param("launch/spy.py", "from unbroken.runtime.engine import Engine", "agent",
+    pytest.param("launch/drain.py", "from unbroken.runtime.engine import Engine", "agent",
                  id="the agent imports the worker runtime"),
+    pytest.param("runtime/groups/world.py", "from unbroken.runtime import engine", "runtime",
+                 id="an arrow up inside the runtime: the groups import the engine"),
+    pytest.param("runtime/anomalies/numerics.py",
+                 "from unbroken.runtime.generations import recovery", "detectors",
+                 id="a detector imports the switch between generations"),
+    pytest.param("launch/planning/culprit.py", "from unbroken.launch import log_spec",
+                 "launcher", id="an arrow up inside the launcher: the planner imports the log flags"),
+    pytest.param("launch/planning/budget.py", "from unbroken.control import etcd", "planner",
+                 id="the planner imports a backend that does I/O"),
 ]
 
 

@@ -1,5 +1,5 @@
 """NCCL's side of in-place recovery, decided without a GPU: the environment an in-place
-worker gets (control/nccl_env.py), and which groups are NCCL's (runtime/process_group.py).
+worker gets (control/nccl_env.py), and which groups are NCCL's (runtime/groups/process_group.py).
 What these decisions do on a GPU is benchmarks/gpu_check.py's to show."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.control import nccl_env
-from unbroken.runtime.process_group import holds_nccl, nccl_backed
+from unbroken.runtime.groups.process_group import holds_nccl, nccl_backed
 
 IN_PLACE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
             "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}

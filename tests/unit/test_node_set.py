@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from unbroken.control.codec import decode, encode
 from unbroken.control.messages import LeaderRecord, NodeOut, NodeSet
-from unbroken.launch import node_set
-from unbroken.launch.budget import RestartBudget
-from unbroken.launch.node_set import QuarantineRule
-from unbroken.launch.planner_state import Recovery, Refill, Spares, initial_state, rebase
+from unbroken.launch.planning import node_set
+from unbroken.launch.planning.budget import RestartBudget
+from unbroken.launch.planning.node_set import QuarantineRule
+from unbroken.launch.planning.planner_state import Recovery, Refill, Spares, initial_state, rebase
 
 RULE = QuarantineRule(after=2, window=60.0)
 

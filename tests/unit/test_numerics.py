@@ -1,4 +1,4 @@
-"""The numerics policy (runtime/numerics.py): NaN, Inf and spike verdicts, the rerun's
+"""The numerics policy (runtime/anomalies/numerics.py): NaN, Inf and spike verdicts, the rerun's
 classification, the remedies, the anomaly limit, and the ledger's restore-and-merge."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import random
 import pytest
 
 from unbroken.errors import UserError
-from unbroken.runtime import numerics
+from unbroken.runtime.anomalies import numerics
+from unbroken.runtime.anomalies.numerics import Cause, Kind, NumericsState, Sample, Verdict, decide
 from unbroken.runtime.config import NumericsConfig, Remedy
-from unbroken.runtime.numerics import Cause, Kind, NumericsState, Sample, Verdict, decide
 
 CFG = NumericsConfig(enabled=True)
 

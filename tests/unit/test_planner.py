@@ -21,10 +21,10 @@ from unbroken.control.messages import (
     SwitchTarget,
 )
 from unbroken.errors import ErrorClass
-from unbroken.launch.budget import RestartBudget
-from unbroken.launch.node_life import Strike
-from unbroken.launch.planner import decide
-from unbroken.launch.planner_commands import (
+from unbroken.launch.planning.budget import RestartBudget
+from unbroken.launch.planning.node_life import Strike
+from unbroken.launch.planning.planner import decide
+from unbroken.launch.planning.planner_commands import (
     AnswerDrain,
     EndAction,
     EndAttempt,
@@ -36,7 +36,7 @@ from unbroken.launch.planner_commands import (
     WritePlan,
     WriteTarget,
 )
-from unbroken.launch.planner_state import (
+from unbroken.launch.planning.planner_state import (
     Inbox,
     Phase,
     PlannerConfig,

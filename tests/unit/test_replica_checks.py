@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from unbroken.errors import JobStopped, SdcGuilty
+from unbroken.runtime.anomalies.replica_checks import ReplicaChecks, ReplicaVerdict
+from unbroken.runtime.anomalies.replicas import Pending, ReplicaState
 from unbroken.runtime.config import SdcConfig
-from unbroken.runtime.replica_checks import ReplicaChecks, ReplicaVerdict
-from unbroken.runtime.replicas import Pending, ReplicaState
 
 
 def test_a_disputed_step_is_checked_again_whatever_k_became():

@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from unbroken.runtime.config import SdcConfig, SdcRemedy
-from unbroken.runtime.replicas import (
+from unbroken.runtime.anomalies.replicas import (
     Mismatch,
     NeedVote,
     Pending,
@@ -26,6 +25,7 @@ from unbroken.runtime.replicas import (
     interval,
     judge,
 )
+from unbroken.runtime.config import SdcConfig, SdcRemedy
 
 GOOD, BAD, WORSE, OTHER = (11, 12), (99, 98), (77, 76), (5, 6)
 CONFIG = SdcConfig(enabled=True)

@@ -10,7 +10,7 @@ from unbroken.errors import UserError
 from unbroken.launch.config import ExtraNodes
 from unbroken.launch.flags.parser import config_from_args
 from unbroken.launch.flags.values import NodeRange, parse_nnodes, parse_rdzv_conf
-from unbroken.launch.worker_logs import LogSpec, Std, parse_std
+from unbroken.launch.log_spec import LogSpec, Std, parse_std
 
 
 def _config(tmp_path, *flags, env=None, monkeypatch=None):

@@ -4,8 +4,14 @@ double buffers that keep the newest whole snapshot. No processes."""
 
 from __future__ import annotations
 
-from unbroken.runtime.host_copy import Copy, auto_every, buddies, host_bytes, writable
-from unbroken.runtime.shard_plan import Holding, ShardPlan, Transfer, Unrecoverable, plan_shards
+from unbroken.runtime.sharded.host_copy import Copy, auto_every, buddies, host_bytes, writable
+from unbroken.runtime.sharded.shard_plan import (
+    Holding,
+    ShardPlan,
+    Transfer,
+    Unrecoverable,
+    plan_shards,
+)
 
 
 def _fsdp_after_death(dead: int, live_step: int, snap_step: int, world: int = 4) -> list[Holding]:
@@ -121,7 +127,7 @@ def test_a_round_never_overwrites_the_newest_whole_snapshot():
 
 
 def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_figures():
-    from unbroken.runtime.host_copy import refusal
+    from unbroken.runtime.sharded.host_copy import refusal
 
     mib = 2**20
     assert refusal(200 * mib, 1, 1000 * mib) is None  # 600 MiB of 1000: fits
@@ -133,7 +139,8 @@ def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_figures()
 def test_a_layout_aligns_every_tensor_so_any_dtype_views_it_in_place():
     import torch
 
-    from unbroken.runtime.host_copy import ALIGN, Layout, byte_view, chunks
+    from unbroken.runtime.generations.state_sync import byte_view
+    from unbroken.runtime.sharded.host_copy import ALIGN, Layout, chunks
 
     tensors = [torch.arange(3, dtype=torch.int8), torch.zeros(0), torch.randn(5, 7),
                torch.tensor(3.0, dtype=torch.float64), torch.arange(4, dtype=torch.int64)]

@@ -15,8 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from unbroken.runtime.config import StragglerConfig, StragglerRemedy
-from unbroken.runtime.stragglers import (
+from unbroken.runtime.anomalies.stragglers import (
     BASELINE_POINTS,
     ActionKind,
     Clear,
@@ -30,6 +29,7 @@ from unbroken.runtime.stragglers import (
     reset,
     summary,
 )
+from unbroken.runtime.config import StragglerConfig, StragglerRemedy
 
 ON = StragglerConfig(enabled=True)
 DRAIN = StragglerConfig(enabled=True, remedy=StragglerRemedy.DRAIN)

@@ -10,8 +10,8 @@ import pytest
 from unbroken.control.heartbeat_page import PHASE_CHECKPOINT, PHASE_STARTING, PHASE_TRAINING, Beat
 from unbroken.errors import UserError
 from unbroken.faults import FaultSpec, parse_faults
-from unbroken.launch.hang_detector import HangDetector
-from unbroken.launch.heartbeat_reader import HeartbeatReader
+from unbroken.launch.workers.hang_detector import HangDetector
+from unbroken.launch.workers.heartbeat_reader import HeartbeatReader
 from unbroken.runtime.heartbeat import HeartbeatWriter
 
 
@@ -94,8 +94,7 @@ def test_state_travels_whole_through_pack_and_unpack():
     equal (a view to another dtype needs an aligned offset: unpack must not rely on one)."""
     import torch
 
-    from unbroken.runtime.host_copy import byte_view
-    from unbroken.runtime.state_sync import pack, unpack
+    from unbroken.runtime.generations.state_sync import byte_view, pack, unpack
 
     state = {
         "model": {"w": torch.randn(3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
@@ -119,7 +118,7 @@ def _stream_state(rank: int, store_path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from unbroken.runtime.state_sync import pack, recv_bytes, send_tensors, unpack
+    from unbroken.runtime.generations.state_sync import pack, recv_bytes, send_tensors, unpack
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -150,7 +149,7 @@ def test_state_streams_in_chunks_through_one_small_buffer(tmp_path):
 def test_pack_refuses_what_cannot_travel():
     import torch
 
-    from unbroken.runtime.state_sync import pack
+    from unbroken.runtime.generations.state_sync import pack
 
     with pytest.raises(TypeError, match="state.model.fn"):
         pack({"model": {"fn": object()}, "t": torch.zeros(1)})

@@ -8,7 +8,7 @@ else (buffers such as BatchNorm statistics, which a forward pass updates; counte
 state; Python values such as the learning rate, which a scheduler changes) is copied at once.
 Buffers are allocated on the first save and reused, so a checkpoint costs no allocation.
 A sharded job in place already holds one host copy of its shards (the peer snapshots' own
-copy, `runtime/snapshots.py`), taken at every checkpoint step: `stage` is then given it as a
+copy, `runtime/sharded/snapshots.py`), taken at every checkpoint step: `stage` is then given it as a
 `HostImage`, and its tensors are persisted from that copy's views, not copied again.
 On GPU they are pinned and filled on a side stream; DTensor shards stay DTensors, so the
 persisted checkpoint keeps its sharding and reshards on load.
@@ -59,7 +59,7 @@ class StagingArea:
     """Reusable CPU buffers for one training state; `stage` then `copy_pending`.
 
     "Staging", as torch DCP's async save calls it: not the peer snapshots of sharded state
-    (`runtime/snapshots.py`), which are another thing."""
+    (`runtime/sharded/snapshots.py`), which are another thing."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}

@@ -1,7 +1,7 @@
 """A worker's departure, posted to its agent: one local datagram, no store round trip.
 
 Declared once, here, for both sides, like the heartbeat page: the agent binds the socket
-(`launch/departure_relay.py`, `DepartureRelay`) and names it in the worker's environment
+(`launch/workers/departure_relay.py`, `DepartureRelay`) and names it in the worker's environment
 (`WorkerEnv.departures_socket`); the worker posts each `Departure` it writes (`post`). The
 agent gathers its workers' departures of one generation into one `NodeDepartures` append, so
 a recovery costs the control plane one write per node, not one per worker.

@@ -1,7 +1,7 @@
 """The heartbeat page's layout: a small memory-mapped file shared by a worker and its agent.
 
 Declared once, here, for both sides: the worker writes it (`runtime/heartbeat.py`,
-`HeartbeatWriter`) and its agent reads it (`launch/heartbeat_reader.py`, `HeartbeatReader`).
+`HeartbeatWriter`) and its agent reads it (`launch/workers/heartbeat_reader.py`, `HeartbeatReader`).
 Like `worker_env.py`, it is a contract between the agent and its workers on one machine.
 
 The worker stamps (step, time, phase) at every step boundary: stores into shared memory, no
@@ -11,7 +11,7 @@ generation the worker is in (-1 until it runs the resilient loop) and the genera
 wants it to move to, with the step at which to move, read by the worker at each boundary and
 by its watchdog thread (which aborts the generation's groups if the move is due mid-step).
 
-Two more worker fields let the leader find the culprit of a hang (`launch/culprit.py`):
+Two more worker fields let the leader find the culprit of a hang (`launch/planning/culprit.py`):
 - `progress`: a counter the worker bumps at points inside a step (0 at the step's start; the
   model's forward entered, then returned: the gradient collective follows). Ranks of one
   generation pass the same points, so a rank whose (step, progress) is behind the others',

@@ -133,7 +133,7 @@ class WorkerProgress:
 class StallReport:
     """A node's word that its workers have stopped making progress in generation `gen`, with
     where each of them stands; `workers` empty: they move again. Written by the node's agent
-    when that changes, read by the leader, which finds the culprit (`launch/culprit.py`)."""
+    when that changes, read by the leader, which finds the culprit (`launch/planning/culprit.py`)."""
 
     node: int
     gen: int
@@ -176,7 +176,7 @@ class Departure:
 @dataclass
 class NodeDepartures:
     """The members of one node that left a generation, in one write: their agent gathers
-    them (`launch/departure_relay.py`), so a node of eight workers costs the control plane
+    them (`launch/workers/departure_relay.py`), so a node of eight workers costs the control plane
     one append, not eight. A worker that cannot reach its agent writes its own (one)."""
 
     node: int
@@ -316,7 +316,7 @@ class NodeOut(StrEnum):
 
 @dataclass
 class NodeSet:
-    """The job's nodes (`launch/node_set.py` changes it): who a full restart waits for."""
+    """The job's nodes (`launch/planning/node_set.py` changes it): who a full restart waits for."""
 
     order: list[int]
     """Nodes whose workers hold the world's ranks, in rank order."""

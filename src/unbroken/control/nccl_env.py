@@ -1,7 +1,7 @@
 """The environment an in-place worker's NCCL needs, declared once: the launcher sets it for
 every worker (`launch/worker_spawn.launcher_defaults`), and the worker checks it again when
 its first group is formed (a script may change `os.environ` before that:
-`runtime/script_group.py`). A user's different value is overridden, with one line naming the
+`runtime/groups/script_group.py`). A user's different value is overridden, with one line naming the
 variable, theirs and ours. Pure; reads no environment of its own
 (docs/design-notes.md, "NCCL's asynchronous semantics"; shared/reviews' risks 2, 3 and 9).
 

@@ -22,7 +22,7 @@ def node_dir(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
 
 WARM_FLAG = "--warm"
 """`python -m unbroken.runtime.bootstrap --warm`: a warm interpreter, which imports torch and
-waits on stdin for the worker it becomes (`WorkerEnv.warm_environ`, `launch/warm_pool.py`)."""
+waits on stdin for the worker it becomes (`WorkerEnv.warm_environ`, `launch/workers/warm_pool.py`)."""
 
 
 class Role(StrEnum):

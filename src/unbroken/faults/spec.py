@@ -6,7 +6,7 @@ step S or later, starts forming a new generation's groups (a fault during a reco
 `send` when it is about to send its state to a peer (the state sender dies); `teardown` in a
 planned switch (a drain, a promotion), once the device has drained and before the old groups
 are torn down; `update` just
-before step S's update, its gradients reduced (at the fence, `runtime/fence.py`); `persist` in
+before step S's update, its gradients reduced (at the fence, `runtime/generations/fence.py`); `persist` in
 the background checkpoint writer, once the files of a checkpoint of step S or later are
 written but before it is committed (`crash`: the worker dies mid-write; `exception`: the
 writer dies; `slow`: the writer stalls for `seconds`).

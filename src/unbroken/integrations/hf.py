@@ -409,7 +409,7 @@ class TrainerSteps:
     def _unless_skipped(self, original: Any) -> Any:
         """The update's optimizer step, unless the peers' state holds it or the engine
         passed over its step (an instance attribute of the Accelerator's wrapper, which no
-        checkpoint pickles). The fence before it may refuse it (`runtime/fence.py`: the
+        checkpoint pickles). The fence before it may refuse it (`runtime/generations/fence.py`: the
         generation was aborted between the reduction and the update): recovered in place
         like a fault met in the check, then the update is made in the new generation."""
         def step(*args: Any, **kwargs: Any) -> Any:

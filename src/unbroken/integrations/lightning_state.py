@@ -8,10 +8,23 @@ the logger's step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from unbroken.integrations.lightning import FitSteps
+    from unbroken.integrations.lightning_replay import UpdateBatches
+    from unbroken.runtime.engine import Engine
+
+
+class FitLoop(Protocol):
+    """What the state uses of the strategy's fit loop (`lightning.FitSteps`, which makes it):
+    declared here, so that this module never imports the strategy back."""
+
+    trainer: Any  # Lightning's Trainer (either package's)
+    engine: Engine
+    batches: UpdateBatches
+    local_batches: int
+    batches_that_stepped: int | None
+    from_peer: bool
 
 _OWN_KEYS = ("hyper_parameters", "hparams_name", "hparams_type",
              "datamodule_hyper_parameters", "datamodule_hparams_name")
@@ -36,7 +49,7 @@ class LightningState:
     `state_dict` dumps it fresh (the committed step's, taken inside the next step
     or between steps); `load_state_dict` hands it to Lightning's own restore."""
 
-    def __init__(self, steps: FitSteps) -> None:
+    def __init__(self, steps: FitLoop) -> None:
         self.steps = steps
 
     def state_dict(self) -> dict[str, Any]:

@@ -38,11 +38,11 @@ from unbroken.launch.election import Deposed, Elected, Election, HandedOver
 from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
-from unbroken.launch.leader import Leader
-from unbroken.launch.orphan_guard import OrphanGuard
-from unbroken.launch.supervisor import NodeSupervisor
-from unbroken.launch.warm_pool import WarmPool
-from unbroken.launch.worker_spawn import launcher_defaults, nccl_overrides
+from unbroken.launch.leader.leader import Leader
+from unbroken.launch.workers.orphan_guard import OrphanGuard
+from unbroken.launch.workers.supervisor import NodeSupervisor
+from unbroken.launch.workers.warm_pool import WarmPool
+from unbroken.launch.workers.worker_spawn import launcher_defaults, nccl_overrides
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 

@@ -29,9 +29,9 @@ from unbroken.control.messages import (
 )
 from unbroken.control.schema import RESULT, AttemptKeys
 from unbroken.launch.config import LaunchConfig
-from unbroken.launch.planner import EndAttempt
-from unbroken.launch.spare_board import SpareBoard
-from unbroken.launch.supervisor import NodeSupervisor
+from unbroken.launch.planning.planner import EndAttempt
+from unbroken.launch.workers.spare_board import SpareBoard
+from unbroken.launch.workers.supervisor import NodeSupervisor
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
@@ -157,7 +157,7 @@ class AttemptWatch:
         if not self._control_due(bool(failed) or stall is not None or relayed or spares_news):
             sup.fill_pool(self._t0)
             return None
-        if stall is not None:  # the leader finds the culprit (launch/culprit.py)
+        if stall is not None:  # the leader finds the culprit (launch/planning/culprit.py)
             ch.append(keys.stalls, stall)
             self.events.emit(ev.StallReported(gen=stall.gen,
                              workers=[to_plain(w) for w in stall.workers]))
@@ -202,7 +202,7 @@ class AttemptWatch:
 
     def _relay_departures(self) -> bool:
         """Send on, in one append per generation, the departures this node's workers posted
-        (`launch/departure_relay.py`); whether any went."""
+        (`launch/workers/departure_relay.py`); whether any went."""
         relay = self.sup.departures
         if relay is None:
             return False

@@ -11,7 +11,7 @@ from pathlib import Path
 from unbroken.control.address import BackendKind, ControlAddress
 from unbroken.control.retry import DEFAULT_WINDOW
 from unbroken.launch.flags.groups import Etcd, ExtraNodes, Hangs, Recovery, Telemetry
-from unbroken.launch.worker_logs import LogSpec
+from unbroken.launch.log_spec import LogSpec
 
 __all__ = ["ExtraNodes", "LaunchConfig"]
 

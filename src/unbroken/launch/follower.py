@@ -35,7 +35,7 @@ from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch.attempt import Ending, Finished, Outcome
 from unbroken.launch.election import WRONG_SECRET, HandedOver
 from unbroken.launch.role import Role
-from unbroken.launch.spare_board import SpareBoard
+from unbroken.launch.workers.spare_board import SpareBoard
 from unbroken.polling import poll_until
 from unbroken.telemetry import schema as ev
 

@@ -4,7 +4,7 @@ It ties the worker's life to its agent's (so killing an agent leaves no worker b
 runs the user's script exactly as `python SCRIPT ARGS` would, and records an uncaught
 exception's traceback where the agent reads it.
 
-With `--warm` (`WARM_FLAG`) it is a warm interpreter for a restart (`launch/warm_pool.py`):
+With `--warm` (`WARM_FLAG`) it is a warm interpreter for a restart (`launch/workers/warm_pool.py`):
 it imports torch (the bulk of a worker's start-up) ahead of time, then, while it waits on
 stdin for its assignment (environment, arguments, log file), imports what the node's workers
 imported in the previous attempt (`warm_imports`: installed packages only), and becomes that
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from unbroken.control.worker_env import WARM_FLAG, Role, WorkerEnv
 from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
-from unbroken.runtime import script_group
+from unbroken.runtime.groups import script_group
 from unbroken.runtime.warm_imports import ImportRecorder, Preimporter, modules_path
 from unbroken.telemetry import schema as ev
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unbroken.errors import UserError
-from unbroken.runtime.process_group import CheckpointGroups
+from unbroken.runtime.groups.process_group import CheckpointGroups
 from unbroken.runtime.tracked import TrackedState
 
 if TYPE_CHECKING:  # they import DCP (and DTensor): a job without checkpoints never needs it

@@ -45,11 +45,15 @@ from unbroken.errors import (
 )
 from unbroken.faults.inject import FaultInjector
 from unbroken.runtime import spare, step_probe
-from unbroken.runtime.anomaly_duty import AnomalyDuty
+from unbroken.runtime.anomalies.anomaly_duty import AnomalyDuty
+from unbroken.runtime.anomalies.numerics import Verdict
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
-from unbroken.runtime.fence import Fence, unfenceable
-from unbroken.runtime.flight_recorder import FlightRecorder
+from unbroken.runtime.generations.fence import Fence, unfenceable
+from unbroken.runtime.generations.recovery import Generations
+from unbroken.runtime.generations.watchdog import NO_WATCHDOG, Watchdog, watch
+from unbroken.runtime.groups.process_group import AbortableGroups, nccl_errors
+from unbroken.runtime.groups.world import is_fake_world, is_sharded
 from unbroken.runtime.heartbeat import (
     PHASE_CHECKPOINT,
     PHASE_DONE,
@@ -58,15 +62,10 @@ from unbroken.runtime.heartbeat import (
     PHASE_TRAINING,
     HeartbeatWriter,
 )
-from unbroken.runtime.numerics import Verdict
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups, nccl_errors
 from unbroken.runtime.progress import ProgressMarks, seed_step
-from unbroken.runtime.recovery import Generations
 from unbroken.runtime.switching import NotNeeded, Switcher
 from unbroken.runtime.tracked import TrackedState
-from unbroken.runtime.watchdog import NO_WATCHDOG, Watchdog, watch
-from unbroken.runtime.world import is_fake_world, is_sharded
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EventLog
 
@@ -190,8 +189,8 @@ class Engine:
         if self.heartbeat is not None and self.in_place:
             self.heartbeat.set_generation(pos.gen)
             self._watchdog = self.generations.watchdog = watch(
-                self.heartbeat, self.groups.interrupt, self.events.emit, FlightRecorder(
-                    self.settings.node_dir, lambda: self._position.rank, self.events.emit))
+                self.heartbeat, self.groups.interrupt, self.events.emit,
+                self.settings.node_dir, lambda: self._position.rank)
 
     def start_plain(self, last_step: int) -> None:
         """Enter the job for a loop that steps the optimizer itself, up to `last_step`:

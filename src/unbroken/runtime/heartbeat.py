@@ -3,7 +3,7 @@
 The worker stamps (step, time, phase) at every step boundary, bumps its progress inside a
 step, and its watchdog thread ticks `alive`; it reads the switch target its agent mirrors
 from the leader, and, as a spare, its promotion. The agent's side is
-`launch/heartbeat_reader.py`.
+`launch/workers/heartbeat_reader.py`.
 
 The page's names (phases, `LEAVE_NOW`, `SPARE_PROMOTION`, `Beat`, ...) are re-exported here:
 the runtime imports them from this module.

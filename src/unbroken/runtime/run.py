@@ -39,13 +39,13 @@ from unbroken.faults.spec import parse_faults
 from unbroken.runtime.config import AnomalyConfig, EngineSettings, RunConfig
 from unbroken.runtime.control_link import ControlLink
 from unbroken.runtime.engine import Engine, Verdict
-from unbroken.runtime.first_group import form_first_group
+from unbroken.runtime.generations.membership import Membership
+from unbroken.runtime.generations.recovery import Generations
+from unbroken.runtime.groups.first_group import form_first_group
+from unbroken.runtime.groups.process_group import default_backend, this_process
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
 from unbroken.runtime.host import available_memory, process_start_time
-from unbroken.runtime.membership import Membership
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import default_backend, this_process
-from unbroken.runtime.recovery import Generations
 from unbroken.runtime.tracked import TrackedState
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -273,7 +273,7 @@ class Run:
                 step_fn(step, engine.view)
                 if engine.check(step, self._metrics) is not Verdict.COMMIT:
                     continue  # rerun, skipped or rolled back: done already
-                engine.tracked.update()  # behind the fence (`runtime/fence.py`)
+                engine.tracked.update()  # behind the fence (`runtime/generations/fence.py`)
             except Exception as exc:
                 engine.fail(step, exc)
                 continue

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from unbroken.errors import UserError
+from unbroken.runtime.groups.world import is_fake_world
 from unbroken.runtime.heartbeat import PHASE_SPARE_READY, HeartbeatWriter
-from unbroken.runtime.world import is_fake_world
 
 if TYPE_CHECKING:
-    from unbroken.runtime.shards import LocalShards
+    from unbroken.runtime.sharded.shards import LocalShards
 
 _POLL = 0.002  # seconds between looks at the heartbeat page
 _JOB_CHECK = 1.0  # seconds between looks at the store

@@ -3,7 +3,7 @@
 A rank's own time for a step runs from the step's start to that moment: its data, its
 forward and the backward up to the first bucket, and no wait for a peer (the first
 collective has not begun). The straggler detector compares ranks by it
-(`runtime/stragglers.py`). DDP has one comm-hook slot, so every hook we own marks the probe
+(`runtime/anomalies/stragglers.py`). DDP has one comm-hook slot, so every hook we own marks the probe
 (`exact_allreduce`, `timed_allreduce`), and `timed(hook)` wraps a script's own.
 
 Process-wide state, main thread (DDP calls hooks from the backward's thread: the autograd

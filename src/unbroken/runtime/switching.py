@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 from unbroken.control.messages import LeaveReason
 from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
-from unbroken.runtime.membership import Drained, JobFinished, Plan, RecoveryTimeout
+from unbroken.runtime.generations.membership import Drained, JobFinished, Plan, RecoveryTimeout
+from unbroken.runtime.generations.recovery import Generations, Switch
+from unbroken.runtime.generations.state_sync import NoStateError, SyncResult, pack
+from unbroken.runtime.groups.process_group import AbortableGroups, CheckpointGroups
 from unbroken.runtime.position import Position
-from unbroken.runtime.process_group import AbortableGroups, CheckpointGroups
-from unbroken.runtime.recovery import Generations, Switch
-from unbroken.runtime.state_sync import NoStateError, SyncResult, pack
 from unbroken.runtime.tracked import TrackedState
 from unbroken.telemetry import schema as ev
 
 if TYPE_CHECKING:  # DTensor's machinery: imported only for a sharded model (prepare_sharded)
     from unbroken.checkpoint.staging import HostImage
-    from unbroken.runtime.shard_sync import ShardedSync
+    from unbroken.runtime.sharded.shard_sync import ShardedSync
 
 
 class NotNeeded(Exception):
@@ -54,7 +54,7 @@ class Switcher:
         """Set up the sharded state step for a sharded model; why it cannot recover in
         place (one line), or None. `available`: host memory per rank, in bytes."""
         s = self.settings
-        from unbroken.runtime.shard_sync import build_sharded
+        from unbroken.runtime.sharded.shard_sync import build_sharded
 
         sync = build_sharded(
             tracked.model, tracked.optimizers, tracked.extra, world_size=position.world_size,

@@ -32,7 +32,7 @@ class TrackedState:
         this rank without committed state); an update the fence refused before any tracked
         optimizer began leaves it whole."""
         self.fence: Callable[[], None] | None = None
-        """Called before any tracked optimizer updates (`runtime/fence.py`; set by the engine
+        """Called before any tracked optimizer updates (`runtime/generations/fence.py`; set by the engine
         in place); raises to refuse the update."""
         self._began = False  # within `updating()`: a tracked optimizer passed the fence
         for optimizer in optimizers:

@@ -37,8 +37,13 @@ from unbroken.launch.flags.values import (
     seconds,
     seconds_or_zero,
 )
-from unbroken.launch.node_set import QuarantineRule
-from unbroken.launch.worker_logs import PREFIX_TEMPLATE_VAR, LogSpec, parse_ranks_filter, parse_std
+from unbroken.launch.log_spec import (
+    PREFIX_TEMPLATE_VAR,
+    LogSpec,
+    parse_ranks_filter,
+    parse_std,
+)
+from unbroken.launch.planning.node_set import QuarantineRule
 
 if TYPE_CHECKING:
     from unbroken.control.address import EtcdCredentials

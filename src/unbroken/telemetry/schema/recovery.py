@@ -155,7 +155,7 @@ class ReplacementStarted(EventBody):
 @event(Event.DEPARTURES_SENT)
 class DeparturesSent(EventBody):
     """An agent, in place: its workers that left a generation, sent to the planner in one
-    write (`launch/departure_relay.py`)."""
+    write (`launch/workers/departure_relay.py`)."""
 
     gen: int = doc("the generation they left")
     wids: list[str] = doc("the workers, in the order they posted")

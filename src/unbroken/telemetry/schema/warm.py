@@ -1,5 +1,5 @@
 """The warm interpreters' events: interpreters that import torch ahead of a restart
-(`launch/warm_pool.py`). Not standby nodes (`--standby`). The events' names, and the
+(`launch/workers/warm_pool.py`). Not standby nodes (`--standby`). The events' names, and the
 `standby` source their records carry, predate the term and keep their spelling."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ class Phase(EventBody):
 @event(Event.FLIGHT_RECORDER_DUMPED)
 class FlightRecorderDumped(EventBody):
     """In place, where the user turned torch's flight recorder on: the worker's watchdog
-    dumped it before the evidence of a hang is destroyed (`runtime/flight_recorder.py`)."""
+    dumped it before the evidence of a hang is destroyed (`runtime/generations/flight_recorder.py`)."""
 
     path: str = doc("the file written (torch's analyser, `fr_trace`, reads a folder of them)")
     bytes: int = doc("its size")
