@@ -384,3 +384,38 @@ def finish_on(hosts, i: int, proc: subprocess.Popen, timeout: float = 240,
               run_dir: str = "run") -> Launched:
     """`finish` for an agent `start_on` started on host i: its output, its own run dir."""
     return finish(proc, run_dir_on(hosts, i, run_dir), timeout)
+
+
+# Tests write nothing into the work tree: every run dir, checkpoint and log goes to a
+# temporary directory. Checked for the whole session: what `git status` shows after it
+# (untracked or ignored) that it did not show before, caches aside, fails the session.
+_CACHES = ("__pycache__/", ".pytest_cache/", ".ruff_cache/", ".grimp_cache/",
+           ".import_linter_cache/", ".coverage-data/", ".egg-info/", ".venv/")
+
+
+def _untracked() -> set[str] | None:
+    """What `git status` lists as untracked or ignored in the work tree; None outside git."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {line[3:] for line in out.stdout.splitlines()
+            if line[:2] in ("??", "!!") and not any(c in line for c in _CACHES)}
+
+
+def pytest_sessionstart(session):
+    session.config._untracked_before = _untracked()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_untracked_before", None)
+    after = _untracked()
+    if before is None or after is None:
+        return
+    if new := sorted(after - before):
+        sys.stderr.write("\nthe tests wrote into the work tree (use tmp_path): "
+                         + ", ".join(new[:20]) + "\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
