@@ -143,26 +143,6 @@ def test_reused_run_dir_does_not_replay_old_faults(tmp_path):
     assert len(second.events("fault")) == 1  # only the first run's
 
 
-def test_warm_interpreters_become_the_restarted_workers(tmp_path, warm_pool):
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--on-fault", "restart",
-                 args=["--steps", "100000", *TINY, "--checkpoint-dir", str(tmp_path / "ckpt"),
-                       "--checkpoint-every", "20"])
-    ready = wait_for(lambda: len(events_of(run_dir, "standby_ready")) >= 2 and
-                     events_of(run_dir, "standby_ready"), 120, "two warm interpreters to be ready")
-    warm_pids = {e["pid"] for e in ready}
-    victim = events_of(run_dir, "workers_started")[0]["pids"]["0"]
-    os.kill(victim, signal.SIGKILL)
-    restarted = wait_for(lambda: [e for e in events_of(run_dir, "workers_started") if e["attempt"] == 1],
-                         60, "the restart")[0]
-    assert set(restarted["pids"].values()) == warm_pids
-    resumed = wait_for(lambda: [e for e in events_of(run_dir, "step") if e["attempt"] == 1], 60,
-                       "a step of the restarted job")
-    assert resumed[0]["step"] % 20 == 0  # resumed at a checkpoint boundary
-    proc.send_signal(signal.SIGTERM)
-    assert finish(proc, run_dir, timeout=30).code == 143
-
-
 def test_the_worker_api_under_torchrun_resumes_after_a_restart(tmp_path):
     """Under plain torchrun (its one agent store for every restart), `unbroken.init()`
     rendezvouses under a prefix of its own per restart, even with UNBROKEN_RUN_DIR set for

@@ -67,10 +67,10 @@ def test_the_parser_reads_pet_variables_from_the_mapping_it_is_given() -> None:
     the option is made; the command line still wins."""
     parser = argparse.ArgumentParser()
     add_run_flags(parser, {"PET_MAX_RESTARTS": "4", "PET_STANDALONE": "1", "PET_FAULT": "crash",
-                           "PET_WARM_RESTARTS": "1", "PET_SHUTDOWN_TIMEOUT": "7"})
+                           "PET_FORK_SERVER": "1", "PET_SHUTDOWN_TIMEOUT": "7"})
     args = parser.parse_args(["--fault", "hang", "s.py"])
     assert (args.max_restarts, args.standalone, args.fault) == (4, True, ["crash", "hang"])
-    assert args.warm_restarts is False and args.kill_grace == 7.0
+    assert args.fork_server is False and args.kill_grace == 7.0
     assert parser.parse_args(["--max-restarts", "1", "s.py"]).max_restarts == 1
     quiet = argparse.ArgumentParser()
     add_run_flags(quiet, {})

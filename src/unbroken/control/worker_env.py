@@ -20,11 +20,6 @@ def node_dir(run_dir: str | os.PathLike[str], node_rank: int) -> Path:
     return Path(run_dir) / f"node_{node_rank}"
 
 
-WARM_FLAG = "--warm"
-"""`python -m unbroken.runtime.bootstrap --warm`: a warm interpreter, which imports torch and
-waits on stdin for the worker it becomes (`WorkerEnv.warm_environ`, `launch/workers/warm_pool.py`)."""
-
-
 class Role(StrEnum):
     WORKER = "worker"
     SPARE = "spare"  # warms up, then waits to be promoted into a slot
@@ -132,9 +127,9 @@ class WorkerEnv:
         }
         return {k: str(v) for k, v in env.items() if v is not None}
 
-    def warm_environ(self) -> dict[str, str]:
-        """What a warm interpreter (`WARM_FLAG`) starts with: where to log and whose child it
-        is, no rank and no attempt (it gets `to_environ()` when taken)."""
+    def server_environ(self) -> dict[str, str]:
+        """What the node's fork server starts with: where to log and whose child it is, no
+        rank and no attempt (each worker it forks gets `to_environ()`)."""
         env = {"UNBROKEN_AGENT_PID": self.agent_pid, "UNBROKEN_RUN_DIR": self.run_dir,
                "UNBROKEN_NODE_RANK": self.node_rank}
         return {k: str(v) for k, v in env.items() if v is not None}

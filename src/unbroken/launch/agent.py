@@ -28,7 +28,7 @@ from unbroken.control.messages import Fault
 from unbroken.control.retry import RetryingBackend
 from unbroken.control.schema import STANDBY_IDS, agent_lease, standby_id
 from unbroken.control.signing import Signer
-from unbroken.control.worker_env import WorkerEnv
+from unbroken.control.worker_env import WorkerEnv, node_dir
 from unbroken.errors import ControlPlaneError, ExitCode
 from unbroken.launch import returning
 from unbroken.launch.attempt import AttemptWatch
@@ -39,9 +39,9 @@ from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader.leader import Leader
+from unbroken.launch.workers.fork_client import ForkServer
 from unbroken.launch.workers.orphan_guard import OrphanGuard
 from unbroken.launch.workers.supervisor import NodeSupervisor
-from unbroken.launch.workers.warm_pool import WarmPool
 from unbroken.launch.workers.worker_spawn import launcher_defaults, nccl_overrides
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
@@ -78,16 +78,15 @@ class Agent:
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         for line in nccl_overrides(cfg):
             self.say(line)
-        guard, pool, sup = OrphanGuard(), None, None
+        guard, forks, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
         try:
             channel, address = self._connect()
             self._return_as_standby(channel)
             # After the connection: a node rank given in join order is known by now. Not with
             # --virtual-local-rank: a library that touches CUDA at import would see every device.
-            if cfg.recovery.warm_restarts and not cfg.no_python and not cfg.virtual_local_rank:
-                pool = WarmPool(cfg.nproc_per_node, self._warm_env(), guard)
-            sup = NodeSupervisor(cfg, self.events, self.say, guard, pool, address, self._secret)
+            forks = self._fork_server(guard)
+            sup = NodeSupervisor(cfg, self.events, self.say, guard, forks, address, self._secret)
             watch = AttemptWatch(cfg, channel, sup, self.events, self.say, self._check_signal)
             election = None
             leads = cfg.is_leader
@@ -123,8 +122,8 @@ class Agent:
             self._lease_stop.set()  # first: a lease refresh racing shutdown would look lost
             if sup is not None:
                 sup.close()
-            if pool is not None:
-                pool.close()
+            if forks is not None:
+                forks.close()
             guard.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -281,10 +280,24 @@ class Agent:
                  f"last fault was {where}")
         print(root_cause_report(self.cfg.script, fault), file=self.out, flush=True)
 
-    def _warm_env(self) -> dict[str, str]:
-        """What a warm interpreter imports torch under: the workers' environment without rank
+    def _fork_server(self, guard: OrphanGuard) -> ForkServer | None:
+        """The node's fork server, started now (its imports overlap the rendezvous), or None
+        where workers start cold (said): `--no-fork-server`, `--no-python` (no interpreter of
+        ours), `--virtual-local-rank` (a preimport touching CUDA would see every device)."""
+        cfg = self.cfg
+        why = ("--no-fork-server" if not cfg.recovery.fork_server else
+               "--no-python" if cfg.no_python else
+               "--virtual-local-rank" if cfg.virtual_local_rank else None)
+        if why is not None:
+            self.say(f"workers start as fresh interpreters ({why})")
+            return None
+        node = node_dir(Path(cfg.run_dir).resolve(), cfg.node_rank)
+        return ForkServer(self._server_env(), node, guard, self.say, self.events.emit)
+
+    def _server_env(self) -> dict[str, str]:
+        """What the fork server imports torch under: the workers' environment without rank
         or attempt."""
         env = dict(os.environ)
         env.update(WorkerEnv(agent_pid=os.getpid(), run_dir=str(Path(self.cfg.run_dir).resolve()),
-                             node_rank=self.cfg.node_rank).warm_environ())
+                             node_rank=self.cfg.node_rank).server_environ())
         return launcher_defaults(env, self.cfg)

@@ -155,7 +155,6 @@ class AttemptWatch:
         stall = sup.hangs.stall_report() if self.resilient else None
         spares_news = self.resilient and self._board.news([s.wid for s in sup.ready_spares()])
         if not self._control_due(bool(failed) or stall is not None or relayed or spares_news):
-            sup.fill_pool(self._t0)
             return None
         if stall is not None:  # the leader finds the culprit (launch/planning/culprit.py)
             ch.append(keys.stalls, stall)
@@ -189,7 +188,6 @@ class AttemptWatch:
             ch.write(keys.node_done(cfg.node_rank), NodeDone(ranks=sup.finished_ranks()))
             self.events.emit(ev.WorkersDone(attempt=attempt))
             self.done_posted = True
-        sup.fill_pool(self._t0)
         return None
 
     def _pause(self) -> float:

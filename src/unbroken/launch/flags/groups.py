@@ -229,9 +229,12 @@ class Recovery:
                                         "restart")
     join_timeout: float = 60.0
     """`--on-fault wait`: how long survivors wait for a replacement, then shrink (no flag)."""
-    warm_restarts: bool = flag("--no-warm-restarts", kind=Kind.OFF_SWITCH, default=True,
-                               help="do not keep warm interpreters (torch and the script's imports "
-                                    "done) for restarts (see README)")
+    fork_server: bool = flag("--no-fork-server", "--no-warm-restarts", kind=Kind.OFF_SWITCH,
+                             default=True,
+                             help="start every worker as a fresh interpreter (by default a "
+                                  "fork server per node, which has imported torch and the "
+                                  "workers' installed libraries, forks them in milliseconds; "
+                                  "--no-warm-restarts is this flag's deprecated old name)")
     exact_reduction: bool = flag(
         "--exact-reduction", kind=Kind.SWITCH, default=False,
         help="a framework integration registers unbroken.exact_allreduce on the framework's "

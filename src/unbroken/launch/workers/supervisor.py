@@ -26,13 +26,14 @@ from unbroken.control.worker_env import node_dir
 from unbroken.errors import PEER_ERROR_MARKERS, ErrorClass
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.workers.departure_relay import DepartureRelay
+from unbroken.launch.workers.fork_client import ForkServer
 from unbroken.launch.workers.hang_watch import HangWatch
 from unbroken.launch.workers.orphan_guard import OrphanGuard
-from unbroken.launch.workers.warm_pool import WarmPool, normal_priority
 from unbroken.launch.workers.worker_logs import AttemptLogs, Tailer
 from unbroken.launch.workers.worker_process import (
     WorkerProcess,
     describe_exit,
+    normal_priority,
     read_error,
     signal_group,
     stop_workers,
@@ -57,13 +58,12 @@ class NodeSupervisor:
     """This node's processes for one attempt at a time: workers, replacements, spares."""
 
     def __init__(self, cfg: LaunchConfig, events: EventLog, say: Callable[[str], None],
-                 guard: OrphanGuard, pool: WarmPool | None, control: ControlAddress,
+                 guard: OrphanGuard, forks: ForkServer | None, control: ControlAddress,
                  secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.events = events
         self.say = say  # the agent's one line to the user
         self.guard = guard
-        self.pool = pool
         self.control = control  # where the workers reach the control plane
         self.secret = secret  # handed to the workers: they sign and check control messages
         self.node_dir = node_dir(Path(cfg.run_dir).resolve(), cfg.node_rank)
@@ -86,7 +86,7 @@ class NodeSupervisor:
         self.departures = DepartureRelay.open() if cfg.in_place else None
         if self.departures is not None:
             self.selector.register(self.departures, selectors.EVENT_READ)  # wakes `wait`
-        self.spawner = WorkerSpawner(cfg, guard, pool, control, secret, self.node_dir, self.logs,
+        self.spawner = WorkerSpawner(cfg, guard, forks, control, secret, self.node_dir, self.logs,
                                      self.tailer, self.departures and self.departures.path)
         # A standby node runs only spares, as many as it has devices.
         self.spare_target = (cfg.nproc_per_node if cfg.spares_when_standing_by
@@ -190,18 +190,6 @@ class NodeSupervisor:
         if spare.pidfd is not None:
             self.selector.register(spare.pidfd, selectors.EVENT_READ, spare)
         self.events.emit(ev.SparePromoted(wid=spare.wid, slot=slot, pid=spare.pid, by=by))
-
-    def fill_pool(self, spawned_at: float) -> None:
-        """Warm the next attempt's workers once this attempt is training, not in its start-up."""
-        pool = self.pool
-        if pool is None or pool.full:
-            return
-        training = all(w.hang.timed_steps > 0 for w in self.workers)
-        no_heartbeats = all(w.hang.last_beat is None for w in self.workers)
-        if training or (no_heartbeats and time.monotonic() - spawned_at > 10.0):
-            started = pool.fill()
-            if started:
-                self.events.emit(ev.WarmInterpretersStarted(count=started))
 
     # ---------------------------------------------------------------- watching
     def wait(self, timeout: float) -> None:

@@ -154,3 +154,19 @@ def read_error(path: Path) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def normal_priority(pid: int) -> None:
+    """A spare under SCHED_IDLE would starve behind training once it is promoted: give it,
+    every thread of it, normal priority now."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass  # not ours to change (not root) or already gone: it runs at its own pace
+

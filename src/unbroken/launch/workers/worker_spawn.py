@@ -1,7 +1,7 @@
 """Starting this node's processes: a worker for a slot, or a spare. Each gets its environment
 (the `WorkerEnv` contract, the etcd credentials, a launcher's defaults), its command, its log
-streams, a warm interpreter when the pool has one, and its own process group under the
-orphan guard; it comes back as a `WorkerProcess` ready to be watched.
+streams, a fork of the node's fork server when it has one (else a fresh interpreter), and
+its own process group under the orphan guard; it comes back as a `WorkerProcess` ready to be watched.
 
 The spawner keeps no list of processes and watches none: `supervisor.NodeSupervisor` does.
 """
@@ -18,10 +18,10 @@ from unbroken.control.address import ControlAddress
 from unbroken.control.messages import AttemptPlan
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.launch.config import LaunchConfig
+from unbroken.launch.workers.fork_client import ForkedProcess, ForkServer
 from unbroken.launch.workers.hang_detector import HangDetector
 from unbroken.launch.workers.heartbeat_reader import HeartbeatReader
 from unbroken.launch.workers.orphan_guard import OrphanGuard
-from unbroken.launch.workers.warm_pool import WarmPool
 from unbroken.launch.workers.worker_logs import AttemptLogs, Tailer, WorkerStreams
 from unbroken.launch.workers.worker_process import (
     WorkerProcess,
@@ -37,14 +37,14 @@ class WorkerSpawner:
     where the workers reach the control plane; `secret` is handed to them (they sign and
     check control messages); `node_dir` holds their heartbeat and error files."""
 
-    def __init__(self, cfg: LaunchConfig, guard: OrphanGuard, pool: WarmPool | None,
+    def __init__(self, cfg: LaunchConfig, guard: OrphanGuard, forks: ForkServer | None,
                  control: ControlAddress, secret: bytes | None, node_dir: Path,
                  logs: AttemptLogs, tailer: Tailer, departures_socket: str | None = None,
                  ) -> None:
         self.cfg = cfg
         self.departures_socket = departures_socket  # the agent's `DepartureRelay`
         self.guard = guard
-        self.pool = pool
+        self.forks = forks  # the node's fork server; None: every process starts cold
         self.control = control
         self.secret = secret
         self.node_dir = node_dir
@@ -54,8 +54,7 @@ class WorkerSpawner:
 
     def worker(self, plan: AttemptPlan, attempt: int, rank: int, local_rank: int, wid: str,
                joining: bool) -> WorkerProcess:
-        """Start one worker of `plan` (from a warm interpreter when there is one)."""
-        cfg = self.cfg
+        """Start one worker of `plan` (forked by the node's server when it can)."""
         incarnation = wid.split(".")[1]
         name = f"rank_{rank}" if incarnation == "0" else f"rank_{rank}-r{incarnation}"
         base = self.node_dir / f"attempt_{attempt}" / name
@@ -64,12 +63,7 @@ class WorkerSpawner:
             Path(streams.error_file).unlink(missing_ok=True)
         env = self._env(plan, attempt, rank, local_rank, base, slot=rank, worker_id=wid,
                         joining=joining, error_file=streams.error_file)
-        argv = script_argv(cfg.script, cfg.script_args, cfg.module)
-        proc = self.pool.take(env, argv, streams) if self.pool is not None else None
-        if proc is None:
-            proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python),
-                         env, streams)
-            self.guard.watch(proc.pid)  # its process group: the worker and its children
+        proc = self._start(env, streams)
         self.tailer.follow(streams)
         worker = self._process(proc, rank, local_rank, base, wid)
         worker.torchelastic_error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
@@ -84,18 +78,29 @@ class WorkerSpawner:
                         joining=True, role=Role.SPARE)
         # A spare is no rank yet: its output goes to its own file once worker logs go to files.
         log = str(base.with_suffix(".log")) if cfg.logs.uses_dir else None
-        proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python), env,
-                     WorkerStreams(stdout=log, stderr=log))
-        self.guard.watch(proc.pid)
+        proc = self._start(env, WorkerStreams(stdout=log, stderr=log))
         _idle_priority(proc.pid)
         return self._process(proc, -1, local_rank, base, wid)
+
+    def _start(self, env: dict[str, str],
+               streams: WorkerStreams | None) -> subprocess.Popen | ForkedProcess:
+        """Forked by the server, else a fresh interpreter; its process group watched by the
+        orphan guard (the process and its children)."""
+        cfg = self.cfg
+        argv = script_argv(cfg.script, cfg.script_args, cfg.module)
+        proc = self.forks.spawn(env, argv, streams) if self.forks is not None else None
+        if proc is None:
+            proc = spawn(worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python),
+                         env, streams)
+        self.guard.watch(proc.pid)
+        return proc
 
     def hang_detector(self) -> HangDetector:
         """A fresh hang detector for a worker that takes a slot."""
         return HangDetector(self.cfg.hangs.hang_timeout, self.cfg.hangs.startup_timeout,
                             floor=self.cfg.hangs.hang_floor)
 
-    def _process(self, proc: subprocess.Popen, rank: int, local_rank: int, base: Path,
+    def _process(self, proc: subprocess.Popen | ForkedProcess, rank: int, local_rank: int, base: Path,
                  wid: str) -> WorkerProcess:
         w = WorkerProcess(rank=rank, local_rank=local_rank, proc=proc,
                           heartbeat=HeartbeatReader(base.with_suffix(".hb")),
@@ -119,7 +124,7 @@ class WorkerSpawner:
             error_file=str(base.with_suffix(".error.json")),
             torchelastic_error_file=error_file or str(base.with_suffix(".torchelastic.json")),
             role_name=cfg.role, device=self._device(local_rank),
-            record_imports=self.pool is not None, integrations=cfg.recovery.integrations,
+            record_imports=self.forks is not None, integrations=cfg.recovery.integrations,
             exact_reduction=cfg.recovery.exact_reduction,
             agent_pid=os.getpid(), control=self.control.text(), retry_window=cfg.retry_window,
             departures_socket=self.departures_socket,

@@ -61,10 +61,20 @@ class WorkersStarted(EventBody):
 
 @event(Event.STANDBYS_STARTED)
 class WarmInterpretersStarted(EventBody):
-    """Warm interpreters were started for the next attempt (the event's name predates the
-    term; not standby nodes)."""
+    """Warm interpreters were started for the next attempt (before the fork server: read in
+    older runs' logs, no longer written; the name predates the term, not standby nodes)."""
 
     count: int = doc("how many")
+
+
+@event(Event.FORK_SERVER_LOST)
+class ForkServerLost(EventBody):
+    """The node's fork server died (its workers are the agent's and run on): a new one
+    starts, or, the second time, the job's workers start as fresh interpreters."""
+
+    pid: int = doc("the server's pid")
+    error: str = doc("what the agent saw")
+    restarted: bool = doc("whether a new server was started")
 
 
 @event(Event.WORKERS_STOPPED)

@@ -1,6 +1,8 @@
-"""The warm interpreters' events: interpreters that import torch ahead of a restart
-(`launch/workers/warm_pool.py`). Not standby nodes (`--standby`). The events' names, and the
-`standby` source their records carry, predate the term and keep their spelling."""
+"""The events of what imports ahead of a worker: the node's fork server
+(`runtime/fork_server.py`, source `fork_server`: `standby_imports`) and, in older runs' logs,
+the warm interpreters it replaced (source `standby`: `standby_ready`, `standby_imports`,
+`standby_taken`, no longer written). Not standby nodes (`--standby`): the names predate
+the terms and keep their spelling."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ class WarmInterpreterReady(EventBody):
 
 @event(Event.STANDBY_IMPORTS)
 class WarmInterpreterImports(EventBody):
-    """A warm interpreter (the event's name predates the term) caught up with the node's list
-    of modules the workers imported (`RUN_DIR/node_K/modules.json`); again whenever the list
-    grows."""
+    """The node's fork server (source `fork_server`; before it, a warm interpreter, source
+    `standby`: the event's name predates both) caught up with the node's list of modules the
+    workers imported (`RUN_DIR/node_K/modules.json`); again whenever the list grows. Every
+    worker forked from then on has them imported."""
 
     pid: int = doc("its process id")
-    modules: int = doc("modules this warm interpreter has pre-imported so far, their own "
-                       "imports included")
+    modules: int = doc("modules it has pre-imported so far, their own imports included")
     failed: list[str] = doc("listed modules that raised on import: skipped")
     refused: list[str] = doc("listed names not found as installed code")
     duration: float = doc("seconds spent importing them")
