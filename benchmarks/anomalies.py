@@ -66,7 +66,7 @@ from harness import (
 
 sys.path.insert(0, str(REPO / "src"))
 
-from unbroken.runtime import replicas  # noqa: E402
+from unbroken.runtime.anomalies import replicas  # noqa: E402
 from unbroken.runtime.config import SdcConfig  # noqa: E402
 
 WORKERS = 2

@@ -11,13 +11,18 @@ measures, from the job's event log:
 
 Arms: `torchrun` (`python -m torch.distributed.run --max-restarts 3`, c10d rendezvous),
 `unbroken-restart` (`unbroken run --on-fault restart`: every worker restarted from the last
-checkpoint, from warm interpreters), `unbroken` (`unbroken run`: survivors recover in place).
+checkpoint, forked by the node's fork server), `unbroken` (`unbroken run`: survivors recover
+in place). The kill comes at step KILL_AT, a few seconds in: no warm process needs time to
+get ready (the fork server has imported before the first worker started).
+
+A replacement's start: from its process's start (the fork) to the end of its
+`unbroken.init()` (the `worker_start` event's `startup`), an upper bound of the time from
+the fork to the script's first line.
 Tries alternate between the arms so machine noise hits all of them.
 
 Steady state: the same step as a plain DDP loop (benchmarks/plain_ddp.py under torchrun)
 against the example under `unbroken run` with no faults and no checkpoints, alternating
-rounds; the figure is the median wall time between consecutive steps of rank 0, once the
-warm interpreters are ready (their start-up is a transient, not a steady-state cost).
+rounds; the figure is the median wall time between consecutive steps of rank 0.
 
     .venv/bin/python benchmarks/recovery.py --tries 10
 
@@ -63,6 +68,7 @@ sys.path.insert(0, str(REPO / "src"))
 KILL_AT = 125
 STEPS = 160
 ARMS = ["torchrun", "unbroken-restart", "unbroken"]
+STARTUPS: list[float] = []  # each in-place try's replacements: fork to the end of init, s
 
 
 def _command(arm: str, run_dir: Path, workers: int, steps: int, checkpoints: bool) -> list[str]:
@@ -88,6 +94,9 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
         if code is None:
             return Try(arm, hang=True, recovery=recovery)
         evs = events_of(run_dir)
+        if arm == "unbroken":
+            STARTUPS.extend(e["startup"] for e in evs if e["event"] == "worker_start"
+                            and e.get("joining") and e.get("startup") is not None)
         last = max(e["step"] for e in evs if e["event"] == "step")
         return Try(arm, exit=code, recovery=recovery,
                    lost_steps=lost_steps(evs, fault.killed_at, fault.resumed),
@@ -115,10 +124,6 @@ def steady_step_time(kind: str, root: Path, index: int, workers: int, steps: int
     else:
         evs = events_of(run_dir)
         ends = [e["t"] for e in evs if e["event"] == "step" and e["rank"] == 0][warmup:]
-        # Steady state begins once the warm interpreters have finished importing torch: they do
-        # it on idle CPU only, but on 2 cores that is not free (see benchmarks/README.md).
-        ready = max((e["t"] for e in evs if e["event"] == "standby_ready"), default=0.0)
-        ends = [t for t in ends if t > ready]
     return step_period(ends, least=1)
 
 
@@ -161,7 +166,12 @@ def main() -> None:
         print(f"{arm:16s} median {s.median_s}s  p90 {s.p90_s}s  lost steps median "
               f"{s.lost_steps_median} max {s.lost_steps_max}  hangs {s.hangs}/{s.tries}  "
               f"failed {s.failed}")
-    print(f"torchrun / unbroken in place: {ratio(t, u)}x;  unbroken restart / in place: {ratio(r, u)}x")
+    print(f"torchrun / unbroken in place: {ratio(t, u)}x;  unbroken restart / in place: {ratio(r, u)}x;"
+          f"  torchrun / unbroken restart: {ratio(t, r)}x")
+    startup = median_of(STARTUPS)
+    if startup is not None:
+        print(f"a replacement's start (fork to the end of init): median {startup:.3f}s, "
+              f"max {max(STARTUPS):.3f}s over {len(STARTUPS)}")
     if plain and ours:
         print(f"steady state: plain DDP {1000 * plain:.2f} ms/step, unbroken {1000 * ours:.2f} ms/step, "
               f"overhead {overhead:+.2f}%")
@@ -172,6 +182,9 @@ def main() -> None:
         **{arm: s.as_json() for arm, s in summary.items()},
         "ratio_median_torchrun_over_in_place": ratio(t, u),
         "ratio_median_restart_over_in_place": ratio(r, u),
+        "ratio_median_torchrun_over_restart": ratio(t, r),
+        "replacement_startup_median_s": round(startup, 4) if startup is not None else None,
+        "replacement_startup_max_s": round(max(STARTUPS), 4) if STARTUPS else None,
         "steady_plain_ms": round(1000 * plain, 3) if plain else None,
         "steady_unbroken_ms": round(1000 * ours, 3) if ours else None,
         "steady_overhead_pct": overhead,

@@ -53,3 +53,32 @@ def test_the_docs_name_import_paths():
 @pytest.mark.parametrize("path", documented_paths())
 def test_each_documented_path_resolves(path):
     assert resolve(path) is not None
+
+
+def _project_imports() -> list[tuple[str, str, str]]:
+    """(file, module, name) for every `from unbroken... import name` in the project's code,
+    inside functions too (a lazy import fails only when its function first runs)."""
+    import ast
+
+    found = []
+    for root in ("src", "benchmarks", "examples", "tests"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                        and node.module.split(".")[0] == "unbroken":
+                    found += [(str(path.relative_to(REPO)), node.module, a.name)
+                              for a in node.names if a.name != "*"]
+    return found
+
+
+def test_every_import_of_the_project_names_what_exists():
+    """Each `from unbroken.x import y` names a module or an attribute that exists (a module
+    moved into a sub-package once left a lazy import behind that only a run found)."""
+    missing = []
+    for where, module, name in _project_imports():
+        try:
+            resolve(f"{module}.{name}")
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{where}: from {module} import {name} ({exc})")
+    assert not missing, "\n".join(missing)

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from unbroken.control.codec import decode, encode
 from unbroken.control.fork_requests import (
@@ -99,17 +100,38 @@ def serve(child_main: Callable[[], None]) -> None:
 
 def _wait_for_request(conn: socket.socket, pre: Preimporter | None) -> bool:
     """True once a request is readable; meanwhile import one listed module at a time (no
-    thread: an import racing a fork could leave an import lock held in the child)."""
+    thread: an import racing a fork could leave an import lock held in the child), on CPU
+    that training leaves idle (`_idle`)."""
     busy = pre is not None and pre.pending > 0
     ready, _, _ = select.select([conn], [], [], 0 if busy else 1.0)
     if ready:
         return True
     if pre is not None:
         if busy:
-            pre.step()
+            with _idle():
+                pre.step()
         else:
             pre.refresh()
     return False
+
+
+@contextmanager
+def _idle() -> Iterator[None]:
+    """Run the block under SCHED_IDLE, then back to the policy we had: the server's imports
+    never slow the node's training (where we may raise the policy back: as root)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    try:
+        policy = os.sched_getscheduler(0)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 def _import_the_runtime() -> None:

@@ -21,7 +21,7 @@ INTRO = """\
 classes in src/unbroken/telemetry/schema/: edit those, not this file. -->
 
 Each run writes `RUN_DIR/events.jsonl`: one JSON object per line, appended by every agent,
-warm interpreter and worker of the node (with `O_APPEND`, one `write` per line, so lines never
+fork server and worker of the node (with `O_APPEND`, one `write` per line, so lines never
 interleave). Read it with `unbroken.telemetry.events.read_events` or `unbroken report`; in
 Python, `unbroken.telemetry.schema.decode(record)` gives each record as its event's frozen
 dataclass.

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from unbroken.runtime import step_probe, stragglers
+from unbroken.runtime import step_probe
+from unbroken.runtime.anomalies import stragglers
 from unbroken.runtime.anomalies.gather import gather
 from unbroken.runtime.config import StragglerConfig, StragglerRemedy
 from unbroken.telemetry import schema as ev

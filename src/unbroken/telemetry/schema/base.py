@@ -63,8 +63,8 @@ class EventBody:
 
     t: float | None = doc("wall-clock time the record was written (Unix seconds, microsecond "
                           "precision); set by the log", None)
-    source: str | None = optional("`agent`, `worker` or `standby` (a warm interpreter: the "
-                                  "value predates the term)")
+    source: str | None = optional("`agent`, `worker`, `fork_server` (the node's fork "
+                                  "server), or in older logs `standby` (a warm interpreter)")
     node: int | None = optional("the node rank of the writer")
     rank: int | None = optional("on worker events: the global rank")
     attempt: int | None = optional("on worker events: the attempt (restart count)")

@@ -1,5 +1,5 @@
 """The workers' events (scripts using `unbroken.init`). (Their checkpoints:
-`schema.checkpoint`; the warm interpreters': `schema.warm`.)"""
+`schema.checkpoint`; the fork server's and the old warm interpreters': `schema.warm`.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ class WorkerStart(EventBody):
 
     pid: int = doc("its process id")
     world_size: int = doc("the world size")
-    startup: float | None = doc("process start to the end of `init`, imports included; for a "
-                                "warm interpreter this includes its wait")
+    startup: float | None = doc("process start (a fork, for a worker the fork server forked) "
+                                "to the end of `init`, imports included")
     process_group: float = doc("`init_process_group` time")
     wid: str | None = doc("its worker id")
     joining: bool = doc("a replacement")
