@@ -1,9 +1,10 @@
 """Kill-to-first-resumed-step: `torchrun` against `unbroken run`, side by side in one run.
 
 Both unbroken launchers run with `--on-fault restart` (every worker restarted from the last
-checkpoint); in-place recovery is `benchmarks/recovery.py`. `unbroken-cold` adds
-`--no-warm-restarts`: a full cold restart (every worker re-imports torch), which is what any
-restart-everything launcher pays at best.
+checkpoint); in-place recovery is `benchmarks/recovery.py`. `unbroken` forks the restarted
+workers from the node's fork server; `unbroken-cold` adds `--no-fork-server` (its old name,
+`--no-warm-restarts`, is what the command line says): a full cold restart (every worker
+re-imports torch), which is what any restart-everything launcher pays at best.
 
 Three launchers run the same example (examples/gpt/train.py, 4 workers, DDP over gloo,
 checkpoint every 10 steps) with --max-restarts. Once training passes step KILL_AT, the

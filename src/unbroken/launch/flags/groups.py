@@ -355,8 +355,10 @@ class Workers:
                                help="workers on this node (an integer, or auto/cpu/gpu/xpu)")
     start_method: str = flag("--start-method", torchrun=True, default="spawn",
                              choices=("spawn", "fork", "forkserver"),
-                             help="as torchrun: a script is always started as a new process, "
-                                  "whatever the method")
+                             help="accepted as torchrun's, and changes nothing: each worker "
+                                  "runs its script as `python SCRIPT` would, forked by the "
+                                  "node's fork server (a process that has imported torch and "
+                                  "nothing of the script) unless --no-fork-server")
     role: str = flag("--role", default="default",
                      help="the workers' role (ROLE_NAME, log prefix)")
     module: bool = flag("-m", "--module", kind=Kind.SWITCH, default=False,

@@ -137,6 +137,8 @@ class SpareReady(EventBody):
                                     "holds shards only")
     shard_bytes: int | None = optional("sharded: its shards' bytes")
     largest_tensor_bytes: int | None = optional("sharded: its largest tensor's bytes")
+    cpu: float | None = optional("its own CPU seconds from its start to ready (forked by the "
+                                 "node's fork server: from the fork, the imports excluded)")
 
 
 @event(Event.SHARD_SYNC)
