@@ -267,7 +267,9 @@ def _check_root_cause(o: Outcome, case: Case) -> None:
     assert "Root Cause" in o.stderr, f"a root-cause report\n{o.describe()}"
     block = o.stderr[o.stderr.index("Root Cause"):]
     assert re.search(r"^\s*rank\s*:\s*1\b", block, re.M), f"rank 1 is the root cause\n{block}"
-    assert re.search(r"^\s*exitcode\s*:\s*1\b", block, re.M), block
+    # 1, or -6: torch's teardown of the raising process sometimes aborts after its error file
+    # is written, under either launcher (docs/design-notes.md, "Known defects").
+    assert re.search(r"^\s*exitcode\s*:\s*(1|-6)\b", block, re.M), block
     error_file = re.search(r"^\s*error_file\s*:\s*(\S+)", block, re.M)
     assert error_file, block
     assert message in o.stderr, f"the worker's exception is shown\n{o.describe()}"
