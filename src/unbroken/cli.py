@@ -101,7 +101,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, _warn)
     try:
-        code = Agent(cfg).run()
+        code = Agent(cfg).run(restore_signals=False)  # exits right after: see Agent.run
     except UserError as exc:  # the control plane's errors included: one line, then out
         print(f"unbroken run: error: {exc}", file=sys.stderr, flush=True)
         code = exc.exit_code

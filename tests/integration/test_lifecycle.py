@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from conftest import (
     EXAMPLE,
@@ -77,6 +78,25 @@ def test_sigterm_stops_workers_cleanly(tmp_path):
     assert result.code == 143, result.output
     assert all(not alive(pid) for pid in workers)
     assert result.events("agent_exit")[-1]["code"] == 143
+
+
+def test_a_sigterm_once_the_job_has_ended_does_not_change_its_exit_code(tmp_path):
+    """A Job's other pods are ended (SIGTERM) as soon as one succeeds: a signal that comes
+    while the agent exits after a success must leave its code 0 (CI once saw 143 here)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "2", script=SCRIPTS / "plain_torchrun.py",
+                 args=[str(tmp_path)])
+    wait_for(lambda: b"workers finished" in open(proc.output_file.name, "rb").read()
+             or proc.poll() is not None, 120, "the job's end")
+    while proc.poll() is None:  # from the outcome on, until the process is gone
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.002)
+    result = finish(proc, run_dir, timeout=30)
+    assert result.code == 0, result.output
+    assert result.events("agent_exit")[-1]["code"] == 0
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

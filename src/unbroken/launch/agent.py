@@ -66,7 +66,12 @@ class Agent:
         self._secret: bytes | None = None  # as found at first contact; None: unsigned
         self._kept: object = None  # a handed-over lead's worker store, open until the end
 
-    def run(self) -> int:
+    def run(self, restore_signals: bool = True) -> int:
+        """Run this node's part of the job to its end; returns the agent's exit code.
+        `restore_signals`: put the previous SIGINT/SIGTERM handlers back on the way out.
+        A process that exits right after (the CLI) passes False, so that a signal after the
+        job's outcome is known (a pod of a finished Job ended by Kubernetes as its node
+        exits) cannot turn a success into 143: the outcome stands, the signal is noted."""
         handled = self.cfg.signals or (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
         cfg = self.cfg
@@ -125,10 +130,12 @@ class Agent:
             if forks is not None:
                 forks.close()
             guard.close()
-            for s, handler in previous.items():
+            for s, handler in previous.items() if restore_signals else ():
                 signal.signal(s, handler)
             if code is None:
                 self.events.close()  # reports the events a full disk cost
+        if self._signal is not None and code != 128 + self._signal:
+            self.say(f"signal {self._signal} came after the job's end: exit {code} stands")
         self.events.emit(ev.AgentExit(code=int(code), events_dropped=self.events.dropped))
         self.events.close()
         return int(code)
