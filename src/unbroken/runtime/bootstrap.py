@@ -10,34 +10,18 @@ its environment and arguments already its own.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import runpy
-import signal
 import sys
 import traceback
 
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.errors import classify
 from unbroken.exiting import exit_without_teardown
+from unbroken.kinship import die_with
 from unbroken.runtime.groups import script_group
 from unbroken.runtime.warm_imports import ImportRecorder, modules_path
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_agent() -> None:
-    """Ask the kernel to SIGKILL us when the agent dies, then close the fork/prctl race."""
-    agent_pid = WorkerEnv.from_environ().agent_pid
-    if not agent_pid or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(agent_pid):
-        os._exit(1)  # the agent died before prctl took effect
 
 
 def _user_frames(tb):  # noqa: ANN001, ANN202 - a traceback object
@@ -91,7 +75,7 @@ def _record_imports(script: str | None) -> None:
 
 
 def main() -> None:
-    _die_with_agent()
+    die_with(int(WorkerEnv.from_environ().agent_pid or 0))
     args = sys.argv[1:]
     as_module = bool(args) and args[0] == "-m"
     if as_module:

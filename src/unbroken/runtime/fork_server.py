@@ -47,11 +47,11 @@ from unbroken.control.fork_requests import (
     ForkRequest,
 )
 from unbroken.control.worker_env import WorkerEnv
+from unbroken.kinship import die_with
 from unbroken.runtime.warm_imports import Preimporter, modules_path
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
-_PR_SET_PDEATHSIG = 1
 _REPARENT_WAIT = 5.0  # seconds a child waits to become its agent's (the intermediate exits at once)
 _STAT_ARG_START = 47 - 2  # /proc/self/stat field 48 (arg_start), counted after the ")"
 
@@ -60,7 +60,7 @@ def serve(child_main: Callable[[], None]) -> None:
     """Run the node's fork server until its agent closes the connection (or dies: the
     kernel then kills the server). `child_main` is what each child runs: the worker's entry
     point, with `sys.argv[1:]` its arguments."""
-    _die_with(int(os.environ.get("UNBROKEN_AGENT_PID") or 0))
+    die_with(int(os.environ.get("UNBROKEN_AGENT_PID") or 0))
     path = os.environ[SOCKET_VARIABLE]
     _import_the_runtime()
     threads = _tasks()  # what native libraries started at import (OpenBLAS's pool): accounted
@@ -228,15 +228,6 @@ def _become(request: ForkRequest, conn: socket.socket, child_main: Callable[[], 
             except (OSError, ValueError):
                 pass
         os._exit(code)
-
-
-def _die_with(agent: int) -> None:
-    """The kernel kills this process when its parent (the agent) dies."""
-    if not agent or not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != agent:
-        os._exit(1)  # the agent died before prctl took effect
 
 
 def _await_parent(agent: int) -> None:

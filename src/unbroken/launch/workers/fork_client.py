@@ -15,12 +15,10 @@ said once.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,24 +33,17 @@ from unbroken.control.fork_requests import (
     ForkReply,
     ForkRequest,
 )
+from unbroken.kinship import become_subreaper
 from unbroken.launch.workers.orphan_guard import OrphanGuard
 from unbroken.launch.workers.worker_logs import WorkerStreams
 from unbroken.launch.workers.worker_process import BOOTSTRAP
 from unbroken.telemetry import schema as ev
 
-_PR_SET_CHILD_SUBREAPER = 36
 FIRST_READY = 120.0
 """Seconds the first worker waits for the server's imports (about 3 s idle; more on a loaded
 machine); past it, that worker starts cold."""
 REPLY_BOUND = 30.0  # seconds a fork's answer may take before the server counts as dead
 _LOOK = 0.01
-
-
-def become_subreaper() -> bool:
-    """Orphaned descendants (each forked worker, once its intermediate exits) become ours."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 class ForkedProcess:
