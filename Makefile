@@ -49,12 +49,17 @@ install: $(BIN)/unbroken $(T4)/.installed $(ETCD) $(IP) $(CHROMIUM)
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
 	$(BIN)/unbroken demo
 
+# The integration tier's tests run JOBS at a time (a test's job is mostly waiting: about one
+# core of two is busy with one test), a module per worker; those marked serial alone after.
+JOBS ?= 2
+
 # Two tiers: tests/unit (no processes, sockets or sleeps; under a minute) answers first, then
 # tests/integration (real agents, workers, faults, etcd, namespaces, a browser).
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/pytest -q tests/unit
-	$(BIN)/pytest -q --durations=25 tests/integration
+	$(BIN)/pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=25 tests/integration
+	$(BIN)/pytest -q -m serial --durations=5 tests/integration
 
 test-fast: $(BIN)/unbroken
 	$(BIN)/pytest -q tests/unit

@@ -407,7 +407,8 @@ def _untracked() -> set[str] | None:
 
 
 def pytest_sessionstart(session):
-    session.config._untracked_before = _untracked()
+    if not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller checks
+        session.config._untracked_before = _untracked()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import TINY, assert_bit_identical, events_of, finish, launch, start, wait_for
 
@@ -173,6 +174,7 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
     """Rank 1's process runs 1.5x slower from step 120 for 150 steps (a fault keyed to the
     process, not the rank). The straggler detector flags slot 1 within 50 steps, the slot is
@@ -207,6 +209,7 @@ def test_a_rank_made_slow_is_flagged_and_drained_onto_the_spare(tmp_path):
     assert after < 1.2 * before, (before, slow, after)
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_clean_run_with_jitter_flags_nobody(tmp_path):
     """1,000 steps, each rank-step stalled with probability 0.05 by up to 3x the step (the
     ranks and steps chosen at random), with the detector configuration that flags a 1.5x

@@ -26,6 +26,7 @@ from unbroken.telemetry.schema import encode
 CKPT_TRAIN = SCRIPTS / "ckpt_train.py"
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_deferred_save_is_retried_and_never_waited_for(tmp_path):
     """A save due while the last is still being written is deferred (not waited for) and
     retried after 1, 2, 4, 8 steps."""

@@ -217,5 +217,6 @@ def _idle_look_requests(endpoint: str, agents: int, looks: int = 20) -> int:
     return made
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_an_idle_look_costs_the_same_at_8_agents_as_at_64(etcd_endpoint):
     assert _idle_look_requests(etcd_endpoint, 8) == _idle_look_requests(etcd_endpoint, 64) == 0

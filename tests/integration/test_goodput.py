@@ -16,6 +16,7 @@ from unbroken.telemetry.report import build_report, load_events
 C = Category
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 # ---------------------------------------------------------------- a real run
 def test_a_straggler_and_a_crash_are_charged_to_their_categories(tmp_path):
     """A 2 s `slow` fault is 2 s of straggler on each rank; a crash restarts every worker,

@@ -44,6 +44,7 @@ def _node(hosts, node_rank, *extra, steps):
                           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"])
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_worker_stopped_mid_step_on_one_of_two_nodes_is_the_only_one_killed(isolated_hosts):
     """Rank 3 (node 1) is SIGSTOPped from outside at a random point of a step. Every rank
     stalls; the leader reads both nodes' reports, blames the stopped one, and only it dies:
@@ -79,6 +80,7 @@ def test_a_worker_stopped_mid_step_on_one_of_two_nodes_is_the_only_one_killed(is
     assert summarize([node0, node1])["steps"] == 150
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_noisy_step_time_and_a_declared_long_evaluation_kill_nobody(tmp_path):
     """400 steps whose time varies threefold (`--step-jitter 3`), and rank 0 evaluating
     for 3 s every 150 steps (declared with `run.phase`) while rank 1 waits in the gradient

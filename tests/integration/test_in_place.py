@@ -11,6 +11,7 @@ import os
 import random
 import signal
 
+import pytest
 import torch
 from conftest import (
     SCRIPTS,
@@ -57,6 +58,7 @@ def _assert_in_place(result, faults: list[tuple[str, int]], replaced: set[int]) 
     assert summary["steps"] == STEPS, summary
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_sigkill_at_a_random_step_survivors_keep_their_processes(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2", args=ARGS)

@@ -164,6 +164,7 @@ def test_a_promoted_spare_that_dies_is_replaced_in_turn(tmp_path):
     assert {e["slot"] for e in result.events("training_done")} == {0, 1}
 
 
+@pytest.mark.serial  # measures time: alone, never beside another test
 def test_a_drain_moves_a_rank_onto_a_spare_with_a_stall_of_about_one_step(tmp_path):
     """`unbroken drain RUN_DIR --rank 1` while the job trains: the spare takes rank 1 at a
     step boundary, the drained worker exits cleanly (no fault), and the survivors' longest
