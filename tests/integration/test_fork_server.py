@@ -105,23 +105,34 @@ def test_the_servers_death_kills_no_worker(tmp_path):
     assert fault["exit_code"] == -signal.SIGKILL, fault  # the signal, as waitpid gave it
 
 
-def test_no_fork_server_starts_fresh_interpreters_and_says_so(tmp_path):
-    out = tmp_path / "out"
+def _probe_once(tmp_path: Path, name: str, *flags: str) -> tuple[dict, str]:
+    out, run_dir = tmp_path / name, tmp_path / f"{name}-run"
     out.mkdir()
-    proc = start(tmp_path / "run", "--nproc-per-node", "1", "--no-fork-server", script=PROBE,
-                 args=[str(out)])
+    proc = start(run_dir, "--nproc-per-node", "1", *flags, script=PROBE, args=[str(out)])
     try:
         (p,) = _probes(out, 1).values()
-        assert not p["torch_before"]
-        assert [c.decode() for c in _proc(p["pid"], "cmdline")[:4]] == [
-            sys.executable, "-u", "-m", "unbroken.worker"]
+        p["cmdline"] = [c.decode() for c in _proc(p["pid"], "cmdline")]
         (out / "go").touch()
-        result = finish(proc, tmp_path / "run")
+        result = finish(proc, run_dir)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert result.code == 0, result.output
-    assert "workers start as fresh interpreters (--no-fork-server)" in result.output
+    return p, result.output
+
+
+def test_a_forked_worker_starts_as_fresh_as_a_cold_one_and_no_fork_server_starts_cold(tmp_path):
+    """A cold worker (--no-fork-server: a fresh interpreter, said) and a forked one have the
+    same signal dispositions and mask, open files (none of the server's: its event log is
+    not inherited), umask, scheduling policy and nice value, and run as `__main__`."""
+    cold, said = _probe_once(tmp_path, "cold", "--no-fork-server")
+    assert "workers start as fresh interpreters (--no-fork-server)" in said
+    assert not cold["torch_before"]
+    assert cold["cmdline"][:4] == [sys.executable, "-u", "-m", "unbroken.worker"]
+    forked, _ = _probe_once(tmp_path, "forked")
+    assert forked["torch_before"]
+    assert forked["fresh"] == cold["fresh"]
+    assert cold["fresh"]["fds"] == ["0: std", "1: std", "2: std"]
 
 
 def test_killing_the_agent_kills_its_forked_workers_and_its_server(tmp_path):

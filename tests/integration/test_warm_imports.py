@@ -22,16 +22,22 @@ sys.path.append(sys.argv[2])
 assert pre.refresh()
 while pre.pending:
     pre.step()
+import os
 print(json.dumps({"networkx": "networkx" in sys.modules, "local": "warm_local_mod" in sys.modules,
                   "colorsys": "colorsys" in sys.modules, "added": pre.added,
-                  "refused": pre.refused, "failed": pre.failed}))
+                  "refused": pre.refused, "failed": pre.failed, "dropped": pre.dropped,
+                  "kept": sorted(m for m in sys.modules if m.startswith("warm_")),
+                  "environ": type(os.environ).__name__}))
 """
 
 
-def test_a_warm_interpreter_imports_only_installed_modules_and_dotted_names(tmp_path):
+def test_the_fork_servers_preimports_are_installed_modules_that_read_no_rank(tmp_path):
     """Names that are not dotted identifiers are ignored; a module found on the user's path
     (here the interpreter's cwd), even one shadowing a stdlib name, is refused unimported; one
-    that fails to import is counted and skipped."""
+    that fails to import is counted and skipped. A module that reads a rank's or job's
+    variable at import (by `[]`, `get`, `in` or `os.getenv`), and one that imports it, are
+    forgotten again, so that each worker imports them with its own rank; what the reader
+    imported before reading, and read nothing, is kept."""
     marker = tmp_path / "ran"
     side_effect = f"open({str(marker)!r}, 'w').close()\n"
     (tmp_path / "warm_local_mod.py").write_text(side_effect)
@@ -40,9 +46,14 @@ def test_a_warm_interpreter_imports_only_installed_modules_and_dotted_names(tmp_
     site.mkdir()
     (site / "warm_raises.py").write_text("raise RuntimeError('cannot import here')\n")
     (site / "warm_exits.py").write_text("import sys\nsys.exit(3)\n")
+    (site / "warm_neutral.py").write_text("import os\nHOME = os.environ.get('HOME')\n")
+    (site / "warm_reads_rank.py").write_text(
+        "import os\nimport warm_neutral\nRANK = os.environ.get('RANK', '0')\n"
+        "WORLD = os.getenv('WORLD_SIZE')\nMASTER = 'MASTER_ADDR' in os.environ\n")
+    (site / "warm_imports_reader.py").write_text("import warm_reads_rank\n")
     listed = tmp_path / MODULES_FILE
     listed.write_text(json.dumps({"modules": [
-        "warm_raises", "warm_exits", "networkx", "warm_local_mod", "colorsys",
+        "warm_raises", "warm_exits", "warm_imports_reader", "networkx", "warm_local_mod", "colorsys",
         "os; import warm_local_mod", "1abc", 42, "__import__('warm_local_mod')",
         "no_such_module_at_all", "json.decoder"]}))
     res = subprocess.run([sys.executable, "-c", _WARM_INTERPRETER, str(listed), str(site)], cwd=tmp_path,
@@ -51,8 +62,12 @@ def test_a_warm_interpreter_imports_only_installed_modules_and_dotted_names(tmp_
     got = json.loads(res.stdout)
     assert got["networkx"] and got["added"] > 10
     assert not got["local"] and not got["colorsys"] and not marker.exists()
-    assert got["refused"] == 3  # warm_local_mod, colorsys (the cwd's), no_such_module_at_all
-    assert got["failed"] == 2  # warm_raises, warm_exits: skipped, the interpreter goes on
+    # warm_local_mod, colorsys (the cwd's), no_such_module_at_all
+    assert sorted(got["refused"]) == ["colorsys", "no_such_module_at_all", "warm_local_mod"]
+    assert got["failed"] == ["warm_raises", "warm_exits"]  # skipped, the interpreter goes on
+    assert got["dropped"] == {"warm_reads_rank": ["MASTER_ADDR", "RANK", "WORLD_SIZE"],
+                              "warm_imports_reader": ["MASTER_ADDR", "RANK", "WORLD_SIZE"]}
+    assert got["kept"] == ["warm_neutral"] and got["environ"] == "_Environ"
 
 
 def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):

@@ -51,3 +51,17 @@ class ForkReply:
 
     pid: int | None = None
     error: str | None = None
+
+
+LOAD_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "PYTHON")
+"""Variables read once, when the interpreter or a native library loads (the thread pools of
+OpenMP, MKL and OpenBLAS; the interpreter's own `PYTHON*`): the fork server has read its
+own, and a forked child cannot read them again."""
+
+
+def load_time_differences(server: dict[str, str], worker: dict[str, str]) -> list[str]:
+    """The load-time variables (`LOAD_TIME_PREFIXES`) whose value in a worker's environment
+    is not the server's (set in one only, included): where any is, that worker starts as a
+    fresh interpreter, which reads them."""
+    names = {k for k in (*server, *worker) if k.startswith(LOAD_TIME_PREFIXES)}
+    return sorted(k for k in names if server.get(k) != worker.get(k))

@@ -25,6 +25,17 @@ class Role(StrEnum):
     SPARE = "spare"  # warms up, then waits to be promoted into a slot
 
 
+JOB_VARIABLES = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+})
+"""torchrun's per-rank and per-job variables (`to_environ` sets them for each worker; the
+fork server has none): a module that reads one at import is never imported ahead of time,
+since it would keep what it saw in the server (`warm_imports.Preimporter`)."""
+
+
 @dataclass
 class WorkerEnv:
     rank: int = 0

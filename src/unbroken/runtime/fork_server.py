@@ -9,11 +9,9 @@ freezes its objects for the garbage collector (`gc.freeze`), and listens on the 
 socket (`control/fork_requests.py`). For each request it checks that a fork is safe, forks
 an intermediate child, which forks the worker and exits at once: the worker is reparented
 to the agent, which reaps it and gets its exit status as a torchrun worker's. The worker
-makes itself what a fresh `python -m unbroken.worker ARGV` would be: its own session, the
-request's environment (also where `/proc/PID/environ` reads it), working directory, output
-files, command line (`ps` shows `python SCRIPT ARGS`), default signal mask, its own RNG
-seeds and torch's thread count from its own `OMP_NUM_THREADS`; then it runs the worker's
-entry point, and exits with the status `python` would.
+makes itself what a fresh `python -m unbroken.worker ARGV` would be (`fork_child.become`:
+its session, environment, files, signals, umask, priority, RNGs, command line), runs the
+worker's entry point, and exits with the status `python` would.
 
 What the server may never do, checked before every fork (`unsafe`): run a thread it did not
 start with (a thread holding a lock at a fork leaves that lock held for ever in the child),
@@ -25,41 +23,33 @@ nothing; a module it preimports runs only its import.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
-import random
 import select
-import signal
 import socket
-import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from unbroken.control.codec import decode, encode
 from unbroken.control.fork_requests import (
-    PAD_VARIABLE,
     SOCKET_VARIABLE,
     ForkReply,
     ForkRequest,
 )
 from unbroken.control.worker_env import WorkerEnv
 from unbroken.kinship import die_with
+from unbroken.runtime.fork_child import Birth, become, set_title
 from unbroken.runtime.warm_imports import Preimporter, modules_path
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
-
-_REPARENT_WAIT = 5.0  # seconds a child waits to become its agent's (the intermediate exits at once)
-_STAT_ARG_START = 47 - 2  # /proc/self/stat field 48 (arg_start), counted after the ")"
 
 
 def serve(child_main: Callable[[], None]) -> None:
     """Run the node's fork server until its agent closes the connection (or dies: the
     kernel then kills the server). `child_main` is what each child runs: the worker's entry
     point, with `sys.argv[1:]` its arguments."""
+    birth = Birth.now()  # what a fresh interpreter has: each child gets it back
     die_with(int(os.environ.get("UNBROKEN_AGENT_PID") or 0))
     path = os.environ[SOCKET_VARIABLE]
     _import_the_runtime()
@@ -68,7 +58,7 @@ def serve(child_main: Callable[[], None]) -> None:
     pre = Preimporter(modules_path(env.run_dir, env.node_rank)) if env.run_dir else None
     log = EventLog(os.path.join(env.run_dir, EVENTS_FILE) if env.run_dir else None,
                    source="fork_server", node=env.node_rank)
-    _set_title(b"unbroken fork server")
+    set_title(b"unbroken fork server")
     gc.freeze()  # objects made so far are never touched by a collection: pages stay shared
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)
@@ -87,14 +77,15 @@ def serve(child_main: Callable[[], None]) -> None:
                     reported = pre.added  # caught up with the list: said once per growth
                     log.emit(ev.WarmInterpreterImports(
                         pid=os.getpid(), modules=pre.added, failed=pre.failed,
-                        refused=pre.refused, duration=round(pre.seconds, 6)))
+                        refused=pre.refused, dropped=pre.dropped or None,
+                        duration=round(pre.seconds, 6)))
                 continue
             line = requests.readline()
             if not line:
                 return  # the agent is done with us
             request = decode(ForkRequest, line.decode())
             why = unsafe(threads)
-            reply = ForkReply(error=why) if why else _fork(request, conn, child_main)
+            reply = ForkReply(error=why) if why else _fork(request, conn, child_main, birth, log)
             conn.sendall(encode(reply).encode() + b"\n")
 
 
@@ -168,8 +159,8 @@ def _tasks() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def _fork(request: ForkRequest, conn: socket.socket,
-          child_main: Callable[[], None]) -> ForkReply:
+def _fork(request: ForkRequest, conn: socket.socket, child_main: Callable[[], None],
+          birth: Birth, log: EventLog) -> ForkReply:
     """Fork the worker of `request` through an intermediate child; its pid."""
     r, w = os.pipe()
     intermediate = os.fork()
@@ -179,7 +170,7 @@ def _fork(request: ForkRequest, conn: socket.socket,
             worker = os.fork()
             if worker == 0:
                 os.close(w)
-                _become(request, conn, child_main)  # never returns
+                become(request, conn, child_main, birth, log)  # never returns
             os.write(w, str(worker).encode())
         finally:
             os._exit(0)
@@ -188,114 +179,3 @@ def _fork(request: ForkRequest, conn: socket.socket,
         pid = said.read()
     os.waitpid(intermediate, 0)
     return ForkReply(pid=int(pid)) if pid else ForkReply(error="the fork failed")
-
-
-def _become(request: ForkRequest, conn: socket.socket, child_main: Callable[[], None]) -> None:
-    """In the worker: make the process what a fresh interpreter would be, run the worker's
-    entry point, and exit with the status `python` would have."""
-    code = 1
-    try:
-        os.close(conn.detach())  # the agent's connection is the server's alone
-        os.setsid()  # its own session and process group, as `start_new_session` gives
-        agent = int(request.env.get("UNBROKEN_AGENT_PID") or 0)
-        _await_parent(agent)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        os.environ.clear()
-        os.environ.update(request.env)
-        if request.cwd:
-            os.chdir(request.cwd)
-        _streams(request.stdout, request.stderr)
-        _fresh_state()
-        _set_title(b"\0".join(a.encode() for a in [os.path.basename(sys.executable),
-                                                   *request.argv]))
-        _set_environ(request.env)
-        sys.argv = ["-m unbroken.worker", *request.argv]
-        child_main()
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit 1
-        traceback.print_exc()
-        code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-
-def _await_parent(agent: int) -> None:
-    """Until the intermediate has exited and the agent (the subreaper) is our parent."""
-    deadline = time.monotonic() + _REPARENT_WAIT
-    while agent and os.getppid() != agent and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
-def _streams(stdout: str | None, stderr: str | None) -> None:
-    """stdin from /dev/null; stdout and stderr to the worker's files (else the agent's
-    console, which the server's already are)."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    for fd, target in ((1, stdout), (2, stderr)):
-        if target:
-            out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
-
-
-def _fresh_state() -> None:
-    """What a fresh interpreter would have, and the server's state does not: the RNGs
-    seeded anew, torch's thread count from this worker's `OMP_NUM_THREADS`, the collector
-    back on every object."""
-    import torch
-
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    torch.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
-    os.environ.pop(PAD_VARIABLE, None)
-    gc.unfreeze()
-
-
-def _stat_field(index: int) -> int:
-    with open("/proc/self/stat", encoding="ascii") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[index])
-
-
-def _overwrite(start: int, end: int, data: bytes) -> None:
-    """Write `data` (cut to fit, NUL-ended) over our own memory [start, end)."""
-    size = end - start
-    if size <= 1:
-        return
-    body = data[:size - 1]
-    ctypes.memmove(start, body + b"\0" * (size - len(body)), size)
-
-
-def _set_title(title: bytes) -> None:
-    """What `ps` and `/proc/PID/cmdline` show: the arguments area the server was started
-    with (padded by the agent), as setproctitle does."""
-    try:
-        start, end = _stat_field(_STAT_ARG_START), _stat_field(_STAT_ARG_START + 1)
-    except (OSError, ValueError, IndexError):
-        return
-    _overwrite(start, end, title)
-
-
-def _set_environ(env: dict[str, str]) -> None:
-    """What `/proc/PID/environ` shows: this worker's variables, written over the server's
-    environment block (padded by the agent: `PAD_VARIABLE`); cut where it does not fit."""
-    try:
-        start, end = _stat_field(_STAT_ARG_START + 2), _stat_field(_STAT_ARG_START + 3)
-    except (OSError, ValueError, IndexError):
-        return
-    _overwrite(start, end, b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))

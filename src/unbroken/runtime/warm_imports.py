@@ -1,12 +1,12 @@
-"""What a worker imported, so that the next attempt's warm interpreters import it in advance.
+"""What a worker imported, so that the node's fork server imports it in advance.
 
-A warm interpreter (`bootstrap.py --warm`) imports torch before it is needed, but a plain
+The fork server (`fork_server.py`) imports torch before any worker is asked for, but a plain
 script may spend as long again importing its own libraries (transformers, ...). So one
 worker of each node at a time (the holder of a lock beside the file) records the modules it
 has imported (`ImportRecorder`, a daemon thread that looks every second, backing off to
-every 30 s while nothing changes) in `RUN_DIR/node_K/modules.json`, and each warm interpreter
-of the node, while it waits for a rank, imports the modules listed there that it has not
-(`Preimporter`), in the order the worker first imported them.
+every 30 s while nothing changes) in `RUN_DIR/node_K/modules.json`, and the node's fork
+server, between forks, imports the modules listed there that it has not (`Preimporter`),
+in the order the worker first imported them.
 
 The safety rule, applied by the writer and again by the reader (the file is only data):
 only modules of installed packages and of the standard library are listed and imported,
@@ -15,6 +15,12 @@ that is modules whose file lies in the interpreter's stdlib or site-packages dir
 on a path of the user's: importing those could run the user's code, with its side effects,
 in a process that is not yet a worker. A name that is not a dotted identifier is ignored;
 nothing else in the file is ever executed or evaluated.
+
+A second rule, for what is imported ahead: a module that reads a rank's or a job's variable
+at import (`worker_env.JOB_VARIABLES`: RANK, WORLD_SIZE, MASTER_ADDR, ...) would keep what
+it saw in the server, where none is set. Each pre-import runs under `environ_reads`, and the
+modules that read one (and those that were importing them) are forgotten again: each
+worker imports them itself. Reads from C (`getenv(3)`) are not seen.
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from unbroken.control.worker_env import node_dir
+from unbroken.control.worker_env import JOB_VARIABLES, node_dir
 
 MODULES_FILE = "modules.json"
 """The node's list of modules its local-rank-0 worker imported, in `RUN_DIR/node_K/`."""
@@ -195,6 +202,53 @@ class ImportRecorder:
         return True
 
 
+class _RecordingEnviron(os._Environ):  # type: ignore[name-defined]
+    """`os.environ`'s class while `environ_reads` is active: a lookup of a watched key
+    (`[]`, `get`, `in`, `os.getenv`: all go through `__getitem__`) notes the modules whose
+    top-level code is running, innermost first."""
+
+    sink: dict[str, list[str]] | None = None
+    watched: frozenset[str] = frozenset()
+
+    def __getitem__(self, key: str) -> str:
+        sink = _RecordingEnviron.sink
+        if sink is not None and key in _RecordingEnviron.watched:
+            frame, importing = sys._getframe(1), []
+            while frame is not None:
+                if frame.f_code.co_name == "<module>":
+                    importing.append(str(frame.f_globals.get("__name__")))
+                frame = frame.f_back
+            sink.setdefault(key, []).extend(m for m in importing if m not in sink[key])
+        return super().__getitem__(key)
+
+
+@contextmanager
+def environ_reads(watched: Iterable[str] = JOB_VARIABLES) -> Iterator[dict[str, list[str]]]:
+    """While the block runs, note each lookup of a `watched` variable in `os.environ`:
+    variable -> the modules whose import was running (the reader, then its importers).
+    Not reentrant; one thread (the fork server imports on its main thread only)."""
+    env, reads = os.environ, {}
+    previous = type(env)
+    _RecordingEnviron.sink, _RecordingEnviron.watched = reads, frozenset(watched)
+    env.__class__ = _RecordingEnviron
+    try:
+        yield reads
+    finally:
+        env.__class__ = previous
+        _RecordingEnviron.sink = None
+
+
+def forget(names: Iterable[str]) -> None:
+    """Take modules out of `sys.modules` (and off their parent package), so that the next
+    import of each runs its code again."""
+    for name in names:
+        module = sys.modules.pop(name, None)
+        parent, _, child = name.rpartition(".")
+        if module is not None and parent in sys.modules and \
+                getattr(sys.modules[parent], child, None) is module:
+            delattr(sys.modules[parent], child)
+
+
 class Preimporter:
     """A warm interpreter's side: import the listed modules, one at a time, between looks
     at stdin.
@@ -210,8 +264,9 @@ class Preimporter:
         self._queue: deque[str] = deque()
         self._listed: set[str] = set()
         self._baseline = len(sys.modules)  # torch and the runtime, imported before
-        self.failed = 0  # raised while importing
-        self.refused = 0  # not installed code where this interpreter looked for it
+        self.failed: list[str] = []  # raised while importing
+        self.refused: list[str] = []  # not installed code where this interpreter looked for it
+        self.dropped: dict[str, list[str]] = {}  # read a job's variable: module -> variables
         self.seconds = 0.0
 
     def refresh(self) -> bool:
@@ -275,14 +330,23 @@ class Preimporter:
         try:
             spec = importlib.util.find_spec(name)
         except (Exception, SystemExit):  # noqa: BLE001
-            self.failed += 1
+            self.failed.append(name)
             return False
         if spec is None or not self.paths.spec(spec):
-            self.refused += 1
+            self.refused.append(name)
             return False
+        before = set(sys.modules)
         try:
-            importlib.import_module(name)
+            with environ_reads() as reads:
+                importlib.import_module(name)
         except (Exception, SystemExit):  # noqa: BLE001 - skipped: the worker imports it again
-            self.failed += 1
+            self.failed.append(name)
             return False
-        return True
+        new = set(sys.modules) - before  # the readers above them (the server's own) stay
+        tainted = {m for readers in reads.values() for m in readers if m in new}
+        for variable, readers in sorted(reads.items()):
+            for module in readers:
+                if module in tainted:
+                    self.dropped.setdefault(module, []).append(variable)
+        forget(tainted)
+        return name not in tainted

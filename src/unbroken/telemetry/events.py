@@ -184,6 +184,18 @@ class EventLog:
                     if exc.errno != errno.EBADF:  # closed under us: its drops are counted
                         _say(f"unbroken: event log {self.path}: closing it failed: {exc.strerror}")
 
+    def abandon(self) -> None:
+        """In a forked child that is not this log's writer (a worker the fork server forked):
+        close the inherited descriptor, write nothing and report nothing, ever."""
+        self._closed = True
+        fd, self._fd = self._fd, None
+        _LOGS.discard(self)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # not open in this process: nothing to give back
+
     # ------------------------------------------------------------------ under self._lock
     def _write(self, line: str, check: bool = True) -> None:
         data = (("\n" if self._torn else "") + line).encode()

@@ -32,6 +32,7 @@ from unbroken.control.fork_requests import (
     SOCKET_VARIABLE,
     ForkReply,
     ForkRequest,
+    load_time_differences,
 )
 from unbroken.kinship import become_subreaper
 from unbroken.launch.workers.orphan_guard import OrphanGuard
@@ -107,6 +108,7 @@ class ForkServer:
         self.path.unlink(missing_ok=True)
         env = {**self.env, SOCKET_VARIABLE: str(self.path), PAD_VARIABLE: "." * ENV_PAD,
                "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+        self._started_with = env
         self.proc = subprocess.Popen([*BOOTSTRAP, FORK_SERVER_FLAG, " " * ARGV_PAD], env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.guard.watch(self.proc.pid)
@@ -141,6 +143,10 @@ class ForkServer:
         it must start cold (the server is off, not ready, or refused: said)."""
         if self.off is not None:
             return None
+        differ = load_time_differences(self._started_with, env)
+        if differ:
+            self._refuse(f"{', '.join(differ)} differ from the server's: they are read at load")
+            return None
         wait, self._first = (FIRST_READY if self._first else 0.0), False
         if not self._connect(wait):
             return None
@@ -159,11 +165,15 @@ class ForkServer:
             return None
         reply = decode(ForkReply, line.decode())
         if reply.pid is None:
-            if reply.error not in self._refused:
-                self._refused.add(reply.error)
-                self.say(f"fork server: {reply.error}; workers start cold meanwhile")
+            self._refuse(reply.error or "no reason given")
             return None
         return ForkedProcess(reply.pid, [*BOOTSTRAP, *argv])
+
+    def _refuse(self, why: str) -> None:
+        """A worker starts cold: said once per reason."""
+        if why not in self._refused:
+            self._refused.add(why)
+            self.say(f"fork server: {why}; workers start cold meanwhile")
 
     def _lost(self, why: str) -> None:
         """The server died: its workers live on. Once: a new one; twice: off for the job."""

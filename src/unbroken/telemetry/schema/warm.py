@@ -7,7 +7,7 @@ the terms and keep their spelling."""
 from __future__ import annotations
 
 from unbroken.telemetry.event_names import Event
-from unbroken.telemetry.schema.base import EventBody, doc, event
+from unbroken.telemetry.schema.base import EventBody, doc, event, optional
 
 SECTION = "Warm interpreter events"
 
@@ -31,6 +31,9 @@ class WarmInterpreterImports(EventBody):
     modules: int = doc("modules it has pre-imported so far, their own imports included")
     failed: list[str] = doc("listed modules that raised on import: skipped")
     refused: list[str] = doc("listed names not found as installed code")
+    dropped: dict[str, list[str]] | None = optional(
+        "modules that read a rank's or job's variable at import (module -> the variables): "
+        "forgotten again, each worker imports them itself; left out when none did")
     duration: float = doc("seconds spent importing them")
 
 
@@ -45,3 +48,6 @@ class WarmInterpreterTaken(EventBody):
                              "imports them itself")
     failed: list[str] = doc("listed modules that raised on import")
     refused: list[str] = doc("listed names not found as installed code")
+    dropped: dict[str, list[str]] | None = optional(
+        "modules that read a rank's or job's variable at import (module -> the variables): "
+        "forgotten again, each worker imports them itself; left out when none did")
