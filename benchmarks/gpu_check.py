@@ -30,6 +30,9 @@ The checks (`gpu_checks.py`; the letters are the review's, I and the numbers our
   and the all-reduce's result is whole.
 - K two NCCL groups (the default and another, as HSDP has) with work queued, aborted
   together, each in a thread of its own, within `ABORT_BOUND` (risk 6).
+- L a worker forked from the node's fork server, after it pre-imported torch and the real
+  preimport list (transformers, accelerate: those installed), initialises CUDA, forms an
+  NCCL world of one and steps (issue 45; `gpu_fork_probe.py` under `unbroken run`).
 - 1 checkpoints of CUDA tensors equal clones taken at each commit; 4 a device-side assert is
   the worker's own device error; 6 the replica checksum on the device equals the CPU's.
 
@@ -41,7 +44,7 @@ and appends its JSON line to `--out` when it ends, so a run cut off still return
 "skipped", "why", ...figures}}}`; the exit status is the number of failures.
 
 `--dry-run` runs each check's own code on CPU tensors and gloo up to its first CUDA-only
-call (A, C, D, E, F, G, J, K, 1 and 6 run their control flow; B, H, I and 4 are skipped)
+call (A, C, D, E, F, G, J, K, L, 1 and 6 run their control flow; B, H, I and 4 are skipped)
 and says what it exercised: it proves the script, nothing about CUDA. It runs in the integration tier
 (tests/integration/test_gpu_check_dry_run.py). The script needs torch >= 2.11 and nothing of
 the venv: the lent machines have their own torch and no network.

@@ -562,6 +562,35 @@ def checksum_on_device(dry: bool) -> dict:
                    **figures)
 
 
+def fork_then_cuda(dry: bool) -> dict:
+    """L: a worker forked from a fork server that pre-imported torch and the real preimport
+    list (transformers, accelerate) initialises CUDA, forms an NCCL world of one and steps
+    (`gpu_fork_probe.py`, under `unbroken run`: attempt 1 is forked after attempt 0's list)."""
+    import math
+    import subprocess
+    import sys
+    import tempfile
+
+    here = Path(__file__).resolve().parent
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-fork-"))
+    cmd = [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", "1",
+           "--max-restarts", "1", "--on-fault", "restart", "--run-dir", str(tmp / "run"), str(here / "gpu_fork_probe.py"),
+           str(tmp), *(["--dry-run"] if dry else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp)
+    found = tmp / "attempt1.json"
+    if proc.returncode != 0 or not found.exists():
+        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-4:])
+        return _result(False, "", f"unbroken run exited {proc.returncode}: {tail}")
+    got = json.loads(found.read_text())
+    forked = got["before"]["torch"] and all(got["before"][m] for m in got["libraries"])
+    ok = forked and math.isfinite(got["loss"]) and (dry or got["backend"].startswith("ProcessGroupNCCL"))
+    what = (f"forked with torch and {', '.join(got['libraries']) or 'no library'} imported; "
+            f"{got['backend']} world of one stepped in {got['seconds']} s")
+    if dry and ok:
+        return _dry(what, **got)
+    return _result(ok, what, f"not so: {got}", **got)
+
+
 CHECKS = {
     "A_abort_queued": Check(abort_queued, 60),
     "B_stale_dump_key": Check(stale_dump_key, 75),
@@ -577,6 +606,7 @@ CHECKS = {
     "1_checkpoints_at_commit": Check(checkpoints_at_commit, 60),
     "4_device_error": Check(device_error_is_own, 30),
     "6_checksum": Check(checksum_on_device, 30),
+    "L_fork_then_cuda": Check(fork_then_cuda, 180),
 }
 """Every check, in the order they run."""
 
