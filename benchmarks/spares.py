@@ -1,5 +1,6 @@
 """Recovery with a hot spare, in place without one, and torchrun, side by side in one run;
-plus the steady-state cost of an idle spare.
+plus the steady-state cost of an idle spare, and the spare refilled after a promotion
+(forked by the node's fork server): its own CPU seconds and its wall time to ready.
 
 Each arm runs the example (examples/gpt/train.py, 4 workers, DDP over gloo, checkpoint every
 10 steps) with `--step-sleep 0.04`: every step waits 40 ms, standing in for accelerator time,
@@ -72,6 +73,26 @@ class SpareTry(Try):
 
     world_size_after: int | None = None
     promoted: bool = False
+    refill_cpu: float | None = None  # the spare started after the promotion: its own CPU s
+    refill_wall: float | None = None  # and its wall time, from its start to ready
+
+
+REFILL_WAIT = 60.0  # seconds a try waits for the refilled spare to be ready
+
+
+def refill(run_dir: Path, killed_at: float) -> tuple[float | None, float | None]:
+    """The spare started after the kill (the refill, forked by the node's fork server): its
+    own CPU seconds to ready (`spare_ready.cpu`) and its wall time from `spare_started`."""
+    deadline = time.monotonic() + REFILL_WAIT
+    while time.monotonic() < deadline:
+        evs = events_of(run_dir)
+        started = {e["wid"]: e["t"] for e in evs
+                   if e["event"] == "spare_started" and e["t"] > killed_at}
+        ready = [e for e in evs if e["event"] == "spare_ready" and e.get("wid") in started]
+        if ready:
+            return ready[0].get("cpu"), round(ready[0]["t"] - started[ready[0]["wid"]], 3)
+        time.sleep(0.2)
+    return None, None
 
 
 def _command(arm: str, run_dir: Path, workers: int, steps: int, checkpoints: bool,
@@ -98,12 +119,14 @@ def one_fault(arm: str, root: Path, index: int, workers: int, hang_after: float)
         if not isinstance(fault, Fault):
             return fault
         time.sleep(1.0)  # a few more steps, then the try is over
+        cpu, wall = refill(run_dir, fault.killed_at) if arm == "unbroken-spare" else (None, None)
         evs = events_of(run_dir)
         plans = [e["world_size"] for e in evs if e["event"] == "gen_plan"]
         return SpareTry(arm, recovery=fault.resumed["t"] - fault.killed_at,
                         lost_steps=lost_steps(evs, fault.killed_at, fault.resumed),
                         world_size_after=plans[0] if plans else None,
-                        promoted=any(e["event"] == "spare_promoted" for e in evs))
+                        promoted=any(e["event"] == "spare_promoted" for e in evs),
+                        refill_cpu=cpu, refill_wall=wall)
     finally:
         kill_everything(proc, run_dir)
 
@@ -136,6 +159,8 @@ def main() -> None:
     def show(i: int, arm: str, r: Try) -> None:
         shown = (f"{r.shown()}, world size after {r.world_size_after}, spare promoted: "
                  f"{r.promoted}" if isinstance(r, SpareTry) else r.shown())
+        if isinstance(r, SpareTry) and r.refill_wall is not None:
+            shown += f", refilled spare ready in {r.refill_wall} s ({r.refill_cpu} s CPU)"
         print(f"try {i + 1:2d} {arm:15s} kill-to-resumed-step {shown}", flush=True)
 
     results = alternate(ARMS, args.tries,
@@ -157,6 +182,13 @@ def main() -> None:
         summary[arm]["world_size_after"] = sorted({r.world_size_after for r in spared
                                                    if r.world_size_after})
         summary[arm]["spare_promoted"] = sum(1 for r in spared if r.promoted)
+        if arm == "unbroken-spare":
+            cpus = [r.refill_cpu for r in spared if r.refill_cpu is not None]
+            walls = [r.refill_wall for r in spared if r.refill_wall is not None]
+            summary[arm]["refill_cpu_median_s"] = median_of(cpus)
+            summary[arm]["refill_cpu_max_s"] = max(cpus, default=None)
+            summary[arm]["refill_wall_median_s"] = median_of(walls)
+            summary[arm]["refills_ready"] = len(walls)
     none = median_of([t for t in steady["0"] if t is not None])
     idle = median_of([t for t in steady["1"] if t is not None])
     cost = change_pct(idle, none)

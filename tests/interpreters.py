@@ -25,7 +25,8 @@ PTH = "zz_unbroken_interpreter_log.pth"
 VARIABLE = "UNBROKEN_INTERPRETER_LOG"
 # One line, run by `site` at start-up (a .pth line that begins with `import` is executed).
 _LINE = ("import os; p = os.environ.get('" + VARIABLE + "'); p and open(p, 'ab').write("
-         "open('/proc/self/cmdline', 'rb').read().replace(b'\\0', b' ').strip() + b'\\n')\n")
+         "open('/proc/self/cmdline', 'rb').read().replace(b'\\n', b' ').replace(b'\\0', b' ')"
+         ".strip() + b'\\n')\n")
 
 
 def site_packages(venv: Path) -> Path:
@@ -48,11 +49,31 @@ def kind(cmdline: str) -> str:
         return "torchrun"
     if any(w.endswith("pytest") or w == "pytest" for w in words[:3]):
         return "pytest"
+    if "libc.mount(source.encode()," in cmdline:
+        return "namespace shim (tests/netns.py)"
+    if words[1:3] == ["-m", "unbroken"] or words[1:3] == ["-u", "-m"]:
+        return "unbroken CLI (report, k8s, ...)"
+    if len(words) > 2 and words[1] == "-u" and words[2].endswith(".py"):
+        return "torchrun's worker"
     return "other"
 
 
+def records(text: str) -> list[str]:
+    """One command line per start. (A log written before the writer replaced newlines has a
+    `python -c` program's lines on lines of their own: each record begins with the path of
+    an interpreter, so a line that does not is joined to the record before it.)"""
+    found: list[str] = []
+    for line in filter(None, (line.strip() for line in text.splitlines())):
+        first = line.split()[0]
+        if found and not (first.startswith("/") and "python" in first.rsplit("/", 1)[-1]):
+            found[-1] += " " + line
+        else:
+            found.append(line)
+    return found
+
+
 def report(log: Path) -> dict:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    lines = records(log.read_text(errors="replace"))
     kinds = collections.Counter(kind(line) for line in lines)
     others = collections.Counter(" ".join(line.split()[:3])[:80] for line in lines
                                  if kind(line) == "other")

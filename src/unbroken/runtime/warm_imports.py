@@ -18,9 +18,12 @@ nothing else in the file is ever executed or evaluated.
 
 A second rule, for what is imported ahead: a module that reads a rank's or a job's variable
 at import (`worker_env.JOB_VARIABLES`: RANK, WORLD_SIZE, MASTER_ADDR, ...) would keep what
-it saw in the server, where none is set. Each pre-import runs under `environ_reads`, and the
-modules that read one (and those that were importing them) are forgotten again: each
-worker imports them itself. Reads from C (`getenv(3)`) are not seen.
+it saw in the server, where none is set. So each listed name is first imported in a
+throwaway fork of the server under `environ_reads` (`probe`), and imported in the server
+only if nothing read one: each worker imports the others itself, with its own rank. (A
+module cannot be taken out again once imported: forgetting it and the modules that imported
+it broke packages whose imports depend on their order, torchmetrics under Lightning.)
+Reads from C (`getenv(3)`) are not seen.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import select
+import signal
 import site
 import sys
 import sysconfig
@@ -42,6 +47,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from unbroken.control.worker_env import JOB_VARIABLES, node_dir
 
@@ -238,15 +244,53 @@ def environ_reads(watched: Iterable[str] = JOB_VARIABLES) -> Iterator[dict[str, 
         _RecordingEnviron.sink = None
 
 
-def forget(names: Iterable[str]) -> None:
-    """Take modules out of `sys.modules` (and off their parent package), so that the next
-    import of each runs its code again."""
-    for name in names:
-        module = sys.modules.pop(name, None)
-        parent, _, child = name.rpartition(".")
-        if module is not None and parent in sys.modules and \
-                getattr(sys.modules[parent], child, None) is module:
-            delattr(sys.modules[parent], child)
+PROBE_BOUND = 60.0
+"""Seconds a probe's import may take; past it the probe is killed and the module skipped."""
+
+
+def probe(name: str, bound: float = PROBE_BOUND) -> dict[str, Any] | None:
+    """Import `name` in a throwaway fork of this process, under `environ_reads`, with its
+    output discarded: `{"reads": {variable: [modules]}}` (the job variables its import
+    read; empty: none) or `{"error": "..."}`; None if the child died or passed `bound`
+    (then it is killed). This process imports nothing."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the probe: import, say what was read, exit without any teardown
+        try:
+            os.close(r)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with environ_reads() as reads:
+                        importlib.import_module(name)
+                said: dict[str, Any] = {"reads": reads}
+            except BaseException as exc:  # noqa: BLE001 - a SystemExit at import included
+                said = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            os.write(w, json.dumps(said).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data, deadline, done = b"", time.monotonic() + bound, False
+    try:
+        while not done:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                break
+            chunk = os.read(r, 1 << 16)
+            data, done = data + chunk, not chunk
+    finally:
+        os.close(r)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        said = json.loads(data) if done else None
+    except ValueError:
+        return None
+    return said if isinstance(said, dict) else None
 
 
 class Preimporter:
@@ -266,7 +310,7 @@ class Preimporter:
         self._baseline = len(sys.modules)  # torch and the runtime, imported before
         self.failed: list[str] = []  # raised while importing
         self.refused: list[str] = []  # not installed code where this interpreter looked for it
-        self.dropped: dict[str, list[str]] = {}  # read a job's variable: module -> variables
+        self.dropped: dict[str, list[str]] = {}  # its import read a job's variable: -> them
         self.seconds = 0.0
 
     def refresh(self) -> bool:
@@ -307,6 +351,10 @@ class Preimporter:
         """Modules in sys.modules that the pre-imports brought in (their own imports too)."""
         return len(sys.modules) - self._baseline
 
+    def tally(self) -> tuple[int, int, int, int]:
+        """What a report says, counted: modules added, dropped, failed, refused."""
+        return self.added, len(self.dropped), len(self.failed), len(self.refused)
+
     def step(self) -> None:
         """Import the next listed module not imported yet (already imported ones are skipped
         without cost: most come in with an earlier one)."""
@@ -324,6 +372,8 @@ class Preimporter:
     def _load(self, name: str) -> bool:
         if name in sys.modules:
             return True
+        if name in self.dropped or name in self.failed or name in self.refused:
+            return False  # a parent already given up on, for each of its listed children
         parent = name.rpartition(".")[0]
         if parent and not self._load(parent):
             return False
@@ -335,18 +385,16 @@ class Preimporter:
         if spec is None or not self.paths.spec(spec):
             self.refused.append(name)
             return False
-        before = set(sys.modules)
+        said = probe(name)  # first in a throwaway fork: what its import reads
+        if said is None or "error" in said:
+            self.failed.append(name)
+            return False
+        if said["reads"]:  # never imported here: each worker imports it with its own rank
+            self.dropped[name] = sorted(said["reads"])
+            return False
         try:
-            with environ_reads() as reads:
-                importlib.import_module(name)
+            importlib.import_module(name)
         except (Exception, SystemExit):  # noqa: BLE001 - skipped: the worker imports it again
             self.failed.append(name)
             return False
-        new = set(sys.modules) - before  # the readers above them (the server's own) stay
-        tainted = {m for readers in reads.values() for m in readers if m in new}
-        for variable, readers in sorted(reads.items()):
-            for module in readers:
-                if module in tainted:
-                    self.dropped.setdefault(module, []).append(variable)
-        forget(tainted)
-        return name not in tainted
+        return True

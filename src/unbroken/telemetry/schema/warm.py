@@ -32,8 +32,9 @@ class WarmInterpreterImports(EventBody):
     failed: list[str] = doc("listed modules that raised on import: skipped")
     refused: list[str] = doc("listed names not found as installed code")
     dropped: dict[str, list[str]] | None = optional(
-        "modules that read a rank's or job's variable at import (module -> the variables): "
-        "forgotten again, each worker imports them itself; left out when none did")
+        "listed modules whose import reads a rank's or job's variable (module -> the "
+        "variables), found in a throwaway fork: never imported by the server, each worker "
+        "imports them itself; left out when none did")
     duration: float = doc("seconds spent importing them")
 
 
@@ -49,5 +50,6 @@ class WarmInterpreterTaken(EventBody):
     failed: list[str] = doc("listed modules that raised on import")
     refused: list[str] = doc("listed names not found as installed code")
     dropped: dict[str, list[str]] | None = optional(
-        "modules that read a rank's or job's variable at import (module -> the variables): "
-        "forgotten again, each worker imports them itself; left out when none did")
+        "listed modules whose import reads a rank's or job's variable (module -> the "
+        "variables), found in a throwaway fork: never imported by the server, each worker "
+        "imports them itself; left out when none did")
