@@ -174,6 +174,7 @@ def test_bad_failure_inputs_are_one_clear_error():
     (["--shares", "crash=nan,hang=1"], "must not be negative"),
     (["--weibull-shape", "0.004"], "--weibull-shape must be between 0.1 and 20"),
     (["--job-mttf-hours", "1e-9"], "too many to simulate"),
+    (["--switch-s", "-1"], "--switch-s must be zero or more"),
 ])
 def test_the_command_refuses_bad_input_in_one_line_with_exit_2(argv, says, capsys):
     try:
@@ -214,6 +215,41 @@ def test_costs_grow_with_scale_as_the_model_states():
     assert scale.restart_s(big) > scale.restart_s(small) > 60
     assert 19 < scale.switch_s(small) < scale.switch_s(big) < 30  # TrainMover: ~20 s
     assert scale.restart_s(replace(big, restart_s=120.0)) == 120.0
+
+
+def test_a_switch_given_or_measured_replaces_the_modelled_one_at_every_scale():
+    scale, big = Scale(), Job(gpus=16384, days=10)
+    given = replace(big, switch_s=0.083)
+    assert scale.switch_s(given) == 0.083  # no communicator set-up added on top
+    transfer = big.state_gb_per_gpu / big.host_copy_gbps
+    assert scale.spare_s(given) == pytest.approx(0.083 + transfer)
+    assert scale.switch_s(replace(given, gpus=32)) == 0.083
+    assert scale.switch_s(big) > 20  # unchanged without it: the validations do not move
+    draws = draw(Failures(), big, 5, seed=1)
+    slow = simulate(draws, big, Failures(), scale, Strategy.IN_PLACE)
+    fast = simulate(draws, given, Failures(), scale, Strategy.IN_PLACE)
+    assert fast.ettr.mean() > slow.ettr.mean()  # the same draws, each switch cheaper
+
+
+FIXTURE_RUN = __import__("pathlib").Path(__file__).parent / "fixtures" / "old_run"
+
+
+def test_the_switchs_figure_says_where_it_comes_from(capsys):
+    small = ["simulate", "--gpus", "64", "--days", "2", "--seeds", "2"]
+    assert main([*small, "--json"]) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["switch_s"] is None and inputs["switch_source"].startswith("modelled")
+    assert main([*small, "--switch-s", "0.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["switch_s"] == 0.5 and "(--switch-s)" in out["inputs"]["switch_source"]
+    assert out["costs"]["switch_s"] == 0.5
+    assert main([*small, "--from-run", str(FIXTURE_RUN), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # the run measured 0.082 and 0.096 s
+    assert out["inputs"]["switch_s"] == pytest.approx(0.089, abs=0.001)
+    assert "as --from-run measured it" in out["inputs"]["switch_source"]
+    assert main([*small, "--from-run", str(FIXTURE_RUN), "--switch-s", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "in-place switch: 3 s at every scale (--switch-s)" in text
 
 
 def test_the_best_interval_is_young_dalys_for_restarts_and_longer_in_place():

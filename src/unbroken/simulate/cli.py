@@ -87,6 +87,10 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-min", type=_number("--restart-min"), default=None,
                    help="one torchrun-style restart, failure to training again (default: "
                         "scaled from published restarts, docs/simulate.md)")
+    p.add_argument("--switch-s", type=_number("--switch-s", False), default=None,
+                   help="the in-place switch's whole downtime at this scale, communicator "
+                        "set-up included (default: the switch --from-run measured, else our "
+                        "measured switch plus set-up anchored on TrainMover's: docs/simulate.md)")
     p.add_argument("--spares", type=_spares, default=d.spares_per_node, metavar="N|auto",
                    help="spare GPUs per node; auto: find the cheapest reserve")
     p.add_argument("--standby-nodes", type=_number("--standby-nodes", False, True),
@@ -146,7 +150,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
               spares_per_node=0 if args.spares == "auto" else int(args.spares),
               standby_nodes=int(args.standby_nodes), node_replace_s=args.node_replace_min * 60,
               restart_s=None if args.restart_min is None else args.restart_min * 60,
-              state_gb_per_gpu=args.state_gb_per_gpu)
+              switch_s=args.switch_s, state_gb_per_gpu=args.state_gb_per_gpu)
     return failures, job
 
 
@@ -171,6 +175,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                                gpu_mtbf_hours=measures.gpu_mtbf_hours[0])
         data["from_run"] = {"lines": measures.describe(),
                             "gpu_mtbf_hours": measures.gpu_mtbf_hours}
+        if job.switch_s is None and "switch_s" in measures.costs:
+            job = replace(job, switch_s=measures.costs["switch_s"].median)
+    source = switch_source(args, measures if args.from_run else None)
+    text.append(f"in-place switch: {source}")
     if args.spares == "auto":  # plan first: the tables then show the chosen reserve
         from unbroken.simulate.planning import plan_spares
 
@@ -188,7 +196,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                       "shares": {k.value: v for k, v in failures.shares.items()},
                       "spares_per_node": job.spares_per_node, "standby_nodes": job.standby_nodes,
                       "node_replace_min": job.node_replace_s / 60, "step_s": job.step_s,
-                      "restart_min": None if job.restart_s is None else job.restart_s / 60}
+                      "restart_min": None if job.restart_s is None else job.restart_s / 60,
+                      "switch_s": job.switch_s, "switch_source": source}
     if args.sweep:
         data["sweep"] = results.sweep(failures, job, scale, seeds, int(args.seed))
         text += output.sweep_table(data["sweep"])
@@ -197,8 +206,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         text += [f"{job.gpus:,} GPUs ({job.nodes:,} nodes), {job.days:g} days, {seeds} seeds"]
         text += output.costs_lines(data["costs"]) + output.strategy_table(data)
     if args.from_run and not args.sweep:
-        data["from_run"]["ettr_range"] = _projection_range(measures, failures, job, scale,
-                                                           min(seeds, 20), int(args.seed))
+        data["from_run"]["ettr_range"] = _projection_range(
+            measures, failures, job, scale, min(seeds, 20), int(args.seed),
+            switch_from_run=args.switch_s is None and "switch_s" in measures.costs)
         text += ["", f"the runs' uncertainty ({min(seeds, 20)} seeds): ETTR with every measured "
                  "cost at its lowest and a real fault rate at its 95 % bounds, then the "
                  "highest"] + [f"  {k}: {lo:.4f} to {hi:.4f}" for k, (lo, hi) in
@@ -233,10 +243,23 @@ def run_simulate(args: argparse.Namespace) -> int:
     return ExitCode.SUCCESS
 
 
+def switch_source(args: argparse.Namespace, measures: Any) -> str:
+    """Where the in-place switch's figure comes from, said once in the output."""
+    if args.switch_s is not None:
+        return f"{args.switch_s:g} s at every scale (--switch-s)"
+    if measures is not None and "switch_s" in measures.costs:
+        s = measures.costs["switch_s"]
+        return (f"{s.median:.3f} s at every scale, as --from-run measured it (n={s.n}, at "
+                f"{measures.workers or '?'} workers; --switch-s overrides)")
+    return ("modelled: our measured switch plus communicator set-up at N, anchored on "
+            "TrainMover's at 32 and 1,024 GPUs (docs/simulate.md; --switch-s overrides)")
+
+
 def _projection_range(measures, failures: Failures, job: Job, scale: Scale, seeds: int,
-                      seed: int) -> dict[str, list[float]]:
+                      seed: int, switch_from_run: bool = False) -> dict[str, list[float]]:
     """Each strategy's ETTR at the optimistic end of what the runs measured (every cost at
-    its lowest, the fault rate at its lower bound) and at the pessimistic end."""
+    its lowest, the fault rate at its lower bound) and at the pessimistic end.
+    `switch_from_run`: the job's switch is the runs' too, taken at the same end."""
     from unbroken.simulate import results
 
     ends = []
@@ -245,7 +268,9 @@ def _projection_range(measures, failures: Failures, job: Job, scale: Scale, seed
         if measures.gpu_mtbf_hours is not None and math.isfinite(measures.gpu_mtbf_hours[mtbf_at]):
             f = replace(failures, job_mttf_hours=None,
                         gpu_mtbf_hours=measures.gpu_mtbf_hours[mtbf_at])
-        ends.append(results.at_scale(f, job, replace(scale, measured=measures.measured(bound)),
+        j = replace(job, switch_s=getattr(measures.costs["switch_s"], bound)) \
+            if switch_from_run else job
+        ends.append(results.at_scale(f, j, replace(scale, measured=measures.measured(bound)),
                                      seeds, seed))
     return {s: sorted([ends[0][s]["ettr"], ends[1][s]["ettr"]])
             for s in ("torchrun", "in_place", "spares", "spares_standby")}

@@ -183,6 +183,9 @@ class Job:
     """A new worker process on a healthy GPU, to its joining (imports, CUDA, communicators)."""
     restart_s: float | None = None
     """One torchrun-style restart, failure to training again; None: `Scale.restart_s`."""
+    switch_s: float | None = None
+    """The in-place switch's whole downtime at this scale, communicator set-up included
+    (`--switch-s`, or the switch a `--from-run` measured); None: `Scale.switch_s`'s model."""
     torchrun_hang_s: float = 600.0
     """How long torchrun's survivors wait in a hung collective: NCCL's default timeout."""
     straggler_s: float = 3600.0
@@ -205,6 +208,8 @@ class Job:
             if not getattr(self, name) > 0:
                 raise UserError(f"{name.replace('_', ' ')} must be positive, got "
                                 f"{getattr(self, name)}")
+        if self.switch_s is not None and not self.switch_s >= 0:
+            raise UserError(f"--switch-s must not be negative, got {self.switch_s:g}")
         for name in ("spares_per_node", "standby_nodes"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-').replace('-per-node', '')} must not "
@@ -268,12 +273,18 @@ class Scale:
         return max(0.0, a + b * math.log2(max(gpus, 1)))
 
     def switch_s(self, job: Job) -> float:
-        """The survivors' switch to a new generation, in place."""
+        """The survivors' switch to a new generation, in place: the job's own figure where
+        it has one (`Job.switch_s`), else our measured switch plus communicator set-up at N."""
+        if job.switch_s is not None:
+            return self._x("switch", job.switch_s)
         return self._x("switch", self.measured.switch_s + self.comm_setup_s(job.gpus))
 
     def spare_s(self, job: Job) -> float:
-        """A spare (or a standby node's spares) taking ranks in place, state included."""
+        """A spare (or a standby node's spares) taking ranks in place, state included: a
+        switch (the job's own figure where it has one) and the lost ranks' state."""
         transfer = job.state_gb_per_gpu / job.host_copy_gbps
+        if job.switch_s is not None:
+            return self._x("spare", job.switch_s + transfer)
         return self._x("spare", self.measured.spare_s + self.comm_setup_s(job.gpus) + transfer)
 
     def restart_s(self, job: Job) -> float:
