@@ -123,7 +123,10 @@ def test_a_shard_and_its_buddy_both_killed_fall_back_to_the_storage_checkpoint(t
     assert result.events("switch_failed")
     assert result.events("restart")
     loaded = {e["step"] for e in result.events("checkpoint_loaded")}
-    assert len(loaded) == 1 and loaded.pop() in (4, 8, 12)
+    # A save of attempt 0: every 4 steps, or a step or two later where the one before was
+    # still being written (a loaded machine defers it).
+    saved = {e["step"] for e in result.events("checkpoint_saved") if e["attempt"] == 0}
+    assert len(loaded) == 1 and loaded.pop() in saved and saved <= set(range(4, 13)), saved
     assert {e["slot"] for e in result.events("training_done")} == {0, 1, 2, 3}
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import TINY, launch
 
 from unbroken.checkpoint.layout import committed_checkpoints
 from unbroken.checkpoint.manifest import MANIFEST
 
 
+@pytest.mark.serial  # measures time: a save deferred under load would move the marks
 def test_a_restart_after_sdc_loads_the_last_verified_checkpoint(tmp_path):
     """One bit of one parameter flipped on rank 1 after step 12's update: the replicas
     differ from step 13 on. Under `--on-sdc report` the checks at 15 and 20 fail, so the
