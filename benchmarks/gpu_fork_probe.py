@@ -3,7 +3,8 @@
 that has pre-imported what the first imported.
 
 Attempt 0 imports the preimport list (transformers, accelerate: those installed), waits
-until the node's fork server says it has imported them (`standby_imports`), and exits 1.
+until the node's fork server says it has caught up with a list that holds them
+(`standby_imports` whose `listed` covers the list read), and exits 1.
 Attempt 1 notes what was imported before its first line, then initialises CUDA in the
 forked child, forms a world of one (NCCL on a GPU, gloo with --dry-run), steps a Linear
 with an all-reduce, and writes OUT/attempt1.json.
@@ -26,18 +27,21 @@ LIBRARIES = [m for m in ("transformers", "accelerate") if importlib.util.find_sp
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     for name in LIBRARIES:
         __import__(name)
+    from unbroken.runtime.warm_imports import valid_name
+
     run_dir = os.environ["UNBROKEN_RUN_DIR"]
     listed = os.path.join(run_dir, f"node_{os.environ['GROUP_RANK']}", "modules.json")
-    deadline, since = time.monotonic() + 120, None
-    while time.monotonic() < deadline:  # listed, then imported by the server: 1 is forked
-        if since is None and os.path.exists(listed):
+    deadline, wanted = time.monotonic() + 120, None
+    while time.monotonic() < deadline:  # listed, then dealt with by the server: 1 is forked
+        if wanted is None and os.path.exists(listed):
             with open(listed) as fh:
                 names = json.load(fh)["modules"]
-            since = time.time() if all(m in names for m in LIBRARIES) else None
-        elif since is not None:
+            if all(m in names for m in LIBRARIES):  # the server's count of this list
+                wanted = len({n for n in names if valid_name(n)})
+        elif wanted is not None:
             with open(os.path.join(run_dir, "events.jsonl")) as fh:
                 if any('"standby_imports"' in line and line.endswith("\n")
-                       and json.loads(line).get("t", 0) > since for line in fh):
+                       and json.loads(line).get("listed", 0) >= wanted for line in fh):
                     break
         time.sleep(0.2)
     sys.exit(1)

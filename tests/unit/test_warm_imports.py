@@ -35,3 +35,23 @@ def test_a_module_whose_import_is_an_action_is_never_a_valid_name():
     assert valid_name("json.decoder") and valid_name("networkx")
     for name in ("unittest.__main__", "__main__", "antigravity", "this", "a..b", "", 7):
         assert not valid_name(name), name
+
+
+def test_caught_up_reads_the_list_again_so_a_report_covers_the_list_as_it_is_now(tmp_path):
+    """The fork server reports after `caught_up()`: a name added to the file after the last
+    look is queued by it, and the report waits until that name is dealt with too."""
+    from unbroken.runtime.warm_imports import Preimporter
+
+    path = tmp_path / MODULES_FILE
+    path.write_text(json.dumps({"modules": ["json", "json.decoder"]}))
+    pre = Preimporter(path)
+    assert pre.refresh() and pre.pending == 2
+    while pre.pending:
+        pre.step()  # both already imported here: skipped without a probe
+    assert pre.caught_up() and pre.listed == 2
+    reported = pre.tally()
+    path.write_text(json.dumps({"modules": ["json", "json.decoder", "json.scanner",
+                                            "not a name"]}))
+    assert not pre.caught_up() and pre.pending == 1 and pre.listed == 3
+    pre.step()
+    assert pre.caught_up() and pre.tally() != reported  # the list grew: a new report is due

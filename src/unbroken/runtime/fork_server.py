@@ -69,14 +69,14 @@ def serve(child_main: Callable[[], None]) -> None:
     listener.listen(1)
     conn, _ = listener.accept()
     listener.close()
-    reported: tuple[int, ...] = (0, 0, 0, 0)
+    reported: tuple[int, ...] = (0, 0, 0, 0, 0)
     with conn, conn.makefile("rb") as requests:
         while True:
             if not _wait_for_request(conn, pre):
-                if pre is not None and pre.pending == 0 and pre.tally() != reported:
+                if pre is not None and pre.caught_up() and pre.tally() != reported:
                     reported = pre.tally()  # caught up with the list: said once per change
                     log.emit(ev.WarmInterpreterImports(
-                        pid=os.getpid(), modules=pre.added, failed=pre.failed,
+                        pid=os.getpid(), listed=pre.listed, modules=pre.added, failed=pre.failed,
                         refused=pre.refused, dropped=pre.dropped or None,
                         duration=round(pre.seconds, 6)))
                 continue

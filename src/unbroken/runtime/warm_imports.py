@@ -351,9 +351,25 @@ class Preimporter:
         """Modules in sys.modules that the pre-imports brought in (their own imports too)."""
         return len(sys.modules) - self._baseline
 
-    def tally(self) -> tuple[int, int, int, int]:
-        """What a report says, counted: modules added, dropped, failed, refused."""
-        return self.added, len(self.dropped), len(self.failed), len(self.refused)
+    @property
+    def listed(self) -> int:
+        """Distinct valid names read from the list so far."""
+        return len(self._listed)
+
+    def caught_up(self) -> bool:
+        """Every name the list holds now has been dealt with (imported, dropped, failed or
+        refused): the file is looked at again first, so a report made on True covers the
+        list as it is at this moment, not as it was at the last look."""
+        if self._queue:
+            return False
+        self.refresh()
+        return not self._queue
+
+    def tally(self) -> tuple[int, int, int, int, int]:
+        """What a report says, counted: names listed, modules added, dropped, failed,
+        refused."""
+        return (self.listed, self.added, len(self.dropped), len(self.failed),
+                len(self.refused))
 
     def step(self) -> None:
         """Import the next listed module not imported yet (already imported ones are skipped

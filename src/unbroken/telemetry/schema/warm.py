@@ -29,6 +29,9 @@ class WarmInterpreterImports(EventBody):
 
     pid: int = doc("its process id")
     modules: int = doc("modules it has pre-imported so far, their own imports included")
+    listed: int | None = optional(
+        "names the list held when it caught up (read again just before this event): a "
+        "reader that saw the list with this many names knows they are all dealt with")
     failed: list[str] = doc("listed modules that raised on import: skipped")
     refused: list[str] = doc("listed names not found as installed code")
     dropped: dict[str, list[str]] | None = optional(
