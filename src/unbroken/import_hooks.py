@@ -45,16 +45,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                callbacks = self.callbacks.pop(fullname, None)
-                if callbacks is not None:  # else a finder imported it meanwhile: they ran
-                    spec.loader = _Loader(spec.loader, callbacks)
+                # The callbacks are taken when the module is executed, not here: a spec may
+                # only be looked at (`importlib.util.find_spec`) and never loaded.
+                spec.loader = _Loader(spec.loader, self, fullname)
                 return spec
         return None
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, callbacks: list[Callback]) -> None:
-        self.inner, self.callbacks = inner, callbacks
+    def __init__(self, inner: Any, finder: _AfterImport, name: str) -> None:
+        self.inner, self.finder, self.name = inner, finder, name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
@@ -63,7 +63,7 @@ class _Loader(importlib.abc.Loader):
         # The module's own machinery (e.g. `importlib.resources`) must see its real loader.
         module.__spec__.loader = module.__loader__ = self.inner
         self.inner.exec_module(module)
-        for callback in self.callbacks:
+        for callback in self.finder.callbacks.pop(self.name, ()):
             callback(module)
 
 

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from unbroken.telemetry.categories import Category
-from unbroken.telemetry.goodput import Label, account, sweep
+from unbroken.telemetry.goodput import account
+from unbroken.telemetry.intervals import Label, sweep
 from unbroken.telemetry.report import load_events
 
 C = Category

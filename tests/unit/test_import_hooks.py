@@ -76,3 +76,23 @@ def test_a_finder_that_imports_the_module_itself_meanwhile_breaks_nothing(tmp_pa
         if eager in sys.meta_path:
             sys.meta_path.remove(eager)
         sys.modules.pop("ub_hooked_b", None)
+
+
+def test_a_spec_only_looked_at_keeps_the_callbacks_for_the_real_import(tmp_path, monkeypatch):
+    """`importlib.util.find_spec` (the fork server's preimporter checks a name with it before
+    importing) must not use up the callbacks: they run when the module is executed."""
+    import importlib.util
+    import sys
+
+    from unbroken.import_hooks import when_imported
+
+    (tmp_path / "looked_at_first.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "looked_at_first", raising=False)
+    seen = []
+    when_imported("looked_at_first", lambda m: seen.append(m.X))
+    assert importlib.util.find_spec("looked_at_first") is not None and seen == []
+    import looked_at_first  # noqa: F401
+
+    assert seen == [1]
+    monkeypatch.delitem(sys.modules, "looked_at_first")

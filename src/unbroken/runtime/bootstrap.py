@@ -22,6 +22,7 @@ from unbroken.exiting import exit_without_teardown
 from unbroken.kinship import die_with
 from unbroken.runtime.groups import script_group
 from unbroken.runtime.warm_imports import ImportRecorder, modules_path
+from unbroken.runtime.watch import hooks, watcher
 
 
 def _user_frames(tb):  # noqa: ANN001, ANN202 - a traceback object
@@ -86,6 +87,7 @@ def main() -> None:
     sys.argv = args
     _record_imports(None if as_module else target)
     script_group.install(WorkerEnv.from_environ())  # the script's own group is the launcher's
+    watcher.start(hooks.installed, hooks.failed)
     try:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -93,12 +95,15 @@ def main() -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
+        watcher.finish()
         if exc.code not in (None, 0):
             _write_error(exc)
             raise
     except BaseException as exc:
+        watcher.finish()
         _write_error(exc)
         raise
+    watcher.finish()
     exit_without_teardown(0)
 
 

@@ -47,6 +47,7 @@ from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAININ
 from unbroken.runtime.host import available_memory, process_start_time
 from unbroken.runtime.position import Position
 from unbroken.runtime.tracked import TrackedState
+from unbroken.runtime.watch import watcher
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 
@@ -60,6 +61,7 @@ class Run:
 
     def __init__(self, config: RunConfig | None = None, **options: Any) -> None:
         """`config`, or the options of `unbroken.init()` (see `RunConfig`)."""
+        watcher.mute_steps()  # this script reports its own steps: the hooks' would double them
         self.config = config = config or RunConfig(**options)
         self.env = env = WorkerEnv.from_environ()
         self.local_rank, self.attempt = env.local_rank, env.attempt

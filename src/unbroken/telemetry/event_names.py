@@ -107,3 +107,7 @@ class Event(StrEnum):
     STRAGGLER_CLEARED = "straggler_cleared"
     STRAGGLER_REMEDIED = "straggler_remedied"
     JOB_SLOW = "job_slow"
+    SCRIPT_WATCHED = "script_watched"
+    SCRIPT_STEPS = "script_steps"
+    SCRIPT_SAVE = "script_save"
+    SCRIPT_LOAD = "script_load"

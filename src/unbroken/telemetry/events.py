@@ -136,6 +136,7 @@ class EventLog:
         self._said = False  # the first drop was said on stderr
         self._said_rotation = False
         self._closed = False
+        self._context_json: tuple[dict[str, Any], str] | None = None  # for `emit_encoded`
         _LOGS.add(self)
         if self.path is not None:
             try:
@@ -160,6 +161,22 @@ class EventLog:
             if not self._closed:
                 self._write(line)
         return record
+
+    def emit_encoded(self, event: Event, fields: str) -> None:
+        """Append one event whose fields are already JSON, without braces (`"a":1,"b":[2]`):
+        for a hot path that cannot afford `emit`'s encoding (a watched script's step: about
+        5 µs here against 15-25). The caller keeps to the event's schema."""
+        if self.path is None:
+            return
+        context = self.context
+        if self._context_json is None or self._context_json[0] != context:
+            encoded = json.dumps(context, separators=(",", ":"), default=str)[1:-1]
+            self._context_json = (dict(context), encoded + "," if encoded else "")
+        line = (f'{{"t":{time.time():.6f},"event":"{event}","{VERSION_KEY}":{SCHEMA_VERSION},'
+                f'{self._context_json[1]}{fields}}}\n')
+        with self._lock:
+            if not self._closed:
+                self._write(line)
 
     def close(self) -> None:
         """Report the dropped events (an `events_dropped` event, if it can be written, and

@@ -10,7 +10,7 @@ instant no label covers is `idle`. So the categories of each rank sum to the wal
 construction, and the figures are checked against the events, not against themselves.
 
 What each category means is in `telemetry.categories`; the rules that decide it are the
-`_PRIORITY` table and `_labels_for_slot` below (`_plain_segments` for a script that reports
+`intervals.PRIORITY` table and `_labels_for_slot` below (`_plain_segments` for a script that reports
 no steps: its running time is `untracked`), and docs/goodput.md states them for users.
 
 A rank here is a *slot*: the rank a worker holds in the job's full world. A spare's warm-up
@@ -20,7 +20,6 @@ is not charged to any slot (it is extra capacity), but once promoted it carries 
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,7 +27,10 @@ from typing import Any
 
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import BADPUT, Category
+from unbroken.telemetry.intervals import Label, Segment, sweep
 from unbroken.telemetry.schema import EventBody
+from unbroken.telemetry.watched_steps import Watched, watched
+from unbroken.telemetry.watched_steps import summary as watched_summary
 
 STRAGGLER_FACTOR = 3.0
 STRAGGLER_FLOOR_S = 0.25
@@ -39,44 +41,6 @@ first step after a (re)start or a generation switch is a warm-up, never a stragg
 
 DATA_PHASES = ("data_loading", "data")
 """`run.phase(name)` names whose time is charged to `data_loading`."""
-
-# Higher wins where labels overlap. Point labels (what the events time exactly) outrank the
-# windows that fill the time between them.
-_PRIORITY: dict[str, int] = {
-    "restore": 100, "startup": 95, "rendezvous": 90, "stall": 85, "data": 80,
-    "redone": 70, "straggler": 65, "step": 60, "between_steps": 55, "setup": 50,
-    "flush": 45, "cut_short": 40, "shrunk": 35, "recovery": 30, "untracked": 20, "spawn": 10,
-}
-_CATEGORY: dict[str, Category] = {
-    "restore": Category.CHECKPOINT_RESTORE, "startup": Category.PROGRAM_STARTUP,
-    "rendezvous": Category.INIT_RENDEZVOUS, "stall": Category.CHECKPOINT_SAVE,
-    "data": Category.DATA_LOADING, "redone": Category.WASTED_PROGRESS,
-    "straggler": Category.STRAGGLER, "step": Category.PRODUCTIVE_STEP,
-    "between_steps": Category.PRODUCTIVE_STEP, "setup": Category.INIT_RENDEZVOUS,
-    "flush": Category.CHECKPOINT_SAVE, "cut_short": Category.WASTED_PROGRESS,
-    "recovery": Category.INFRASTRUCTURE_RECOVERY, "shrunk": Category.CAPACITY_LOST,
-    "untracked": Category.UNTRACKED, "spawn": Category.PROGRAM_STARTUP,
-}
-
-
-@dataclass(frozen=True)
-class Label:
-    """A span of one slot's time that the events say was spent on `kind` (`_PRIORITY`)."""
-
-    start: float
-    end: float
-    kind: str
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A maximal span of one slot's time charged to one category."""
-
-    slot: int
-    start: float
-    end: float
-    category: Category
-
 
 @dataclass
 class _Step:
@@ -89,6 +53,9 @@ class _Step:
     end: float
     loss: float | None
     redone: bool = False
+    numbered: bool = True
+    """Its `step` is the job's (false: an unchanged script's attempt whose resume step is
+    unknown; its count is its own, never matched to another attempt's)."""
 
 
 @dataclass(frozen=True)
@@ -112,41 +79,23 @@ def _attempt(e: EventBody) -> int:
     return e.attempt if e.attempt is not None else 0
 
 
-def sweep(labels: Iterable[Label], start: float, end: float, slot: int) -> list[Segment]:
-    """Charge every instant of [start, end] to the highest-priority label covering it (idle
-    where none does); consecutive spans of one category are merged."""
-    bounded = sorted((max(lb.start, start), min(lb.end, end), lb.kind) for lb in labels
-                     if lb.end > start and lb.start < end and lb.end > lb.start)
-    cuts = sorted({start, end, *(b for s, e, _ in bounded for b in (s, e))})
-    active: list[tuple[int, float, str]] = []  # (-priority, end, kind), lazily pruned
-    out: list[Segment] = []
-    i = 0
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        while i < len(bounded) and bounded[i][0] <= a:
-            s, e, kind = bounded[i]
-            heapq.heappush(active, (-_PRIORITY[kind], e, kind))
-            i += 1
-        while active and active[0][1] <= a:
-            heapq.heappop(active)
-        # A popped-late label (ended, but under a higher one) is pruned when it surfaces.
-        category = _CATEGORY[active[0][2]] if active else Category.IDLE
-        if out and out[-1].category == category and out[-1].end == a:
-            out[-1] = Segment(slot, out[-1].start, b, category)
-        else:
-            out.append(Segment(slot, a, b, category))
-    return out
-
-
-def _steps(events: list[EventBody]) -> list[_Step]:
+def _steps(events: list[EventBody], seen: Watched) -> list[_Step]:
+    """The steps the workers reported, and the watched scripts' (`watched_steps`) on the
+    slots that reported none; each computation later computed again is `redone`."""
     steps = [_Step(slot=e.slot, rank=e.rank if e.rank is not None else e.slot,
                    attempt=_attempt(e), gen=e.gen if e.gen is not None else 0, step=e.step,
                    start=e.t - e.duration, end=e.t, loss=e.loss)
              for e in events if isinstance(e, ev.Step) and _worker(e)]
-    last: dict[tuple[int, int], _Step] = {}
+    reported = {s.slot for s in steps}
+    steps += [_Step(slot=s.slot, rank=s.rank, attempt=s.attempt, gen=0, step=s.step,
+                    start=s.start, end=s.end, loss=s.loss, numbered=s.numbered)
+              for s in seen.steps if s.slot not in reported]
+    last: dict[tuple[int, ...], _Step] = {}
     for s in sorted(steps, key=lambda s: s.end):
-        if (s.slot, s.step) in last:
-            last[(s.slot, s.step)].redone = True  # computed again later: that one was wasted
-        last[(s.slot, s.step)] = s
+        key = (s.slot, s.step) if s.numbered else (s.slot, s.step, -1 - s.attempt)
+        if key in last:
+            last[key].redone = True  # computed again later: that one was wasted
+        last[key] = s
     return steps
 
 
@@ -359,7 +308,8 @@ def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | Non
     t_end = max(t_end, t0)
     world = max((e.world_size or 0 for e in events
                  if isinstance(e, ev.WorkerStart) and _worker(e)), default=0)
-    steps = _steps(events)
+    seen = watched(events, t0)
+    steps = _steps(events, seen)
     steps_known = bool(steps)
     if not world:  # a plain script: no worker reports; the agents know the ranks they start
         world = sum(len(e.pids or {}) for e in events
@@ -386,11 +336,14 @@ def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | Non
                     if isinstance(e, ev.WorkersStarted | ev.ReplacementStarted)]
         for slot in accounted:
             labels = _labels_for_slot(slot, by_slot[slot], own[slot], launches, median, opens,
-                                      shrunk, t0, checkpoints)
+                                      shrunk, t0, checkpoints) + seen.labels.get(slot, [])
             segments += sweep(labels, t0, t_end, slot)
     else:
         segments = _plain_segments(events, accounted, faults, t0, t_end)
-    return _report(events, t0, t_end, accounted, steps, steps_known, faults, segments, median)
+    report = _report(events, t0, t_end, accounted, steps, steps_known, faults, segments, median)
+    if seen.watched:  # an unchanged script's workers were watched: what was measured
+        report["watched"] = watched_summary(seen, steps_known)
+    return report
 
 
 def _plain_segments(events: list[EventBody], slots: list[int], faults: list[SeenFault],

@@ -137,6 +137,7 @@ def format_goodput(report: dict[str, Any]) -> str:
     else:
         lines.append(f"  goodput         {100 * report['goodput']:.1f}% of {wall:.1f}s x "
                      f"{report['world_size']} rank(s)")
+    lines += _measured(report.get("watched"), report["seconds"])
     shown = sorted(((v, c) for c, v in report["seconds"].items() if v > 0), reverse=True)
     for v, c in shown:
         share = f"{100 * v / wall:5.1f}%" if wall > 0 else ""
@@ -145,3 +146,18 @@ def format_goodput(report: dict[str, Any]) -> str:
         lines.append(f"  events dropped  {report['events_dropped']} (the disk under the run dir "
                      "was full): the figures above miss them")
     return "\n".join(lines)
+
+
+def _measured(watched: dict[str, Any] | None, seconds: dict[str, float]) -> list[str]:
+    """What the hooks measured of an unchanged script, and what they could not."""
+    if not watched:
+        return []
+    resumed = "; ".join(f"attempt {a} resumed from step {v}" if v is not None else
+                        f"attempt {a}: resume step unknown"
+                        for a, v in watched["resumed_from"].items())
+    lines = [f"  measured        an unchanged script, by hooks: {watched['saves']} save(s) "
+             f"({seconds.get('checkpoint_save', 0):.2f}s a rank), {watched['loads']} load(s)"
+             + (f"; {resumed}" if resumed else "")]
+    lines += [f"                  {note}" for note in watched["notes"]]
+    return lines
+

@@ -102,7 +102,17 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
         "final_loss": mean_loss(max(by_step)) if by_step else None,
         "faults": faults,
         "exit_code": exits[-1].code if exits else None,
-    }
+    } | ({"steps_watched": watched} if (watched := _watched_steps(events)) else {})
+
+
+def _watched_steps(events: list[ev.EventBody]) -> int:
+    """Steps an unchanged script computed (`script_steps`), its redone ones included: the
+    most any one rank did."""
+    per: dict[int | None, int] = {}
+    for e in events:
+        if isinstance(e, ev.ScriptSteps):
+            per[e.slot] = per.get(e.slot, 0) + len(e.steps)
+    return max(per.values(), default=0)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -111,6 +121,10 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["steps_known"]:
         lines.append(f"  steps done      {s['steps']} ({s['steps_computed']} computed, "
                      f"{s['attempts']} attempt(s)), wall time {wall}")
+    elif s.get("steps_watched"):
+        lines.append(f"  steps           {s['steps_watched']} computed by an unchanged script, "
+                     f"seen by torch's optimizer hooks ({s['attempts']} attempt(s)), wall time "
+                     f"{wall}")
     else:
         lines.append(f"  steps           unknown: the script reports no steps to unbroken (it does "
                      f"not use run.steps/run.train); {s['attempts']} attempt(s), wall time {wall}")

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # what a type checker sees: every class, as if imported here
         checkpoint,
         recovery,
         warm,
+        watched,
         worker,
     )
     from unbroken.telemetry.schema.agent import *  # noqa: F403
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # what a type checker sees: every class, as if imported here
     from unbroken.telemetry.schema.checkpoint import *  # noqa: F403
     from unbroken.telemetry.schema.recovery import *  # noqa: F403
     from unbroken.telemetry.schema.warm import *  # noqa: F403
+    from unbroken.telemetry.schema.watched import *  # noqa: F403
     from unbroken.telemetry.schema.worker import *  # noqa: F403
 
     SECTIONS: tuple[ModuleType, ...]
@@ -78,6 +80,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "SdcCheck", "SdcMismatch", "SdcSettled", "StragglerFlagged", "StragglerRemedied",
         "StragglerCleared", "JobSlow"),
     "warm": ("WarmInterpreterReady", "WarmInterpreterImports", "WarmInterpreterTaken"),
+    "watched": ("ScriptWatched", "ScriptSteps", "ScriptSave", "ScriptLoad"),
 }
 """Each module of event classes (`schema.<name>`), in the order docs/events.md lists them, and
 the public classes it declares."""
