@@ -132,7 +132,7 @@ def test_a_forked_worker_starts_as_fresh_as_a_cold_one_and_no_fork_server_starts
     forked, _ = _probe_once(tmp_path, "forked")
     assert forked["torch_before"]
     assert forked["fresh"] == cold["fresh"]
-    assert cold["fresh"]["fds"] == ["0: std", "1: std", "2: std"]
+    assert cold["fresh"]["fds"] == ["0: std", "1: std", "2: std", "3: the run's event log"]
 
 
 def test_killing_the_agent_kills_its_forked_workers_and_its_server(tmp_path):

@@ -57,3 +57,11 @@ def test_an_unchanged_scripts_saves_restart_and_redone_steps_are_accounted(tmp_p
         steps = _measured(out, 0, rank)["steps"]
         redone = sum(end - start for step, start, end in steps if step >= 2 * SAVE_EVERY)
         assert ranks[rank]["wasted_progress"] == pytest.approx(redone, rel=0.2), rank
+    # The projection of what this setup loses at scale, from the run's own saves.
+    proc = subprocess.run(unbroken_cmd("simulate", "--gpus", "64", "--from-run", str(run_dir),
+                                       "--job-mttf-hours", "1.8", "--seeds", "5"),
+                          capture_output=True, text=True, timeout=120, check=True)
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("At 64 GPUs for 54 days, you lose ") and \
+        " to synchronous checkpoints and " in first, first
+    assert "the script's own checkpoints, stall_s" in proc.stdout and proc.stderr == ""

@@ -32,6 +32,8 @@ def _fds() -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # the listing's own fd, closed by now
+        if target == os.path.join(os.environ.get("UNBROKEN_RUN_DIR", "-"), "events.jsonl"):
+            target = "the run's event log"  # the worker's own: it says what its script does
         found.append(f"{fd}: {target if int(fd) > 2 else 'std'}")
     return found
 

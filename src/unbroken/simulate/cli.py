@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from unbroken.errors import ExitCode, UserError
-from unbroken.simulate.inputs import Failures, Job, Kind, Scale
+from unbroken.simulate.inputs import CheckpointMode, Failures, Job, Kind, Scale, Strategy
 
 
 def _number(name: str, positive: bool = True, integer: bool = False):
@@ -84,15 +84,24 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
                        default=None, help="compute minutes between checkpoints")
     every.add_argument("--checkpoint-every", type=_interval, default=None,
                        metavar="young-daly|MIN", help="young-daly (the default) or minutes")
+    p.add_argument("--checkpoint", type=CheckpointMode, choices=list(CheckpointMode),
+                   default=None, help="how the job checkpoints today: sync (the loop stops "
+                   "for the whole save; given to the torchrun arm, while unbroken's arms save "
+                   "asynchronously) or async (every arm; the default model)")
+    p.add_argument("--checkpoint-stall", type=_number("--checkpoint-stall"), default=None,
+                   metavar="S", help="seconds one of today's saves stops the loop (default: "
+                   "the model's; --from-run of a plain script: its measured saves)")
     p.add_argument("--restart-min", type=_number("--restart-min"), default=None,
-                   help="one torchrun-style restart, failure to training again (default: "
-                        "scaled from published restarts, docs/simulate.md)")
+                   help="your real restart, failure to training again: pod rescheduling, "
+                        "image pull, imports and checkpoint load included (default: scaled "
+                        "from published restarts, docs/simulate.md)")
     p.add_argument("--switch-s", type=_number("--switch-s", False), default=None,
                    help="the in-place switch's whole downtime at this scale, communicator "
                         "set-up included (default: the switch --from-run measured, else our "
                         "measured switch plus set-up anchored on TrainMover's: docs/simulate.md)")
     p.add_argument("--spares", type=_spares, default=d.spares_per_node, metavar="N|auto",
-                   help="spare GPUs per node; auto: find the cheapest reserve")
+                   help="spare GPUs per node, within --gpus-per-node (8 GPUs and 1 spare "
+                        "train on 7); auto: find the cheapest reserve")
     p.add_argument("--standby-nodes", type=_number("--standby-nodes", False, True),
                    default=d.standby_nodes)
     p.add_argument("--node-replace-min", type=_number("--node-replace-min"),
@@ -150,6 +159,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
               spares_per_node=0 if args.spares == "auto" else int(args.spares),
               standby_nodes=int(args.standby_nodes), node_replace_s=args.node_replace_min * 60,
               restart_s=None if args.restart_min is None else args.restart_min * 60,
+              checkpoint=args.checkpoint, checkpoint_stall_s=args.checkpoint_stall,
               switch_s=args.switch_s, state_gb_per_gpu=args.state_gb_per_gpu)
     return failures, job
 
@@ -157,6 +167,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Failures, Job]:
 def run_simulate(args: argparse.Namespace) -> int:
     from unbroken.simulate import output, results
     from unbroken.simulate.validation import llama3_check
+    from unbroken.simulate.verdict import stall_source, verdict
 
     failures, job = inputs_from_args(args)
     scale = Scale()
@@ -177,8 +188,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                             "gpu_mtbf_hours": measures.gpu_mtbf_hours}
         if job.switch_s is None and "switch_s" in measures.costs:
             job = replace(job, switch_s=measures.costs["switch_s"].median)
+        job = _today_from_run(job, measures, args)
     source = switch_source(args, measures if args.from_run else None)
-    text.append(f"in-place switch: {source}")
+    text += output.wrapped(f"in-place switch: {source}")
     if args.spares == "auto":  # plan first: the tables then show the chosen reserve
         from unbroken.simulate.planning import plan_spares
 
@@ -197,21 +209,27 @@ def run_simulate(args: argparse.Namespace) -> int:
                       "spares_per_node": job.spares_per_node, "standby_nodes": job.standby_nodes,
                       "node_replace_min": job.node_replace_s / 60, "step_s": job.step_s,
                       "restart_min": None if job.restart_s is None else job.restart_s / 60,
-                      "switch_s": job.switch_s, "switch_source": source}
+                      "switch_s": job.switch_s, "switch_source": source,
+                      "checkpoint": job.checkpoint, "checkpoint_stall_s": job.checkpoint_stall_s,
+                      "reserved_gpus": {s.value: job.reserved_gpus(s) for s in Strategy}}
     if args.sweep:
         data["sweep"] = results.sweep(failures, job, scale, seeds, int(args.seed))
         text += output.sweep_table(data["sweep"])
     else:
         data.update(results.at_scale(failures, job, scale, seeds, int(args.seed)))
-        text += [f"{job.gpus:,} GPUs ({job.nodes:,} nodes), {job.days:g} days, {seeds} seeds"]
-        text += output.costs_lines(data["costs"]) + output.strategy_table(data)
+        text += [f"{job.gpus:,} GPUs ({job.nodes:,} nodes), {job.days:g} days, {seeds} seeds",
+                 *output.wrapped(stall_source(job, scale))]
+        text += output.costs_lines(data["costs"]) + output.strategy_table(data, job)
+        data["verdict"] = verdict(data, job)
+        text.insert(0, data["verdict"])  # the answer first, then how it was reached
     if args.from_run and not args.sweep:
         data["from_run"]["ettr_range"] = _projection_range(
             measures, failures, job, scale, min(seeds, 20), int(args.seed),
-            switch_from_run=args.switch_s is None and "switch_s" in measures.costs)
-        text += ["", f"the runs' uncertainty ({min(seeds, 20)} seeds): ETTR with every measured "
-                 "cost at its lowest and a real fault rate at its 95 % bounds, then the "
-                 "highest"] + [f"  {k}: {lo:.4f} to {hi:.4f}" for k, (lo, hi) in
+            switch_from_run=args.switch_s is None and "switch_s" in measures.costs,
+            rate_from_run=args.job_mttf_hours is None and args.gpu_mtbf_hours is None)
+        text += [""] + output.wrapped(
+            f"the runs' uncertainty ({min(seeds, 20)} seeds): ETTR with every measured cost "
+            "at its lowest and a real fault rate at its 95 % bounds, then the highest") + [f"  {k}: {lo:.4f} to {hi:.4f}" for k, (lo, hi) in
                                data["from_run"]["ettr_range"].items()]
     if args.sensitivity and not args.sweep:
         data["sensitivity"] = results.sensitivity(failures, job, scale, min(seeds, 20),
@@ -230,8 +248,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                             "ettr_ci": [round(x, 4) for x in check.ettr_ci],
                             "published": check.published, "published_is": "a lower bound",
                             "inputs": check.inputs, "sensitivity": check.sensitivity}
-    text += ["", f"llama3_check: a restart-style job at Llama 3's interruption rate gives ETTR "
-             f"{check.ettr:.3f}; published: > {check.published:.2f} ({check.inputs})"]
+    text += [""] + output.wrapped(
+        f"llama3_check: a restart-style job at Llama 3's interruption rate gives ETTR "
+        f"{check.ettr:.3f}; published: > {check.published:.2f} ("
+        + ", ".join(f"{k} {v:g}" for k, v in check.inputs.items()) + ")")
     for path, write in ((args.png, output.write_png), (args.html, None)):
         if path:
             written = write(data, path) if write else output.write_html(data, text, path)
@@ -241,6 +261,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         print("\n".join(text))
     return ExitCode.SUCCESS
+
+
+def _today_from_run(job: Job, measures: Any, args: argparse.Namespace) -> Job:
+    """A plain script's run: its own saves are today's synchronous checkpoints (a flag given
+    on the command line wins)."""
+    today = measures.today
+    if "stall_s" not in today or args.checkpoint == CheckpointMode.ASYNC:
+        return job
+    every = job.checkpoint_every_s
+    if every is None and args.checkpoint_every is None and "every_s" in today:
+        every = today["every_s"].median
+    return replace(job, checkpoint=CheckpointMode.SYNC, checkpoint_every_s=every,
+                   checkpoint_stall_s=job.checkpoint_stall_s or today["stall_s"].median)
 
 
 def switch_source(args: argparse.Namespace, measures: Any) -> str:
@@ -256,16 +289,19 @@ def switch_source(args: argparse.Namespace, measures: Any) -> str:
 
 
 def _projection_range(measures, failures: Failures, job: Job, scale: Scale, seeds: int,
-                      seed: int, switch_from_run: bool = False) -> dict[str, list[float]]:
+                      seed: int, switch_from_run: bool = False,
+                      rate_from_run: bool = True) -> dict[str, list[float]]:
     """Each strategy's ETTR at the optimistic end of what the runs measured (every cost at
     its lowest, the fault rate at its lower bound) and at the pessimistic end.
-    `switch_from_run`: the job's switch is the runs' too, taken at the same end."""
+    `switch_from_run`: the job's switch is the runs' too, taken at the same end;
+    `rate_from_run`: so is the fault rate (not where the command line gave one)."""
     from unbroken.simulate import results
 
     ends = []
     for bound, mtbf_at in (("low", 2), ("high", 1)):
         f = failures
-        if measures.gpu_mtbf_hours is not None and math.isfinite(measures.gpu_mtbf_hours[mtbf_at]):
+        if rate_from_run and measures.gpu_mtbf_hours is not None \
+                and math.isfinite(measures.gpu_mtbf_hours[mtbf_at]):
             f = replace(failures, job_mttf_hours=None,
                         gpu_mtbf_hours=measures.gpu_mtbf_hours[mtbf_at])
         j = replace(job, switch_s=getattr(measures.costs["switch_s"], bound)) \

@@ -32,7 +32,7 @@ import numpy as np
 
 from unbroken.checkpoint.interval import daly_interval
 from unbroken.simulate.draws import KINDS, Draws
-from unbroken.simulate.inputs import Failures, Job, Kind, Scale, Strategy
+from unbroken.simulate.inputs import CheckpointMode, Failures, Job, Kind, Scale, Strategy
 from unbroken.telemetry.categories import Category
 
 CHARGED = (Category.PRODUCTIVE_STEP, Category.CHECKPOINT_SAVE, Category.WASTED_PROGRESS,
@@ -66,6 +66,30 @@ class Checkpoints:
         if every is None:
             every = daly_interval(stall, failures.job_mttf_s(job.gpus))
         return cls(every_s=every, stall_s=stall, persist_s=persist)
+
+    @classmethod
+    def for_strategy(cls, job: Job, scale: Scale, failures: Failures,
+                     strategy: Strategy) -> Checkpoints:
+        """The restart-style arm checkpoints as the job does today (`Job.checkpoint`); with
+        synchronous saves today, unbroken's arms save asynchronously at Young/Daly's cadence
+        for their own stall. Without `Job.checkpoint`, every arm as `for_job`."""
+        if job.checkpoint is None and job.checkpoint_stall_s is None:
+            return cls.for_job(job, scale, failures)
+        mttf = failures.job_mttf_s(job.gpus)
+        if strategy != Strategy.TORCHRUN:
+            if job.checkpoint != CheckpointMode.SYNC:
+                return cls.for_job(job, scale, failures)
+            stall = scale.checkpoint_stall_s(job)
+            return cls(every_s=daly_interval(stall, mttf), stall_s=stall,
+                       persist_s=scale.checkpoint_persist_s(job))
+        if job.checkpoint == CheckpointMode.SYNC:  # durable when the loop goes on
+            stall = job.checkpoint_stall_s or scale.checkpoint_persist_s(job)
+            every = job.checkpoint_every_s or daly_interval(stall, mttf)
+            return cls(every_s=every, stall_s=stall, persist_s=0.0)
+        ours = cls.for_job(job, scale, failures)
+        stall = job.checkpoint_stall_s or ours.stall_s
+        every = job.checkpoint_every_s or daly_interval(stall, mttf)
+        return cls(every_s=every, stall_s=stall, persist_s=ours.persist_s)
 
 
 @dataclass(frozen=True)
@@ -167,7 +191,7 @@ class _Windows:
 def simulate(draws: Draws, job: Job, failures: Failures, scale: Scale, strategy: Strategy,
              checkpoints: Checkpoints | None = None) -> Outcome:
     """The job under `strategy` through `draws` (pure: same inputs, same result)."""
-    ck = checkpoints or Checkpoints.for_job(job, scale, failures)
+    ck = checkpoints or Checkpoints.for_strategy(job, scale, failures, strategy)
     seeds, horizon = draws.seeds, job.horizon_s
     acc = {c: np.zeros(seeds) for c in CHARGED}
     compute = np.zeros(seeds)  # net compute so far: productive at the end
@@ -237,13 +261,18 @@ class _Pools:
         spares = job.spares_per_node if strategy in (Strategy.SPARES,
                                                      Strategy.SPARES_STANDBY) else 0
         standby = job.standby_nodes if strategy == Strategy.SPARES_STANDBY else 0
-        self.spares = np.full((seeds, job.nodes), spares, dtype=np.int32)
+        # Spares are within the node: a job with spares holds more nodes than the draws
+        # number (`Job.spare_nodes`); a failure on drawn node k falls on node k * held / drawn.
+        self.held = job.spare_nodes if spares else job.nodes
+        self.drawn = job.nodes
+        self.spares = np.full((seeds, self.held), spares, dtype=np.int32)
         self.full = spares
         self.standby_back = np.zeros((seeds, standby))  # when each standby slot is ready
 
     def take_spare(self, mask, node) -> np.ndarray:
         """Seeds in `mask` whose failed node has a spare GPU left use one: which did."""
         rows = np.arange(len(node))
+        node = node * self.held // self.drawn
         has = mask & (self.spares[rows, node] > 0)
         self.spares[rows[has], node[has]] -= 1
         return has
@@ -262,7 +291,7 @@ class _Pools:
     def replace_node(self, mask, node) -> None:
         """A lost node comes back (later) with its spares whole: counted at once."""
         rows = np.arange(len(node))[mask]
-        self.spares[rows, node[mask]] = self.full
+        self.spares[rows, (node * self.held // self.drawn)[mask]] = self.full
 
 
 @dataclass(frozen=True)

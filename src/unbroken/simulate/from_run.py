@@ -54,6 +54,9 @@ class RunMeasures:
     gpu_mtbf_hours: tuple[float, float, float] | None = None
     """(estimate, low, high) from real faults; None when none was real."""
     workers: int = 0
+    today: dict[str, Spread] = field(default_factory=dict)
+    """A plain script's own checkpoints (`script_save`): `stall_s`, one save's time inside
+    the call, and `every_s`, the time between saves: what `--checkpoint sync` describes."""
 
     def measured(self, bound: str = "median") -> Measured:
         """`Measured` with the runs' costs (`bound`: median, low or high) in place of ours."""
@@ -66,6 +69,9 @@ class RunMeasures:
         for k, s in self.costs.items():
             lines.append(f"  {k}: median {s.median:.3f} s (range {s.low:.3f}-{s.high:.3f}, "
                          f"n={s.n}), measured at {self.workers} workers")
+        for k, s in self.today.items():
+            lines.append(f"  the script's own checkpoints, {k}: median {s.median:.3f} s (range "
+                         f"{s.low:.3f}-{s.high:.3f}, n={s.n}): --checkpoint sync")
         if self.gpu_mtbf_hours is None:
             why = ("no fault was real: injected faults give costs, never rates" if
                    self.injected_faults else "no fault happened")
@@ -112,19 +118,40 @@ def poisson_mtbf(count: int, exposure_h: float) -> tuple[float, float, float]:
             exposure_h / low_mu if low_mu else math.inf)
 
 
+def _run_id(path: Path) -> str | None:
+    """The job id (`agent_start.run_id`) of the run whose log is under `path`."""
+    import json
+
+    for log in [path / "events.jsonl", *sorted(path.glob("**/events.jsonl"))]:
+        try:
+            with open(log, encoding="utf-8") as fh:
+                for _, line in zip(range(50), fh, strict=False):
+                    record = json.loads(line)
+                    if record.get("event") == "agent_start":
+                        return str(record.get("run_id"))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 def measure(run_dirs: list[str | Path]) -> RunMeasures:
-    """What the runs in `run_dirs` measured (one dir per run; a run whose nodes kept their
-    own dirs is not split here: give one of its dirs, or merge them first)."""
+    """What the runs in `run_dirs` measured. The dirs of one job's nodes (nodes that share
+    nothing keep their own: the same `run_id`) are merged into one run, as `unbroken report
+    DIR DIR` does; dirs of other jobs are other runs."""
     from unbroken.telemetry.report import build_report
 
-    reports = []
+    runs: dict[str, list[Path]] = {}
     for d in run_dirs:
         path = Path(d)
         if not (path / "events.jsonl").exists() and not any(path.glob("**/events.jsonl")):
             raise UserError(f"{d}: no event log (events.jsonl) here: is it the run dir of a "
                             "run (`unbroken run --run-dir`)?")
+        runs.setdefault(_run_id(path) or str(path), []).append(path)
+    reports = []
+    for paths in runs.values():
+        d = " ".join(map(str, paths))
         try:
-            reports.append(build_report([path]))
+            reports.append(build_report(paths))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{d}: its event log cannot be read as a run's ({exc}): is it "
                             "the run dir of a run (`unbroken run --run-dir`)?") from None
@@ -136,6 +163,8 @@ def from_reports(reports: list[dict[str, Any]]) -> RunMeasures:
     switch, spare, restart = [], [], []
     detect: dict[str, list[float]] = {"crash": [], "hang": [], "node_lost": []}
     stall, durable = [], []
+    script_stall: list[float] = []
+    script_every: list[float] = []
     real = injected = 0
     gpu_hours = 0.0
     workers = 0
@@ -160,6 +189,9 @@ def from_reports(reports: list[dict[str, Any]]) -> RunMeasures:
                 detect[kind].append(f["detection"])
             if not f["in_place"] and world:
                 restart.append(sum(f["cost_s"].get(c, 0.0) for c in RECOVERY) / world)
+        watched = r.get("watched") or {}
+        script_stall += watched.get("save_s", [])
+        script_every += watched.get("save_every_s", [])
         for c in r.get("checkpoints", []):
             if c["ok"]:
                 stall.append(c["stall"])
@@ -176,4 +208,7 @@ def from_reports(reports: list[dict[str, Any]]) -> RunMeasures:
     mtbf = poisson_mtbf(real, gpu_hours) if real and gpu_hours > 0 else None
     return RunMeasures(runs=len(reports), gpu_hours=gpu_hours, real_faults=real,
                        injected_faults=injected, costs=costs, gpu_mtbf_hours=mtbf,
-                       workers=workers)
+                       workers=workers,
+                       today={k: v for k, v in (("stall_s", _spread(script_stall)),
+                                                ("every_s", _spread(script_every)))
+                              if v is not None})

@@ -33,6 +33,17 @@ class Kind(StrEnum):
     """Silent data corruption on one GPU: wrong numbers, no error."""
 
 
+class CheckpointMode(StrEnum):
+    """How the job checkpoints today (`--checkpoint`)."""
+
+    SYNC = "sync"
+    """The loop stops for the whole save (`torch.save` on the training thread): the
+    restart-style arm ("what you have today") is given it; unbroken's arms save
+    asynchronously, at Young/Daly's cadence for their stall."""
+    ASYNC = "async"
+    """The loop stops only for a copy to host memory: every arm saves so (as without the flag)."""
+
+
 class Strategy(StrEnum):
     """How the job recovers, compared on the same failure draws."""
 
@@ -173,8 +184,17 @@ class Job:
     loses while it runs shrunk after losing one GPU."""
     checkpoint_every_s: float | None = None
     """Compute between checkpoints; None: Young/Daly for the checkpoint's stall and the MTTF."""
+    checkpoint: CheckpointMode | None = None
+    """How the job checkpoints today (`--checkpoint`); None: asynchronously, every arm alike
+    (the model before the flag)."""
+    checkpoint_stall_s: float | None = None
+    """What one save of today's stops the loop (`--checkpoint-stall`); None: the model's (a
+    synchronous save writes the node's state to storage; an asynchronous one copies a GPU's
+    state to host memory)."""
     spares_per_node: int = 1
-    """Spare GPUs per node (strategies `spares` and `spares_standby`)."""
+    """Spare GPUs per node (strategies `spares` and `spares_standby`), within
+    `gpus_per_node`: a node of 8 GPUs with 1 spare trains on 7, so the job holds more nodes
+    (`spare_nodes`). ETTR stays a ratio over the training GPUs."""
     standby_nodes: int = 2
     """Standby nodes (strategy `spares_standby`)."""
     node_replace_s: float = 30 * 60.0
@@ -210,6 +230,12 @@ class Job:
                                 f"{getattr(self, name)}")
         if self.switch_s is not None and not self.switch_s >= 0:
             raise UserError(f"--switch-s must not be negative, got {self.switch_s:g}")
+        if self.checkpoint_stall_s is not None and not self.checkpoint_stall_s > 0:
+            raise UserError(f"--checkpoint-stall must be positive, got {self.checkpoint_stall_s:g}")
+        if self.spares_per_node >= self.gpus_per_node:
+            raise UserError(f"--spares {self.spares_per_node} leaves no GPU of a "
+                            f"{self.gpus_per_node}-GPU node to train: spares are counted "
+                            f"within --gpus-per-node")
         for name in ("spares_per_node", "standby_nodes"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-').replace('-per-node', '')} must not "
@@ -221,6 +247,20 @@ class Job:
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def spare_nodes(self) -> int:
+        """Nodes the job holds when each keeps `spares_per_node` of its GPUs spare."""
+        return max(1, math.ceil(self.gpus / (self.gpus_per_node - self.spares_per_node)))
+
+    def reserved_gpus(self, strategy: Strategy) -> int:
+        """GPUs paid for that do not train: spares on every node, standby nodes."""
+        reserved = 0
+        if strategy in (Strategy.SPARES, Strategy.SPARES_STANDBY):
+            reserved += self.spare_nodes * self.gpus_per_node - self.gpus
+        if strategy == Strategy.SPARES_STANDBY:
+            reserved += self.standby_nodes * self.gpus_per_node
+        return reserved
 
     @property
     def horizon_s(self) -> float:

@@ -23,20 +23,32 @@ BADPUT = (Category.INFRASTRUCTURE_RECOVERY, Category.WASTED_PROGRESS, Category.C
           Category.CAPACITY_LOST, Category.STRAGGLER)
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f}"
+SHORT = {Strategy.TORCHRUN: "torchrun restart", Strategy.IN_PLACE: "in place",
+         Strategy.SPARES: "spares", Strategy.SPARES_STANDBY: "spares+standby"}
+COLUMNS = {Category.INFRASTRUCTURE_RECOVERY: "recovery", Category.WASTED_PROGRESS: "redone",
+           Category.CHECKPOINT_SAVE: "ckpt", Category.CAPACITY_LOST: "capacity",
+           Category.STRAGGLER: "straggler"}
 
 
-def strategy_table(result: dict[str, Any]) -> list[str]:
-    """One scale: a row per strategy, ETTR with its CI and badput hours by category."""
-    head = f"{'strategy':<24}{'ETTR':>8}  {'95% CI':<17}" + "".join(
-        f"{c.value:>25}" for c in BADPUT)
-    lines = [head + "   (badput: hours of the job's wall time)"]
-    for s in Strategy:
-        r = result[s.value]
+def strategy_table(result: dict[str, Any], job: Any = None) -> list[str]:
+    """One scale, at most 100 columns: a row per strategy, ETTR with its CI's half-width,
+    badput by category (hours, or minutes where hours would round to zero), the GPUs held
+    in reserve and the goodput per paid GPU-hour."""
+    rows = [result[s.value] for s in Strategy]
+    biggest = max(v for r in rows for v in r["badput_s"].values())
+    unit, per = ("hours", 3600.0) if biggest >= 360 else ("minutes", 60.0)
+    gpus = result.get("gpus") or 0
+    lines = [f"ETTR: productive time of the training GPUs over wall time; badput: {unit} of",
+             "the job's wall time; paid: goodput per GPU-hour paid, the reserve included",
+             f"{'strategy':<17}{'ETTR':>7}{'95% CI':>9}" + "".join(
+                 f"{name:>10}" for name in COLUMNS.values()) + f"{'reserved':>9}{'paid':>7}"]
+    for s, r in zip(Strategy, rows, strict=True):
         lo, hi = r["ettr_ci"]
-        lines.append(f"{LABELS[s]:<24}{r['ettr']:>8.4f}  [{lo:.4f}, {hi:.4f}] " + "".join(
-            f"{_hours(r['badput_s'][c.value]):>25}" for c in BADPUT))
+        reserved = job.reserved_gpus(s) if job is not None else 0
+        paid = r["ettr"] * gpus / (gpus + reserved) if gpus else r["ettr"]
+        lines.append(f"{SHORT[s]:<17}{r['ettr']:>7.4f}{'±' + f'{(hi - lo) / 2:.4f}':>9}" + "".join(
+            f"{r['badput_s'][c.value] / per:>10.1f}" for c in COLUMNS)
+            + f"{reserved:>9}{paid:>7.4f}")
     return lines
 
 
@@ -48,8 +60,15 @@ def sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def wrapped(text: str, width: int = 100) -> list[str]:
+    """A long line as lines of at most `width` columns, the later ones indented."""
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def costs_lines(costs: dict[str, float]) -> list[str]:
-    return ["costs at this scale (s): " + ", ".join(f"{k} {v:g}" for k, v in costs.items())]
+    return wrapped("costs at this scale (s): " + ", ".join(f"{k} {v:g}" for k, v in costs.items()))
 
 
 def sensitivity_table(rows: list[dict[str, Any]]) -> list[str]:

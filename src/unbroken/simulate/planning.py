@@ -61,10 +61,12 @@ def plan_spares(failures: Failures, job: Job, scale: Scale, seeds: int,
     options = []
     for spares in SPARES_PER_NODE:
         for standby in STANDBY_NODES:
+            if spares >= job.gpus_per_node:
+                continue  # spares are within the node: one must still train
             candidate = replace(job, spares_per_node=spares, standby_nodes=standby)
             out = simulate(draws, candidate, failures, scale, strategy_for(spares, standby))
             ettr = float(out.ettr.mean())
-            reserve = spares * job.nodes + standby * job.gpus_per_node
+            reserve = candidate.reserved_gpus(strategy_for(spares, standby))
             wasted = (1.0 - ettr) * job.gpus * hours
             total = (reserve * hours + wasted)
             options.append(Option(spares, standby, reserve, ettr, reserve * hours, wasted,

@@ -48,8 +48,11 @@ def summary(out: Outcome) -> dict[str, Any]:
 
 def costs_at(job: Job, scale: Scale, failures: Failures) -> dict[str, float]:
     """The recovery costs the model uses at the job's scale, in seconds."""
-    ck = Checkpoints.for_job(job, scale, failures)
-    return {
+    ck = Checkpoints.for_strategy(job, scale, failures, Strategy.IN_PLACE)
+    today = Checkpoints.for_strategy(job, scale, failures, Strategy.TORCHRUN)
+    mine = {} if today == ck else {"today_checkpoint_every_s": round(today.every_s, 1),
+                                   "today_checkpoint_stall_s": round(today.stall_s, 3)}
+    return mine | {
         "job_mttf_h": round(failures.job_mttf_s(job.gpus) / 3600, 3),
         "restart_s": round(scale.restart_s(job), 1),
         "switch_s": round(scale.switch_s(job), 2),

@@ -54,6 +54,11 @@ class Watched:
     """Each attempt after the first: the step it resumed from (None: unknown)."""
     saves: int = 0
     loads: int = 0
+    save_s: list[float] = field(default_factory=list)
+    """Each save's time inside the call: the longest of its ranks' (a DCP save is every
+    rank's), one entry per (attempt, step)."""
+    save_every_s: list[float] = field(default_factory=list)
+    """The time between one save's end and the next one's start, within an attempt."""
     watched: bool = False
     """Some worker was watched (`script_watched`)."""
 
@@ -154,7 +159,21 @@ def watched(events: list[EventBody], t0: float) -> Watched:
             out.saves += 1
             out.labels[slot].append(Label(e.t - e.duration, e.t, "stall"))
             _charge_waiters(out, e, savers[(_attempt(e), e.step)], index, medians)
+    _cadence(out, [e for e in events if isinstance(e, ev.ScriptSave)])
     return out
+
+
+def _cadence(out: Watched, saves: list[ev.ScriptSave]) -> None:
+    """What one save of the script costs and how often it comes: today's checkpoints, for
+    `unbroken simulate --from-run`."""
+    by: dict[tuple[int, int], list[ev.ScriptSave]] = defaultdict(list)
+    for e in saves:
+        by[(_attempt(e), e.step)].append(e)
+    spans = sorted((a, min(e.t - e.duration for e in es), max(e.t for e in es),
+                    max(e.duration for e in es)) for (a, _), es in by.items())
+    out.save_s = [round(d, 6) for *_, d in spans]
+    out.save_every_s = [round(b[1] - a[2], 6) for a, b in zip(spans, spans[1:], strict=False)
+                        if a[0] == b[0] and b[1] > a[2]]
 
 
 def _charge_waiters(out: Watched, save: ev.ScriptSave, savers: set[int],
@@ -185,5 +204,6 @@ def summary(w: Watched, steps_known: bool) -> dict[str, Any]:
     if unknown:
         notes.append(f"resume step unknown in attempt(s) {', '.join(map(str, unknown))}: "
                      f"no load matched a save of this run (a stream, or a file from outside)")
-    return {"watched": w.watched, "saves": w.saves, "loads": w.loads,
+    return {"watched": w.watched, "saves": w.saves, "loads": w.loads, "save_s": w.save_s,
+            "save_every_s": w.save_every_s,
             "resumed_from": {str(a): v for a, v in sorted(w.resumed.items())}, "notes": notes}

@@ -171,8 +171,11 @@ def _wrap(module: ModuleType, call: Call) -> None:
     @functools.wraps(original)
     def watched(*args: Any, **kwargs: Any) -> Any:
         watch = watcher._active
-        if watch is None or call.name in _off or _ours():
+        if watch is None or call.name in _off or watch.inside_ours():
             return original(*args, **kwargs)
+        if _ours():  # unbroken's own save (its checkpoint events say it): nor any inside it
+            with watch.ours():
+                return original(*args, **kwargs)
         try:
             watch.enter(call, _path(call, args, kwargs))
         except Exception as exc:  # noqa: BLE001

@@ -13,6 +13,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +103,19 @@ class Watch:
         body = ev.ScriptSave if frame.call.op == Op.SAVE else ev.ScriptLoad
         self.log.emit(body(call=frame.call.name, path=frame.path, bytes=size,
                            duration=round(seconds, 6), step=frame.step, files=frame.files))
+
+    def inside_ours(self) -> bool:
+        """A call made inside a save or load of unbroken's own (`ours`)."""
+        return getattr(self._frames, "ours", 0) > 0
+
+    @contextmanager
+    def ours(self) -> Iterator[None]:
+        """unbroken's own save or load runs: the library calls inside it are not the script's."""
+        self._frames.ours = getattr(self._frames, "ours", 0) + 1
+        try:
+            yield
+        finally:
+            self._frames.ours -= 1
 
     def _stack(self) -> list[Frame]:
         stack = getattr(self._frames, "stack", None)
