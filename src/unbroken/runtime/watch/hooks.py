@@ -109,10 +109,12 @@ def _loss(tensors: Any) -> float | None:
         if len(t) != 1:
             return None
         t = t[0]
-    device = getattr(t, "device", None)
-    if device is None or device.type != "cpu" or t.numel() != 1:
+    try:
+        if t.is_cuda or t.numel() != 1 or t.device.type != "cpu":
+            return None
+    except AttributeError:  # not a tensor: nothing to read
         return None
-    return float(t.detach())
+    return t.item()
 
 
 def _scaler_hook(module: ModuleType) -> None:
