@@ -7,11 +7,13 @@ starts under it, whatever DS_BUILD_OPS says: kept in .venv/torch-extensions, onc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 
 import pytest
-from conftest import REPO, events_of, finish, start, wait_for
+from conftest import REPO, events_of, finish, start, unbroken_cmd, wait_for
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
@@ -49,3 +51,16 @@ def test_a_deepspeed_trainer_job_says_it_restarts_then_restarts_and_finishes(tmp
     resumed = [b for a, b in zip(logged, logged[1:], strict=False) if b <= a]
     assert logged[-1] == STEPS and len(resumed) == 1, logged
     assert resumed[0] in (6, 11), f"resumed at {resumed[0]}, not after a checkpoint: {logged}"
+    # Not recovered in place, but measured: the Trainer's own saves (DeepSpeed's files
+    # inside them), the load that resumed it, and the steps it computed again.
+    report = json.loads(subprocess.run(unbroken_cmd("report", str(run_dir), "--json"),
+                                       capture_output=True, text=True, timeout=120,
+                                       check=True).stdout)
+    watched = report["watched"]
+    assert report["steps_known"] and watched["saves"] >= 1 and watched["loads"] >= 1, watched
+    assert watched["resumed_from"] == {"1": resumed[0] - 1}, (watched, logged)
+    calls = {e["call"] for e in result.events("script_save")}
+    assert calls == {"Trainer._save_checkpoint"}, calls
+    seconds = report["seconds"]
+    assert seconds["checkpoint_save"] > 0 and seconds["checkpoint_restore"] > 0
+    assert seconds["untracked"] == 0
