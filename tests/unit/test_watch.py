@@ -206,3 +206,15 @@ def test_no_load_means_the_attempt_started_again_from_step_zero():
     from unbroken.telemetry.schema import decode_all
 
     assert resume_steps(decode_all(events)) == {1: 0}
+
+
+def test_a_name_bound_by_from_import_after_arming_is_the_watched_call():
+    """Libraries bind the functions at their own import (`from safetensors.torch import
+    save_file`, as transformers does): armed first, they bind the wrapped one."""
+    pytest.importorskip("safetensors")
+    hooks.arm()
+    from safetensors.torch import load_file, save_file
+
+    assert getattr(save_file, hooks.MARK) and getattr(load_file, hooks.MARK)
+    assert getattr(torch.save, hooks.MARK) and getattr(torch.autograd.backward, hooks.MARK)
+    assert {"safetensors.torch.save_file", "optimizer.step", "backward"} <= set(hooks.installed)

@@ -23,8 +23,9 @@ class ScriptWatched(EventBody):
     pid: int = doc("its process id")
     startup: float | None = doc("process start (a fork, for a worker the fork server forked) "
                                 "to now: the interpreter and its imports")
-    hooks: list[str] = doc("the calls watched: `optimizer.step`, `backward`, "
-                           "`GradScaler.update`, and each save or load function found")
+    hooks: list[str] = doc("the calls watched so far: `optimizer.step`, `backward`, "
+                           "`GradScaler.update`, and each save or load function of a library "
+                           "already imported (the others are wrapped when their library is)")
     failed: list[str] = doc("hooks that could not be installed, each with why")
 
 
