@@ -173,6 +173,8 @@ def test_no_integrations_leaves_the_trainer_alone(tmp_path):
     assert result.code == 0, result.output
     assert len(result.events("restart")) == 1, result.output
     assert not result.events("gen_up") and not result.events("step")  # no Run: unprotected
+    watched = [e for e in result.events() if e["event"].startswith("script_")]
+    assert not watched, watched[:3]  # and not measured either: every hook is off
 
 
 SAVE_FAULT = REPO / "tests" / "scripts" / "hf_save_fault.py"

@@ -218,3 +218,17 @@ def test_a_name_bound_by_from_import_after_arming_is_the_watched_call():
     assert getattr(save_file, hooks.MARK) and getattr(load_file, hooks.MARK)
     assert getattr(torch.save, hooks.MARK) and getattr(torch.autograd.backward, hooks.MARK)
     assert {"safetensors.torch.save_file", "optimizer.step", "backward"} <= set(hooks.installed)
+
+
+def test_the_live_status_counts_an_unchanged_scripts_steps():
+    from unbroken.telemetry.live import LiveStats, status_line
+
+    stats = LiveStats()
+    stats.fold(_w(1.0, "script_watched", 0, 0, pid=1, startup=0.5, hooks=[], failed=[]))
+    for i in range(1, 4):
+        obs = stats.fold(_w(1.0 + i, "script_steps", 0, 0,
+                            steps=[[i, 0.5 + i, 1.0 + i, 1, None]]))
+        assert [v for _, v in obs] == [1, pytest.approx(0.5)]  # a step, and its duration
+    stats.fold(_w(4.5, "script_steps", 0, 1, steps=[[3, 3.5, 4.0, 1, None]]))  # another rank
+    assert (stats.step, stats.steps) == (3, 3)
+    assert status_line(stats, None).startswith("status: step 3, 1.0 steps/s")

@@ -99,7 +99,8 @@ class LiveStats:
         e = record if isinstance(record, ev.EventBody) else ev.decode(record)
         self.events.append(e)
         obs: list[tuple[Metric, Any]] = []
-        if isinstance(e, ev.WorkerStart) and isinstance(e.slot, int) and e.slot >= 0:
+        if isinstance(e, ev.WorkerStart | ev.ScriptWatched) and isinstance(e.slot, int) \
+                and e.slot >= 0:
             # Steps are counted for one rank: the lowest whose worker started (rank 0 where
             # the leader can read every node's events), chosen before its first step.
             if self.step_slot is None or e.slot < self.step_slot:
@@ -110,6 +111,12 @@ class LiveStats:
                 self.step = max(self.step, e.step + 1)
                 self.recent.append((e.t, e.step))
                 obs += [(Metric.STEPS, 1), (Metric.STEP_TIME, e.duration)]
+        elif isinstance(e, ev.ScriptSteps) and e.slot == self.step_slot:
+            for step, began, ended, *_ in e.steps:  # an unchanged script's, by the hooks
+                self.steps += 1
+                self.step = max(self.step, int(step))
+                self.recent.append((e.t, self.steps))
+                obs += [(Metric.STEPS, 1), (Metric.STEP_TIME, ended - began)]
         elif isinstance(e, ev.Fault):
             # A death taken in place, then charged to a restart, is logged twice: count once.
             key = fault_key(e)
