@@ -232,3 +232,30 @@ def test_the_live_status_counts_an_unchanged_scripts_steps():
     stats.fold(_w(4.5, "script_steps", 0, 1, steps=[[3, 3.5, 4.0, 1, None]]))  # another rank
     assert (stats.step, stats.steps) == (3, 3)
     assert status_line(stats, None).startswith("status: step 3, 1.0 steps/s")
+
+
+def test_a_wait_on_an_asynchronous_saves_future_is_timed_with_the_saves_files(watch):
+    """What `dcp.async_save` returns: the script's `result()` on it is a stall, and the
+    save's files, read when the wait ends, let a later load find it."""
+    from concurrent.futures import Future
+
+    from unbroken.runtime.watch.calls import Call, Op
+
+    w, path = watch
+    target = path.parent / "ckpt"
+    call = Call("x", "async_save", Op.SAVE, "torch.distributed.checkpoint.async_save",
+                None, "checkpoint_id", ".metadata", returns_future=True)
+    future: Future = Future()
+    assert w.enter(call, str(target))
+    w.leave(True)
+    w.waits_on(future, call, str(target), w.last_step)
+    target.mkdir()
+    (target / ".metadata").write_bytes(b"m")
+    future.set_result(None)
+    assert future.result() is None
+    wait = [e for e in _records(path) if e["event"] == "script_save_wait"]
+    st = (target / ".metadata").stat()
+    assert len(wait) == 1 and wait[0]["files"] == [[st.st_dev, st.st_ino, st.st_size,
+                                                    st.st_mtime_ns]]
+    save = [e for e in _records(path) if e["event"] == "script_save"]
+    assert save[0]["files"] == []  # nothing written when the call returned

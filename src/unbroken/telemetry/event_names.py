@@ -110,4 +110,5 @@ class Event(StrEnum):
     SCRIPT_WATCHED = "script_watched"
     SCRIPT_STEPS = "script_steps"
     SCRIPT_SAVE = "script_save"
+    SCRIPT_SAVE_WAIT = "script_save_wait"
     SCRIPT_LOAD = "script_load"

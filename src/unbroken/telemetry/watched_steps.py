@@ -10,7 +10,9 @@ steps numbered across attempts, its checkpoints charged, and what could not be k
   `redone` rule. An attempt that loads nothing started again from step 0. One whose loads
   match no save (a stream, a file from outside the run) has its resume step unknown: its
   steps are never matched to an earlier attempt's.
-- **Who pays for a save.** The saving rank, its time inside the call (`stall`). A rank that
+- **Who pays for a save.** The saving rank, its time inside the call (`stall`), and its
+  waits on an asynchronous save's future (`script_save_wait`, whose files are the save's
+  once written: a later load is matched by them). A rank that
   waited for it at its next collective: by step index, not by clock (nodes share none),
   the excess of its step after the save over its own median step, at most the save's time.
 - **Loads** are `restore`; the process's start to its `script_watched` line is `startup`,
@@ -71,14 +73,14 @@ def _slot(e: EventBody) -> int | None:
     return e.slot if e.slot is not None else e.rank
 
 
-def _files(e: ev.ScriptSave | ev.ScriptLoad) -> set[tuple[int, ...]]:
+def _files(e: ev.ScriptSave | ev.ScriptSaveWait | ev.ScriptLoad) -> set[tuple[int, ...]]:
     return {tuple(f) for f in e.files or () if isinstance(f, list) and len(f) == 4}
 
 
 def resume_steps(events: list[EventBody]) -> dict[int, int | None]:
     """Each attempt after the first: the job's step its workers resumed from (0: they
     loaded nothing), or None where no load matched a save of an earlier attempt."""
-    saves = [e for e in events if isinstance(e, ev.ScriptSave)]
+    saves = [e for e in events if isinstance(e, ev.ScriptSave | ev.ScriptSaveWait)]
     loads = [e for e in events if isinstance(e, ev.ScriptLoad)]
     attempts = sorted({_attempt(e) for e in events if isinstance(e, ev.ScriptWatched)} - {0})
     offset: dict[int, int | None] = {0: 0}
@@ -152,6 +154,8 @@ def watched(events: list[EventBody], t0: float) -> Watched:
             if slot not in spawned:
                 spawned.add(slot)
                 out.labels[slot].append(Label(t0, e.t - e.startup, "spawn"))
+        elif isinstance(e, ev.ScriptSaveWait):  # an asynchronous save waited for
+            out.labels[slot].append(Label(e.t - e.duration, e.t, "stall"))
         elif isinstance(e, ev.ScriptLoad):
             out.loads += 1
             out.labels[slot].append(Label(e.t - e.duration, e.t, "restore"))

@@ -30,6 +30,9 @@ class Call:
     directory_marker: str | None = None
     """For a directory: the file in it whose identity stands for the checkpoint (DCP's
     `.metadata`); None: every file the call wrote is collected from the calls inside it."""
+    returns_future: bool = False
+    """An asynchronous save: the script's waits on what it returns are timed too
+    (`script_save_wait`), and the files are read when a wait ends."""
 
 
 CALLS: tuple[Call, ...] = (
@@ -38,7 +41,8 @@ CALLS: tuple[Call, ...] = (
     Call("torch.distributed.checkpoint", "save", Op.SAVE, "torch.distributed.checkpoint.save",
          None, "checkpoint_id", ".metadata"),
     Call("torch.distributed.checkpoint", "async_save", Op.SAVE,
-         "torch.distributed.checkpoint.async_save", None, "checkpoint_id", ".metadata"),
+         "torch.distributed.checkpoint.async_save", None, "checkpoint_id", ".metadata",
+         returns_future=True),
     Call("torch.distributed.checkpoint", "load", Op.LOAD, "torch.distributed.checkpoint.load",
          None, "checkpoint_id", ".metadata"),
     Call("safetensors.torch", "save_file", Op.SAVE, "safetensors.torch.save_file", 1,

@@ -179,7 +179,8 @@ def _wrap(module: ModuleType, call: Call) -> None:
             with watch.ours():
                 return original(*args, **kwargs)
         try:
-            watch.enter(call, _path(call, args, kwargs))
+            path = _path(call, args, kwargs)
+            outermost = watch.enter(call, path)
         except Exception as exc:  # noqa: BLE001
             _give_up(call.name, exc)
             return original(*args, **kwargs)
@@ -191,6 +192,8 @@ def _wrap(module: ModuleType, call: Call) -> None:
         finally:
             try:
                 watch.leave(ok)
+                if ok and outermost and call.returns_future:
+                    watch.waits_on(out, call, path, watch.last_step)
             except Exception as exc:  # noqa: BLE001
                 _give_up(call.name, exc)
 

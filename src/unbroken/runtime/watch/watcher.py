@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from unbroken.control.worker_env import Role, WorkerEnv
 from unbroken.runtime.host import process_start_time
@@ -54,6 +55,7 @@ class Watch:
         self.log = log
         self.clock = StepClock()
         self.steps_muted = False
+        self.last_step = 0  # the step of the last outermost save or load
         self._frames = threading.local()
 
     # --- steps (main thread) ---
@@ -99,10 +101,35 @@ class Watch:
                 (stack[0] if stack else frame).files.append(found)
         if stack or not ok:
             return
+        self.last_step = frame.step
         size = _size(frame.path) if frame.path is not None else None
         body = ev.ScriptSave if frame.call.op == Op.SAVE else ev.ScriptLoad
         self.log.emit(body(call=frame.call.name, path=frame.path, bytes=size,
                            duration=round(seconds, 6), step=frame.step, files=frame.files))
+
+    def waits_on(self, future: Any, call: Call, path: str | None, step: int) -> None:
+        """Time the script's waits on an asynchronous save's `future` (and on the futures
+        an `AsyncSaveResponse` holds): each `result()` that waited is a `script_save_wait`."""
+        futures = [future] if callable(getattr(future, "result", None)) else [
+            f for f in (getattr(future, "staging_completion", None),
+                        getattr(future, "upload_completion", None))
+            if callable(getattr(f, "result", None))]
+        for f in futures:
+            original = f.result
+
+            def result(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = _original(*args, **kwargs)
+                waited = time.perf_counter() - t0
+                marker = call.directory_marker
+                found = None if path is None else identity(
+                    os.path.join(path, marker) if marker and os.path.isdir(path) else path)
+                self.log.emit(ev.ScriptSaveWait(call=call.name, path=path,
+                                                duration=round(waited, 6), step=step,
+                                                files=[found] if found else []))
+                return out
+
+            f.result = result  # this future only: the class is torch's
 
     def inside_ours(self) -> bool:
         """A call made inside a save or load of unbroken's own (`ours`)."""

@@ -80,7 +80,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "SdcCheck", "SdcMismatch", "SdcSettled", "StragglerFlagged", "StragglerRemedied",
         "StragglerCleared", "JobSlow"),
     "warm": ("WarmInterpreterReady", "WarmInterpreterImports", "WarmInterpreterTaken"),
-    "watched": ("ScriptWatched", "ScriptSteps", "ScriptSave", "ScriptLoad"),
+    "watched": ("ScriptWatched", "ScriptSteps", "ScriptSave", "ScriptSaveWait", "ScriptLoad"),
 }
 """Each module of event classes (`schema.<name>`), in the order docs/events.md lists them, and
 the public classes it declares."""

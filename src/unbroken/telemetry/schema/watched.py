@@ -58,6 +58,20 @@ class ScriptSave(EventBody):
                                  "st_mtime_ns]`: what a rename keeps")
 
 
+@event(Event.SCRIPT_SAVE_WAIT)
+class ScriptSaveWait(EventBody):
+    """The script waited on an asynchronous save's future (`result()` on what
+    `torch.distributed.checkpoint.async_save` returned): the wait stopped its loop."""
+
+    call: str = doc("the save's call")
+    path: str | None = doc("the save's file or directory")
+    duration: float = doc("seconds the script waited")
+    step: int = doc("the save's step (`script_save.step`)")
+    files: list[list[int]] = doc("the save's files once written (for DCP, the directory's "
+                                 "`.metadata`), as `[st_dev, st_ino, st_size, st_mtime_ns]`: "
+                                 "a later load is matched to the save by them")
+
+
 @event(Event.SCRIPT_LOAD)
 class ScriptLoad(EventBody):
     """The script loaded a checkpoint with a library's call (the outermost of nested ones)."""
