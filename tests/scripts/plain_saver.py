@@ -76,9 +76,11 @@ def save(step: int) -> None:
         os.replace(tmp, os.path.join(a.ckpt, "latest.pt"))
 
 
-def dump() -> None:
-    with open(os.path.join(a.out, f"measured-{attempt}-{rank}.json"), "w") as fh:
+def dump() -> None:  # whole or not at all: the agent may stop this rank at any moment
+    path = os.path.join(a.out, f"measured-{attempt}-{rank}.json")
+    with open(path + ".tmp", "w") as fh:
         json.dump(measured, fh)
+    os.replace(path + ".tmp", path)
 
 
 for step in range(start, a.steps):

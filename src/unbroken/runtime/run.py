@@ -69,7 +69,7 @@ class Run:
         self.seed, self.timeout = config.seed, config.timeout
         slot = env.slot if env.slot is not None else env.rank
         spare = env.role == Role.SPARE
-        self.events = events = EventLog(
+        self.events = events = watcher.shared_log() or EventLog(
             Path(env.run_dir) / EVENTS_FILE if env.run_dir else None, source="worker",
             node=env.node_rank, rank=env.rank, attempt=env.attempt)
         events.context["slot"] = slot

@@ -99,7 +99,7 @@ def _report_at_exit() -> None:
     """A writer that exits without closing its log still reports what it dropped."""
     for log in list(_LOGS):
         if log.dropped:
-            log.close()
+            log.close(final=True)
 
 
 def rotated(path: str | os.PathLike[str], n: int) -> Path:
@@ -137,6 +137,9 @@ class EventLog:
         self._said_rotation = False
         self._closed = False
         self._context_json: tuple[dict[str, Any], str] | None = None  # for `emit_encoded`
+        self.shared = False
+        """Several owners write to it (the worker's watch, then its `Run`): their `close()`
+        leaves it open, and what it dropped is reported at the process's exit."""
         _LOGS.add(self)
         if self.path is not None:
             try:
@@ -178,11 +181,12 @@ class EventLog:
             if not self._closed:
                 self._write(line)
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         """Report the dropped events (an `events_dropped` event, if it can be written, and
-        one stderr line) and close the file. Safe to call twice; never raises."""
+        one stderr line) and close the file. Safe to call twice; never raises. A log
+        `shared` by several owners in the process is closed only at exit (`final`)."""
         with self._lock:
-            if self._closed or self.path is None:
+            if self._closed or self.path is None or (self.shared and not final):
                 return
             if self.dropped:
                 record = {"t": round(time.time(), 6), "event": Event.EVENTS_DROPPED,

@@ -188,6 +188,7 @@ def start(hooks: list[str], failed: list[str]) -> Watch | None:
     log = EventLog(Path(env.run_dir) / EVENTS_FILE, source="worker", node=env.node_rank,
                    rank=env.rank, attempt=env.attempt)
     log.context["slot"] = env.slot if env.slot is not None else env.rank
+    log.shared = True  # a `Run` the script makes writes to it too (`shared_log`)
     started = process_start_time()
     log.emit(ev.ScriptWatched(pid=os.getpid(),
                               startup=round(time.time() - started, 6) if started else None,
@@ -205,6 +206,12 @@ def finish() -> None:
         except Exception as exc:  # noqa: BLE001 - never in the way of the script's exit
             print(f"unbroken: the script's last steps were not recorded: {exc}",
                   file=sys.stderr)
+
+
+def shared_log() -> EventLog | None:
+    """The worker's event log, where the watch opened it: a `Run` writes to the same one
+    (one file descriptor, one count of dropped events per worker)."""
+    return _active.log if _active is not None else None
 
 
 def mute_steps() -> None:
