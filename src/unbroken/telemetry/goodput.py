@@ -341,7 +341,8 @@ def account(events: Iterable[dict[str, Any] | EventBody], slots: list[int] | Non
     else:
         segments = _plain_segments(events, accounted, faults, t0, t_end)
     report = _report(events, t0, t_end, accounted, steps, steps_known, faults, segments, median)
-    if seen.watched:  # an unchanged script's workers were watched: what was measured
+    if seen.watched and not any(isinstance(e, ev.Step) for e in events):
+        # an unchanged script's workers were watched (not a `Run`'s): what was measured
         report["watched"] = watched_summary(seen, steps_known)
     return report
 
