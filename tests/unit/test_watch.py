@@ -259,3 +259,17 @@ def test_a_wait_on_an_asynchronous_saves_future_is_timed_with_the_saves_files(wa
                                                     st.st_mtime_ns]]
     save = [e for e in _records(path) if e["event"] == "script_save"]
     assert save[0]["files"] == []  # nothing written when the call returned
+
+
+def test_a_script_that_makes_a_run_is_not_clocked_by_the_hooks(watch):
+    """`Run` mutes the step hooks: its own steps are the run's, and the hooks cost nothing."""
+    w, path = watch
+    w.mute_steps()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    w.finish()
+    assert w.clock.steps == 0 and w.clock.began is None
+    assert not [e for e in _records(path) if e["event"] == "script_steps"]

@@ -63,7 +63,7 @@ def _step_hooks(torch: ModuleType) -> None:
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         watch = watcher._active
-        if watch is None or "optimizer.step" in _off:
+        if watch is None or watch.steps_muted or "optimizer.step" in _off:
             return
         try:
             watch.ended(watch.clock.before_update(id(optimizer)))
@@ -72,7 +72,7 @@ def _step_hooks(torch: ModuleType) -> None:
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         watch = watcher._active
-        if watch is None or "optimizer.step" in _off:
+        if watch is None or watch.steps_muted or "optimizer.step" in _off:
             return
         try:
             watch.clock.after_update(id(optimizer), time.time())
@@ -90,7 +90,7 @@ def _step_hooks(torch: ModuleType) -> None:
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         watch = watcher._active
-        if watch is not None and "backward" not in _off:
+        if watch is not None and not watch.steps_muted and "backward" not in _off:
             try:
                 watch.ended(watch.clock.backward(time.time(), _loss(tensors)))
             except Exception as exc:  # noqa: BLE001
@@ -127,7 +127,7 @@ def _scaler_hook(module: ModuleType) -> None:
     def update(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         watch = watcher._active
-        if watch is not None and "GradScaler.update" not in _off:
+        if watch is not None and not watch.steps_muted and "GradScaler.update" not in _off:
             try:
                 watch.ended(watch.clock.scaler_update(time.time()))
             except Exception as exc:  # noqa: BLE001
