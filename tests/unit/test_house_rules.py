@@ -25,7 +25,8 @@ RUN_PUBLIC = {
     "config", "env", "events", "backend", "seed", "timeout", "local_rank", "attempt",
     "rank", "world_size", "step", "gen", "slot", "wid", "spare", "joining", "in_place",
     # the API
-    "track", "state_dict", "save_checkpoint", "skip_steps", "log", "phase", "steps", "train", "close",
+    "track", "state_dict", "save_checkpoint", "skip_steps", "log", "phase", "steps", "try_step",
+    "train", "close",
     "engine",
 }
 

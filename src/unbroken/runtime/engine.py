@@ -78,14 +78,12 @@ class Engine:
 
     def __init__(self, position: Position, settings: EngineSettings, *, events: EventLog,
                  faults: FaultInjector, groups: AbortableGroups,
-                 heartbeat: HeartbeatWriter | None = None,
-                 checkpointer: Checkpointer | None = None,
+                 heartbeat: HeartbeatWriter | None = None, checkpointer: Checkpointer | None = None,
                  generations: Generations | None = None,
                  available_memory: Callable[[], int] = lambda: 0,
                  file_drain: Callable[[int], bool] | None = None) -> None:
-        """`generations` is required for in-place recovery (`settings.in_place`).
-        `file_drain(slot)` asks the leader to move a slot onto a spare (the straggler
-        remedy)."""
+        """`generations` is required for in-place recovery (`settings.in_place`). `file_drain(slot)`
+        asks the leader to move a slot onto a spare (the straggler remedy)."""
         self.settings = s = settings
         self.events, self.faults, self.groups, self.heartbeat = events, faults, groups, heartbeat
         self.generations = generations
@@ -107,6 +105,7 @@ class Engine:
         self._watchdog: Watchdog = NO_WATCHDOG
         self._marks = ProgressMarks(heartbeat)
         self._t0 = 0.0
+        self._pending: ev.Step | None = None  # a committed step's event, until `settle`
         self.anomalies = AnomalyDuty(s.anomalies, events.emit, file_drain)
         self.fence = Fence(lambda: self._position, lambda gen: self._watchdog.aborted(gen),
                            nccl_errors, lambda step: faults.at_point("update", step))
@@ -228,12 +227,10 @@ class Engine:
             self.anomalies.save_rng()
 
     def check(self, step: int, metrics: dict[str, Any] | None = None) -> Verdict:
-        """After backward and before the update: judge the step's loss (`metrics["loss"]`,
-        as given to `run.log`) and gradients (collective when numerical checks are on: every
-        rank, once per try of the step). Anything but `COMMIT` was carried out here: the step
-        was dropped to run again (`RERUN`), passed over (`SKIPPED`), or the state rolled back
-        (`ROLLED_BACK`); the loop then goes on to `begin()`. Raises `JobStopped` on every rank
-        when too many anomalies came in a window: the job must end (exit 1)."""
+        """After backward, before the update: judge the loss (`metrics["loss"]`) and the
+        gradients (collective when numerical checks are on). Anything but `COMMIT` was carried
+        out here (`RERUN`, `SKIPPED`, `ROLLED_BACK`): the loop goes on to `begin()`. Raises
+        `JobStopped` on every rank when too many anomalies came in a window (docs/engine.md)."""
         metrics = {} if metrics is None else metrics
         faults = self.faults
         if not (self.anomalies.numerics_on or faults.has("nan") or faults.has("spike")):
@@ -268,7 +265,7 @@ class Engine:
         self._move(self._position.moved(step=step + 1, holds_state=True))
         self.events.emit(ev.StepSkipped(step=step, gen=self._position.gen if self._resilient
                                         else None, reason=reason, extra=metrics or {}))
-        self._after_commit()
+        self.settle()
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -277,10 +274,10 @@ class Engine:
         with self.need_tracked("an update").updating():
             yield
 
-    def commit(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        """After the update of `step`: it is committed. Then a checkpoint or a snapshot
-        round if one is due (collective), and the final checkpoint after the last step.
-        A peer's fault met here leaves and joins in place."""
+    def commit(self, step: int, metrics: dict[str, float] | None = None,
+               settle: bool = True) -> None:
+        """After the update of `step`: it is committed, then `settle()`; unless `settle` is
+        False (a loop whose step goes on after its update, `runtime/own_loop`: it settles)."""
         ended = time.perf_counter()
         duration = ended - self._t0
         if self.anomalies.stragglers is not None:
@@ -288,17 +285,23 @@ class Engine:
         if self.faults.has("bitflip"):
             self.faults.corrupt_update(step, list(self.need_tracked("a commit").model.parameters()))
         self._move(self._position.moved(step=step + 1, holds_state=True))
-        pos = self._position
-        self.events.emit(ev.Step(step=step, duration=round(duration, 6),
-                                 gen=pos.gen if self._resilient else None, extra=metrics or {}))
+        self._pending = ev.Step(step=step, duration=round(duration, 6),
+                                extra={} if metrics is None else metrics,  # filled until settle
+                                gen=self._position.gen if self._resilient else None)
         avg = self.step_time
         self.step_time = duration if avg is None else 0.9 * avg + 0.1 * duration
-        self._after_commit()
+        if settle:
+            self.settle()
 
-    def _after_commit(self) -> None:
-        """The committed position's due checkpoint or snapshot round, and the final
-        checkpoint after the last step (collective). A peer's fault met here leaves and
-        joins in place."""
+    def settle(self, collectives: bool = True) -> None:
+        """After a commit: its event, a due checkpoint or snapshot round, the final checkpoint
+        after the last step (collective); a peer's fault met here is recovered in place.
+        `collectives=False`: the event only (a fault after the commit was recovered)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.events.emit(pending)
+        if not collectives:
+            return
         pos = self._position
         try:
             try:
@@ -360,11 +363,9 @@ class Engine:
         self.events.emit(ev.StepDropped(step=step, gen=self._position.gen, reason=reason))
 
     def rollback(self, reason: str) -> int | None:
-        """Go back to the newest host copy of the state, else to the newest checkpoint in
-        storage (collective: every rank, between steps); the step resumed from, or None (and
-        nothing changes) when there is neither. The host copy: a sharded job's own
-        in-memory copy (the newest round), or a replicated job's newest checkpoint's staged
-        copy; its RNG state is restored with it."""
+        """Go back to the newest host copy of the state (RNG state included), else to the
+        newest checkpoint (collective: every rank, between steps); the step resumed from, or
+        None (and nothing changes) when there is neither (docs/engine.md)."""
         start = self._position.step
         step, source = self.checkpoints.roll_back(
             self.need_tracked("a rollback"),
@@ -415,7 +416,7 @@ class Engine:
         """A spare's shadow steps in a world that reaches no one (then it holds nothing),
         and its wait to be promoted into a slot; exit 0 if the job ends first."""
         if self.heartbeat is None:
-            raise UserError("a spare needs its agent: run the script under `unbroken run --spares N`")
+            raise UserError("a spare needs its agent: run it under `unbroken run --spares N`")
         t0 = time.monotonic()
         s, tracked = self.settings, self.tracked
         shards = self.switcher.sharded.shards if self.switcher.sharded is not None else None

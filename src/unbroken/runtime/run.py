@@ -14,9 +14,10 @@ Under `unbroken run`, a fault in one worker does not restart the others: survivo
 broken generation, re-form the group in place, get the newest committed state from a peer,
 call `build()` again and go on. `Run` is the user's surface; the recovery itself is the
 engine's (`runtime/engine.py`, contract in docs/engine.md), which other loops can drive too.
-The simpler `for step in run.steps(n)` loop is kept for scripts that step the optimizer
-themselves; a fault then restarts every worker from the last checkpoint. Both work under
-`unbroken run`, under `torchrun`, and in a single plain process.
+A loop of the user's own keeps its shape (`for step, batch in run.steps(n, data=loader)`
+with its step in `with run.try_step():`, docs/your-loop.md) and recovers in place too; the
+plain `for step in run.steps(n)` restarts every worker from the last checkpoint on a fault.
+Both work under `unbroken run`, under `torchrun`, and in a single plain process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from unbroken.runtime.groups.first_group import form_first_group
 from unbroken.runtime.groups.process_group import default_backend, this_process
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
 from unbroken.runtime.host import available_memory, process_start_time
+from unbroken.runtime.own_loop.loop import OwnLoop
+from unbroken.runtime.own_loop.step_block import StepBlock
 from unbroken.runtime.position import Position
 from unbroken.runtime.tracked import TrackedState
 from unbroken.runtime.watch import watcher
@@ -129,6 +132,7 @@ class Run:
         engine.owns_group = first.owned
         self._metrics: dict[str, float] = {}
         self._long_depth = 0  # nested run.phase() blocks
+        self._loop: OwnLoop | None = None  # `run.steps(total, data=...)`
 
     # ------------------------------------------------------------------ where we stand
     @property
@@ -240,12 +244,45 @@ class Run:
                 self.events.emit(ev.Phase(name=name, step=self.step,
                                  duration=round(time.monotonic() - t0, 6)))
 
-    def steps(self, total: int) -> Iterator[int]:
-        """Yield the steps still to run, from the last committed one up to `total`; the
-        body steps the optimizer itself. A fault restarts every worker."""
-        engine = self._engine
+    def steps(self, total: int, data: Any = None,
+              micro_batches: int | None = None) -> Iterator[Any]:
+        """Yield the steps still to run, from the last committed one up to `total`; the body
+        steps the optimizer itself.
+
+        Without `data`: yields each step; a fault restarts every worker. With `data` (a
+        DataLoader): yields `(step, batch)`, or `(step, [k micro-batches])` with
+        `micro_batches=k`, and a fault of a peer inside a `with run.try_step():` block is
+        recovered in place: the same step comes again with the same batch
+        (docs/your-loop.md)::
+
+            for step, batch in run.steps(1000, data=loader):
+                with run.try_step():
+                    loss = model(batch).loss; loss.backward()
+                    optimizer.step(); optimizer.zero_grad()
+        """
         if total < 0:
             raise UserError(f"steps(total): total must be >= 0, got {total}")
+        if data is not None:
+            self._loop = OwnLoop(self._engine, total, data, micro_batches, self._fresh_metrics)
+            return self._loop.steps()
+        if micro_batches is not None:
+            raise UserError("run.steps(micro_batches=...) needs data=: the loop draws them")
+        return self._plain_steps(total)
+
+    def try_step(self) -> StepBlock:
+        """The block that holds one step of `for step, batch in run.steps(total, data=...)`:
+        a peer's fault inside it is recovered in place, and the step runs again."""
+        if self._loop is None or self._loop.block is None:
+            raise UserError("run.try_step() needs the loop `for step, batch in run.steps(total, "
+                            "data=loader):` (a step run again must draw the same batch)")
+        return self._loop.block
+
+    def _fresh_metrics(self) -> dict[str, float]:
+        self._metrics = {}
+        return self._metrics
+
+    def _plain_steps(self, total: int) -> Iterator[int]:
+        engine = self._engine
         engine.start_plain(total)
         while (step := engine.begin()) is not None:
             engine.enter(step)

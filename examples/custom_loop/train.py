@@ -1,0 +1,156 @@
+"""A training loop of your own (DDP), recovered in place by a two-line change.
+
+The loop is the one a torchrun script has: a DataLoader with a DistributedSampler, gradient
+accumulation with `no_sync()`, a gradient clip, an LR scheduler, its own all-reduce of the
+loss for printing. The change (docs/your-loop.md):
+
+    data = (batch for epoch in range(10**6) for batch in loader) if args.iterable else loader
+    for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
+        with run.try_step():
+            ...the step as it was...
+
+Runs unchanged under `unbroken run`, under `torchrun`, or as a single `python train.py`:
+
+    unbroken run --nproc-per-node 4 --spares 1 examples/custom_loop/train.py --steps 200
+
+Under `unbroken run`, a worker's fault does not stop the others: the survivors keep their
+processes, the step is redone on the same batch, and a spare or a replacement takes the
+dead rank's place with its state and its place in the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import os
+import signal
+import sys
+import time
+import zlib
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))
+from data import CharCorpus  # noqa: E402  (the GPT example's corpus and model)
+from model import GPT, GPTConfig  # noqa: E402
+
+import unbroken  # noqa: E402
+
+
+class Windows(Dataset):
+    """`count` windows of `seq + 1` characters at seeded places in the corpus."""
+
+    def __init__(self, corpus: CharCorpus, seq: int, count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data, self.seq = corpus.data, seq
+        self.starts = torch.randint(0, len(corpus.data) - seq - 1, (count,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.starts[i]
+        return self.data[s: s + self.seq], self.data[s + 1: s + self.seq + 1]
+
+
+def _die_here(args: argparse.Namespace, step: int, rank: int, where: str) -> None:
+    """The test's fault: SIGKILL this process at `--die-at STEP:RANK:WHERE`, once per marker."""
+    for spec in args.die_at:
+        at, who, what = spec.split(":")
+        marker = Path(f"{args.die_marker}.{spec.replace(':', '_')}")
+        if (int(at), int(who), what) == (step, rank, where) and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=2, help="sequences per micro-batch, per rank")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--windows", type=int, default=256, help="the dataset's size")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds each step waits, standing in for accelerator time")
+    p.add_argument("--exact", action="store_true",
+                   help="reduce gradients in rank order: bit-identical results across recoveries")
+    p.add_argument("--reduce-loss", action="store_true",
+                   help="all-reduce the loss inside the step, after the update (for printing)")
+    p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--final-state", default=None, help="rank 0 saves the whole state here")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--die-at", action="append", default=[], metavar="STEP:RANK:WHERE",
+                   help="(tests) SIGKILL this rank at STEP, WHERE: micro (between the "
+                        "micro-batches), update (after optimizer.step()), reduce (before the "
+                        "loss's all-reduce); once, remembered in --die-marker files")
+    p.add_argument("--die-marker", default="/tmp/unbroken-custom-loop")
+    p.add_argument("--iterable", action="store_true",
+                   help="(tests) feed the loop a plain generator over the loader, which cannot "
+                        "be positioned: the job then restarts on a fault")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    corpus = CharCorpus.load()
+    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.seq,
+                          n_layer=args.layers, n_embd=args.dim))
+    net = model
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        net = DDP(model)
+        if args.exact:
+            net.register_comm_hook(None, unbroken.exact_allreduce)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    run.track(model, optimizer, scheduler=scheduler)
+    dataset = Windows(corpus, args.seq, args.windows, args.seed)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+
+    data = (batch for epoch in range(10**6) for batch in loader) if args.iterable else loader
+    for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
+        with run.try_step():
+            total = torch.zeros(())
+            for i, (x, y) in enumerate(micro):
+                last = i == len(micro) - 1
+                with nullcontext() if last or net is model else net.no_sync():
+                    loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) / len(micro)
+                    loss.backward()
+                total += loss.detach()
+                if not last:
+                    _die_here(args, step, run.rank, "micro")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _die_here(args, step, run.rank, "update")
+            if args.reduce_loss and net is not model:
+                _die_here(args, step, run.rank, "reduce")
+                dist.all_reduce(total)
+                total /= dist.get_world_size()
+        scheduler.step()  # the runtime stepped it at the commit: this call is then a no-op
+        crc = zlib.crc32(array.array("q", torch.cat([x for x, _ in micro]).flatten().tolist()))
+        run.log(loss=total, data=crc)
+        if run.rank == 0 and step % args.print_every == 0:
+            print(f"step {step:4d}  loss {total.item():.3f}", flush=True)
+
+    if args.final_state and run.rank == 0:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, args.final_state)
+    run.close()
+
+
+if __name__ == "__main__":
+    main()

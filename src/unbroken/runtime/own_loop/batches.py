@@ -1,0 +1,131 @@
+"""The loader's batches as a function of the step: the same batch again after a recovery.
+
+A survivor that redoes a step gets the batch it drew for that step (kept until the step
+commits); a rank that stands at another step (resumed from a checkpoint, rolled back, a
+replacement or promoted spare that joined) is positioned there: the micro-batch index
+`step * micro_batches` is an epoch and an offset in it, the sampler is given that epoch
+(`set_epoch`), and the offset's batches are drawn and dropped. That is exact for a
+`DataLoader` whose sampler is a `DistributedSampler` or a `SequentialSampler`: its batches
+are a function of (epoch, rank) alone. A promoted spare's sampler is re-made for the rank it
+took. Any other iterable cannot be positioned (`unpositionable` says why, in one line): its
+job restarts on a fault, as under torchrun, and the loader is simply iterated.
+
+`unpositionable` is pure; `Batches` draws from the loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+from unbroken.errors import UserError
+
+
+def unpositionable(loader: Any) -> str | None:
+    """Why `loader`'s batch at a given step cannot be known, or None. Pure."""
+    if not isinstance(loader, DataLoader):
+        return (f"the data ({type(loader).__name__}) is not a torch DataLoader, so the batch "
+                "of a redone step cannot be drawn again")
+    sampler = loader.sampler
+    if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
+        return (f"the DataLoader's sampler ({type(sampler).__name__}) is neither a "
+                "DistributedSampler nor a SequentialSampler, so its batches are not a "
+                "function of the epoch (pass sampler=DistributedSampler(dataset))")
+    if loader.batch_sampler is None or type(loader.batch_sampler).__name__ != "BatchSampler":
+        return "the DataLoader has a batch sampler of its own, which cannot be positioned"
+    return None
+
+
+def epoch_and_offset(micro: int, per_epoch: int) -> tuple[int, int]:
+    """The epoch and the batch within it of the `micro`-th batch of the run. Pure."""
+    if per_epoch <= 0:
+        raise UserError("run.steps(data=...): the data loader yields no batch")
+    return divmod(micro, per_epoch)
+
+
+class Batches:
+    """Draws a step's batch (or its `micro_batches` batches, as a list) from a loader."""
+
+    def __init__(self, loader: Any, micro_batches: int | None, rank: Callable[[], int],
+                 world_size: Callable[[], int]) -> None:
+        """`micro_batches`: a step's batches, as a list (None: one, not in a list). `rank()`,
+        `world_size()`: this worker's, now (a promoted spare's change)."""
+        if micro_batches is not None and micro_batches < 1:
+            raise UserError(f"run.steps(micro_batches=...): must be >= 1, got {micro_batches}")
+        self.loader, self.micro_batches = loader, micro_batches or 1
+        self._listed = micro_batches is not None
+        self.why_not = unpositionable(loader)
+        """Why the loader cannot be positioned (one line), or None."""
+        self._rank, self._world_size = rank, world_size
+        self._step = -1  # the step whose batch is `_current`
+        self._current: Any = None
+        self._next_micro = -1  # the micro-batch index `_it` yields next (-1: none open)
+        self._epoch = 0
+        self._it: Iterator[Any] | None = None
+
+    @property
+    def sampler(self) -> DistributedSampler | None:
+        sampler = getattr(self.loader, "sampler", None)
+        return sampler if isinstance(sampler, DistributedSampler) else None
+
+    def at(self, step: int) -> Any:
+        """Step `step`'s batch; the same object again while `step` has not committed."""
+        if step == self._step:
+            return self._current
+        k = self.micro_batches
+        if self._next_micro != step * k:
+            self._seek(step * k)
+        drawn = [self._draw() for _ in range(k)]
+        self._step, self._current = step, drawn if self._listed else drawn[0]
+        return self._current
+
+    def forget(self) -> None:
+        """The state went elsewhere (a rollback, a switch): position again at the next step."""
+        self._step, self._next_micro = -1, -1
+
+    def _seek(self, micro: int) -> None:
+        """Stand before the `micro`-th batch of the run."""
+        if self.why_not is not None:  # a restart's loader: iterated as the script would
+            if self._it is None:
+                self._it = iter(self.loader)
+            self._next_micro = micro
+            return
+        self._retarget()
+        epoch, offset = epoch_and_offset(micro, len(self.loader))
+        self._open(epoch)
+        for _ in range(offset):
+            next(self._it)
+        self._next_micro = micro
+
+    def _retarget(self) -> None:
+        """Make the sampler this rank's (a promoted spare's was made for rank 0)."""
+        sampler = self.sampler
+        rank, world = self._rank(), self._world_size()
+        if sampler is not None and (sampler.rank, sampler.num_replicas) != (rank, world):
+            DistributedSampler.__init__(sampler, sampler.dataset, num_replicas=world, rank=rank,
+                                        shuffle=sampler.shuffle, seed=sampler.seed,
+                                        drop_last=sampler.drop_last)
+
+    def _open(self, epoch: int) -> None:
+        self._epoch = epoch
+        if hasattr(self.loader.sampler, "set_epoch"):
+            self.loader.sampler.set_epoch(epoch)
+        self._it = iter(self.loader)
+
+    def _draw(self) -> Any:
+        assert self._it is not None
+        try:
+            batch = next(self._it)
+        except StopIteration:  # the epoch ended: the next one, with its own order
+            if self.why_not is None:
+                self._open(self._epoch + 1)
+            else:
+                self._it = iter(self.loader)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise UserError("run.steps(data=...): the data loader yields no batch") from None
+        self._next_micro += 1
+        return batch

@@ -1,0 +1,99 @@
+"""A training loop of the user's own, recovered in place by `run.steps(data=...)` and
+`with run.try_step():` (examples/custom_loop/train.py, unchanged).
+
+Real workers and a spare under `unbroken run`, real gloo groups, real SIGKILLs: at a step's
+start, from outside in the middle of a step, between two micro-batches of an accumulated
+step, after `optimizer.step()` inside the block, and just before the loop's own all-reduce
+of the loss (after the update). The job ends bit-identical to a fault-free run (model,
+optimizer and LR scheduler), every step's batch is the one the fault-free run drew for it,
+and the rank never killed keeps its process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from conftest import REPO, assert_bit_identical, events_of, finish, launch, start, wait_for
+
+from unbroken.telemetry.summary import summarize
+
+SCRIPT = REPO / "examples" / "custom_loop" / "train.py"
+STEPS = 36
+
+
+def _args(tmp_path, name: str, *extra: str) -> list[str]:
+    return ["--steps", str(STEPS), "--exact", "--reduce-loss", "--print-every", "1000",
+            "--final-state", str(tmp_path / f"{name}.pt"), *extra]
+
+
+def _committed(result) -> dict[tuple[int, int], int]:
+    """(step, slot) -> the CRC of its batch; each committed once."""
+    data: dict[tuple[int, int], int] = {}
+    for e in result.events("step"):
+        assert (e["step"], e["slot"]) not in data, f"step {e['step']} slot {e['slot']} twice"
+        data[e["step"], e["slot"]] = e["data"]
+    return data
+
+
+def test_a_custom_ddp_loop_recovers_every_kind_of_kill_in_place_bit_identical(tmp_path):
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "3",
+                   script=SCRIPT, args=_args(tmp_path, "clean"))
+    assert clean.code == 0, clean.output
+    marker = tmp_path / "died"
+    run_dir = tmp_path / "faulty"
+    proc = start(run_dir, "--nproc-per-node", "3", "--spares", "1", "--on-fault", "wait",
+                 "--max-restarts", "8", "--fault", "crash:rank=1,step=4", script=SCRIPT,
+                 args=_args(tmp_path, "faulty", "--step-sleep", "0.05",
+                            "--die-marker", str(marker),
+                            "--die-at", "12:2:micro", "--die-at", "20:1:update",
+                            "--die-at", "28:2:reduce"))
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
+    original = {int(r): pid for r, pid in started[0]["pids"].items()}
+    # From outside, in the middle of a step (its 50 ms sleep), once the first recovery is over.
+    wait_for(lambda: [e for e in events_of(run_dir, "step") if e["step"] >= 7 and e["slot"] == 1],
+             120, "slot 1 to reach step 7", explain=run_dir)
+    os.kill(_pid_of_slot(run_dir, 1), signal.SIGKILL)
+    faulty = finish(proc, run_dir, timeout=300)
+    assert faulty.code == 0, faulty.output
+
+    faults = faulty.events("fault")
+    assert len(faults) == 5 and all(f.get("in_place") for f in faults), faults
+    assert not faulty.events("restart"), "fell back to a full restart"
+    assert not faulty.events("in_place_unavailable"), faulty.events("in_place_unavailable")
+    assert faulty.events("spare_promoted"), "no spare took a rank"
+    finishers = {e["slot"]: e["pid"] for e in faulty.events("training_done")}
+    assert finishers[0] == original[0], "the rank never killed changed its process"
+    assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
+                         torch.load(tmp_path / "faulty.pt", weights_only=True))
+    # Every step's batch is the fault-free run's. A rank killed after its update (inside its
+    # block) had committed the step but not yet written its event (written as the try ends):
+    # its peers' events of the step stand, and the next generation starts after it.
+    expected, got = _committed(clean), _committed(faulty)
+    assert {k: v for k, v in expected.items() if k in got} == got
+    missing = set(expected) - set(got)
+    starts = {e["step"] for e in faulty.events("gen_switch")}
+    killed = {f["rank"] for f in faults}
+    assert {(20, 1), (28, 2)} <= missing and len(missing) <= len(faults), sorted(missing)
+    assert all(step + 1 in starts and slot in killed for step, slot in missing), sorted(missing)
+    assert summarize(faulty.run_dir)["steps"] == STEPS
+
+
+def _pid_of_slot(run_dir, slot: int) -> int:
+    """The pid now training in `slot`: its newest worker to start in it, or spare promoted."""
+    took = [e for e in events_of(run_dir, "worker_start") if e["slot"] == slot]
+    took += [e for e in events_of(run_dir, "spare_promoted")
+             if e["slot"] == slot and e["source"] == "agent"]
+    return max(took, key=lambda e: e["t"])["pid"]
+
+
+def test_a_loader_that_cannot_be_positioned_is_said_and_the_job_restarts(tmp_path):
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                    "--fault", "crash:rank=1,step=5", script=SCRIPT,
+                    args=["--steps", "10", "--iterable", "--print-every", "1000"])
+    assert result.code == 0, result.output
+    said = result.events("in_place_unavailable")
+    assert said and "not a torch DataLoader" in said[0]["reason"], said
+    assert "not a torch DataLoader" in result.output
+    assert result.events("restart"), "the fault should have restarted every worker"
