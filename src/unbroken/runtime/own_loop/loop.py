@@ -20,6 +20,7 @@ Each turn of the loop is one try of a step (docs/design-notes.md, "Your own loop
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,8 @@ from unbroken.runtime.own_loop.batches import Batches
 from unbroken.runtime.own_loop.ddp_rebind import cannot_rebind, rebind
 from unbroken.runtime.own_loop.step_block import StepBlock
 
+_PROTECTED = ("unbroken: your loop is recovered in place: a peer's fault inside `with "
+              "run.try_step():` runs the step again on the same batch")
 _NO_BLOCK = ("the loop's body has no `with run.try_step():` block, so a fault inside a step "
              "cannot be caught")
 
@@ -69,6 +72,8 @@ class OwnLoop:
         if engine.generations is not None and self.batches.sampler is not None:
             engine.generations.fix_world("the data loader's DistributedSampler")
         engine.start(self.total, self._build, lambda step, view: None)
+        if engine.in_place and engine.position.rank == 0:
+            print(_PROTECTED, file=sys.stderr, flush=True)
         settled, first = engine.position.step, True
         while (step := engine.begin()) is not None:
             batch = self.batches.at(step)
