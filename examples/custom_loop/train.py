@@ -1,11 +1,10 @@
-"""A training loop of your own (DDP), recovered in place by a two-line change.
+"""A training loop of your own (DDP, or FSDP2 as HSDP), recovered in place by a two-line change.
 
 The loop is the one a torchrun script has: a DataLoader with a DistributedSampler, gradient
 accumulation with `no_sync()`, a gradient clip, an LR scheduler, its own all-reduce of the
 loss for printing. The change (docs/your-loop.md):
 
-    data = (batch for epoch in range(10**6) for batch in loader) if args.iterable else loader
-    for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
+    for step, micro in run.steps(args.steps, data=loader, micro_batches=args.accum):
         with run.try_step():
             ...the step as it was...
 
@@ -27,12 +26,20 @@ import signal
 import sys
 import time
 import zlib
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -69,6 +76,23 @@ def _die_here(args: argparse.Namespace, step: int, rank: int, where: str) -> Non
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextmanager
+def deferred(net: torch.nn.Module) -> Iterator[None]:
+    """A micro-batch whose gradients are not reduced yet (all but the step's last)."""
+    net = getattr(net, "_orig_mod", net)  # torch.compile's wrapper
+    if isinstance(net, DDP):
+        with net.no_sync():
+            yield
+    elif hasattr(net, "set_requires_gradient_sync"):  # FSDP2
+        net.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            net.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
@@ -85,11 +109,22 @@ def main() -> None:
                    help="seconds each step waits, standing in for accelerator time")
     p.add_argument("--exact", action="store_true",
                    help="reduce gradients in rank order: bit-identical results across recoveries")
+    p.add_argument("--hsdp", type=int, default=0, metavar="R",
+                   help="FSDP2 as HSDP: R replica groups, each sharding the model over "
+                        "world / R ranks (0: DDP)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (backend aot_eager: no compiler on CPU)")
     p.add_argument("--reduce-loss", action="store_true",
                    help="all-reduce the loss inside the step, after the update (for printing)")
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--step-log", default=None, metavar="PATH",
+                   help="(benchmarks) rank 0 appends '<step> <wall time>' at each step's end")
     p.add_argument("--final-state", default=None, help="rank 0 saves the whole state here")
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--bare", action="store_true",
+                   help="(benchmarks) the loop as torchrun runs it, without run.steps(data=...) "
+                        "and run.try_step(): the baseline of their cost per step")
     p.add_argument("--die-at", action="append", default=[], metavar="STEP:RANK:WHERE",
                    help="(tests) SIGKILL this rank at STEP, WHERE: micro (between the "
                         "micro-batches), update (after optimizer.step()), reduce (before the "
@@ -101,54 +136,93 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+    run = unbroken.init(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                        seed=args.seed)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     corpus = CharCorpus.load()
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.seq,
                           n_layer=args.layers, n_embd=args.dim))
     net = model
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if args.hsdp and run.world_size > 1:  # sharded: each block, then the root
+        mesh = init_device_mesh("cpu", (args.hsdp, run.world_size // args.hsdp),
+                                mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         net = DDP(model)
         if args.exact:
             net.register_comm_hook(None, unbroken.exact_allreduce)
+    if args.compile:
+        net = torch.compile(net, backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     run.track(model, optimizer, scheduler=scheduler)
     dataset = Windows(corpus, args.seq, args.windows, args.seed)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    # A spare's rank is -1 until it is promoted: run.steps(data=...) remakes its sampler then.
+    sampler = DistributedSampler(dataset, num_replicas=run.world_size, rank=max(run.rank, 0),
+                                 shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
 
-    data = (batch for epoch in range(10**6) for batch in loader) if args.iterable else loader
-    for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
-        with run.try_step():
-            total = torch.zeros(())
-            for i, (x, y) in enumerate(micro):
-                last = i == len(micro) - 1
-                with nullcontext() if last or net is model else net.no_sync():
-                    loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) / len(micro)
-                    loss.backward()
-                total += loss.detach()
-                if not last:
-                    _die_here(args, step, run.rank, "micro")
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _die_here(args, step, run.rank, "update")
-            if args.reduce_loss and net is not model:
-                _die_here(args, step, run.rank, "reduce")
-                dist.all_reduce(total)
-                total /= dist.get_world_size()
+    def one_step(step: int, micro: list) -> torch.Tensor:
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            with nullcontext() if last else deferred(net):
+                loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) / len(micro)
+                loss.backward()
+            total += loss.detach()
+            if not last:
+                _die_here(args, step, run.rank, "micro")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _die_here(args, step, run.rank, "update")
+        if args.reduce_loss and run.world_size > 1:
+            _die_here(args, step, run.rank, "reduce")
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        return total
+
+    def after(step: int, micro: list, total: torch.Tensor) -> None:
         scheduler.step()  # the runtime stepped it at the commit: this call is then a no-op
         crc = zlib.crc32(array.array("q", torch.cat([x for x, _ in micro]).flatten().tolist()))
         run.log(loss=total, data=crc)
         if run.rank == 0 and step % args.print_every == 0:
             print(f"step {step:4d}  loss {total.item():.3f}", flush=True)
+        if args.step_log and run.rank == 0:
+            with open(args.step_log, "a") as log:
+                log.write(f"{step} {time.time()}\n")
 
-    if args.final_state and run.rank == 0:
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, args.final_state)
+    if args.bare:  # the loop as torchrun runs it
+        micro, step = [], 0
+        for epoch in range(10**6):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                micro.append(batch)
+                if len(micro) == args.accum:
+                    after(step, micro, one_step(step, micro))
+                    micro, step = [], step + 1
+                if step == args.steps:
+                    break
+            if step == args.steps:
+                break
+    else:
+        data = (b for epoch in range(10**6) for b in loader) if args.iterable else loader
+        for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
+            with run.try_step():
+                total = one_step(step, micro)
+            after(step, micro, total)
+
+    if args.final_state:  # a collective when sharded: every rank gathers, rank 0 saves
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"model": get_model_state_dict(model, options=full),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=full),
+                 "scheduler": scheduler.state_dict()}
+        if run.rank == 0:
+            torch.save(state, args.final_state)
     run.close()
 
 

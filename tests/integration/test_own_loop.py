@@ -97,3 +97,43 @@ def test_a_loader_that_cannot_be_positioned_is_said_and_the_job_restarts(tmp_pat
     assert said and "not a torch DataLoader" in said[0]["reason"], said
     assert "not a torch DataLoader" in result.output
     assert result.events("restart"), "the fault should have restarted every worker"
+
+
+def test_a_custom_hsdp_loop_killed_takes_the_dead_ranks_shard_from_its_replica(tmp_path):
+    """FSDP2 as HSDP 2 x 2 in the user's own loop: rank 1 killed mid-step between two
+    micro-batches; its shard comes from rank 3, its live replica, at the committed step."""
+    args = ["--hsdp", "2", "--steps", "24", "--print-every", "1000"]
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "4", script=SCRIPT,
+                   args=[*args, "--final-state", str(tmp_path / "clean.pt")], timeout=300)
+    assert clean.code == 0, clean.output
+    faulty = launch(tmp_path / "faulty", "--nproc-per-node", "4", "--max-restarts", "3",
+                    script=SCRIPT, timeout=300,
+                    args=[*args, "--final-state", str(tmp_path / "faulty.pt"),
+                          "--die-at", "12:1:micro", "--die-marker", str(tmp_path / "died")])
+    assert faulty.code == 0, faulty.output
+    assert not faulty.events("restart") and not faulty.events("in_place_unavailable")
+    syncs = faulty.events("shard_sync")
+    assert {e["step"] for e in syncs} == {12}, syncs  # the committed step: nothing redone
+    assert all(e["transfers"] == [[3, 1, True]] for e in syncs), syncs
+    assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
+                         torch.load(tmp_path / "faulty.pt", weights_only=True))
+    assert {k: v for k, v in _committed(clean).items() if k in _committed(faulty)} \
+        == _committed(faulty)
+
+
+def test_a_compiled_model_redoes_its_step_after_a_peers_fault(tmp_path):
+    """`torch.compile(DDP(model), backend="aot_eager")`: the DDP under the compiled wrapper is
+    rebuilt in place on the new group; the redone step runs through the compiled code."""
+    args = ["--compile", "--exact", "--steps", "16", "--print-every", "1000"]
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=SCRIPT,
+                   args=[*args, "--final-state", str(tmp_path / "clean.pt")], timeout=300)
+    assert clean.code == 0, clean.output
+    faulty = launch(tmp_path / "faulty", "--nproc-per-node", "2", "--max-restarts", "3",
+                    "--on-fault", "wait", "--fault", "crash:rank=1,step=8", script=SCRIPT,
+                    timeout=300, args=[*args, "--final-state", str(tmp_path / "faulty.pt")])
+    assert faulty.code == 0, faulty.output
+    assert not faulty.events("restart") and faulty.events("gen_switch")
+    survivor = {e["pid"] for e in faulty.events("training_done") if e["slot"] == 0}
+    assert survivor == {faulty.events("workers_started")[0]["pids"]["0"]}
+    assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
+                         torch.load(tmp_path / "faulty.pt", weights_only=True))

@@ -42,3 +42,4 @@ def test_an_fsdp2_without_reset_iter_state_turns_in_place_off_in_one_line():
     assert why is not None and "reset_iter_state" in why and "\n" not in why
     assert _shards(torch.nn.Sequential(_Resettable(2, 2))).unresettable() is None
     assert _shards(torch.nn.Linear(2, 2)).unresettable() is None  # nothing sharded
+

@@ -251,3 +251,17 @@ def test_updates_outside_the_block_are_not_the_blocks():
     opts[0].step()
     opts[1].step()
     assert engine.calls == [] and not block.committed and tracked.whole
+
+
+def test_a_second_loop_over_the_same_scheduler_and_optimizers_steps_them_once():
+    engine = Engine()
+    block, tracked, model, opts, scheduler = two_optimizers(engine)
+    block.detach()
+    again = StepBlock(engine, tracked, {})
+    again.open(9, {})
+    with again:
+        backward(model)
+        opts[0].step()
+        opts[1].step()
+    assert scheduler.last_epoch == 1  # once, by the runtime: not twice, not zero times
+    assert engine.calls == [("check", 9), ("commit", 9, False)]

@@ -41,6 +41,8 @@ def guard_scheduler(scheduler: Any) -> Any:
     """Make `scheduler.step()` a no-op unless the returned function calls it. The instance's
     class becomes a subclass whose `step` checks the guard (an instance attribute would be in
     its `state_dict`, and so in checkpoints). Returns the runtime's own step."""
+    if (guarded := getattr(type(scheduler), "_unbroken_runtime_step", None)) is not None:
+        return guarded  # a second loop over the same scheduler
     cls, allowed = type(scheduler), [False]
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -48,15 +50,16 @@ def guard_scheduler(scheduler: Any) -> Any:
             return cls.step(self, *args, **kwargs)
         return None  # the runtime stepped it at the commit
 
-    scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
-                                                      "__qualname__": cls.__qualname__})
-
     def runtime_step() -> None:
         allowed[0] = True
         try:
             scheduler.step()
         finally:
             allowed[0] = False
+
+    scheduler.__class__ = type(cls.__name__, (cls,), {
+        "step": step, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "_unbroken_runtime_step": staticmethod(runtime_step)})
     return runtime_step
 
 
@@ -80,9 +83,15 @@ class StepBlock:
         self._schedulers = [guard_scheduler(obj) for obj in tracked.extra.values()
                             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
                             and not isinstance(obj, torch.optim.lr_scheduler.ReduceLROnPlateau)]
-        for optimizer in tracked.optimizers:
-            optimizer.register_step_pre_hook(self._before_update)
-            optimizer.register_step_post_hook(self._after_update)
+        self._hooks = [hook for optimizer in tracked.optimizers for hook in (
+            optimizer.register_step_pre_hook(self._before_update),
+            optimizer.register_step_post_hook(self._after_update))]
+
+    def detach(self) -> None:
+        """The loop ended: its hooks leave the optimizers."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def open(self, step: int, metrics: dict[str, float]) -> None:
         """A try of `step` begins (the loop is about to yield it)."""

@@ -222,7 +222,12 @@ class LocalShards:
         """Put FSDP2 back in its between-steps state after a step aborted mid-flight (its
         parameters unsharded, reductions pending): every group resharded, per-iteration
         trackers cleared, the failed step's gradients dropped. Its pending collectives
-        belong to the aborted generation: their failures are the fault being recovered."""
+        belong to the aborted generation: their failures are the fault being recovered.
+
+        The gradients of micro-batches whose reduction was deferred
+        (`set_requires_gradient_sync(False)`) stay on the unsharded parameters, which
+        `reset_iter_state` (torch 2.13) does not clear though its docstring says it
+        discards them: a redone accumulated step would count them twice. Cleared here."""
         for module in self.model.modules():
             state = getattr(module, "_get_fsdp_state", None)
             if state is None or not state()._is_root:
@@ -232,6 +237,10 @@ class LocalShards:
                     result = group._all_gather_result
                     if result is not None and result.all_gather_work is not None:
                         group._all_gather_result = None  # never waited on: it failed
+                    for param in group.fsdp_params:
+                        param.unsharded_accumulated_grad = None
+                        if (unsharded := getattr(param, "_unsharded_param", None)) is not None:
+                            unsharded.grad = None
             module.reset_iter_state()
 
     def rebind(self, fresh: DeviceMesh) -> None:
