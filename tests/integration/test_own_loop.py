@@ -67,16 +67,18 @@ def test_a_custom_ddp_loop_recovers_every_kind_of_kill_in_place_bit_identical(tm
     assert finishers[0] == original[0], "the rank never killed changed its process"
     assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
                          torch.load(tmp_path / "faulty.pt", weights_only=True))
-    # Every step's batch is the fault-free run's. A rank killed after its update (inside its
-    # block) had committed the step but not yet written its event (written as the try ends):
-    # its peers' events of the step stand, and the next generation starts after it.
+    # Every step's batch is the fault-free run's. A step some rank committed before a fault
+    # is never computed again: a rank killed after its update (inside its block) had not yet
+    # written the step's event (written as the try ends), and a survivor whose update the
+    # fence refused received the state of that step from the peer that committed it. Either
+    # way the step's other events stand and the next generation starts after it.
     expected, got = _committed(clean), _committed(faulty)
     assert {k: v for k, v in expected.items() if k in got} == got
     missing = set(expected) - set(got)
     starts = {e["step"] for e in faulty.events("gen_switch")}
-    killed = {f["rank"] for f in faults}
-    assert {(20, 1), (28, 2)} <= missing and len(missing) <= len(faults), sorted(missing)
-    assert all(step + 1 in starts and slot in killed for step, slot in missing), sorted(missing)
+    assert {(20, 1), (28, 2)} <= missing and len(missing) <= 2 * len(faults), sorted(missing)
+    for step, _slot in missing:
+        assert step + 1 in starts and any((step, s) in got for s in range(3)), sorted(missing)
     assert summarize(faulty.run_dir)["steps"] == STEPS
 
 
@@ -137,3 +139,37 @@ def test_a_compiled_model_redoes_its_step_after_a_peers_fault(tmp_path):
     assert survivor == {faulty.events("workers_started")[0]["pids"]["0"]}
     assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
                          torch.load(tmp_path / "faulty.pt", weights_only=True))
+
+
+ACCELERATE = REPO / "examples" / "accelerate" / "train.py"
+
+
+def test_an_accelerate_loop_killed_is_recovered_in_place_by_a_spare(tmp_path):
+    """`Accelerator.prepare`'d model, optimizer, loader (shuffled, seedable) and scheduler in
+    the user's loop: rank 1 SIGKILLed from outside once the spare is ready; the spare takes
+    its rank and its place in the prepared loader, and the job ends bit-identical."""
+    args = ["--steps", "40", "--exact"]
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=ACCELERATE,
+                   args=[*args, "--final-state", str(tmp_path / "clean.pt")])
+    assert clean.code == 0, clean.output
+    run_dir = tmp_path / "faulty"
+    go = tmp_path / "go"
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "3",
+                 script=ACCELERATE, args=[*args, "--step-sleep", "0.05", "--hold-at", "10",
+                                          "--hold-file", str(go),
+                                          "--final-state", str(tmp_path / "faulty.pt")])
+    # The job waits before step 10 until the spare is ready (it warms up on idle CPU).
+    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to be ready",
+             explain=run_dir)
+    go.touch()
+    wait_for(lambda: [e for e in events_of(run_dir, "step") if e["step"] >= 12], 120,
+             "step 12", explain=run_dir)
+    os.kill(_pid_of_slot(run_dir, 1), signal.SIGKILL)
+    faulty = finish(proc, run_dir, timeout=300)
+    assert faulty.code == 0, faulty.output
+    assert not faulty.events("restart") and not faulty.events("in_place_unavailable")
+    assert [e["slot"] for e in faulty.events("spare_promoted") if e["source"] == "agent"] == [1]
+    assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
+                         torch.load(tmp_path / "faulty.pt", weights_only=True))
+    got = _committed(faulty)
+    assert {k: v for k, v in _committed(clean).items() if k in got} == got

@@ -11,6 +11,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    RandomSampler,
     SequentialSampler,
     TensorDataset,
 )
@@ -265,3 +266,53 @@ def test_a_second_loop_over_the_same_scheduler_and_optimizers_steps_them_once():
         opts[1].step()
     assert scheduler.last_epoch == 1  # once, by the runtime: not twice, not zero times
     assert engine.calls == [("check", 9), ("commit", 9, False)]
+
+
+# ---------------------------------------------------------------------- Accelerate's objects
+def accelerate_loader(sampler, rank: int):
+    """A loader as `Accelerator.prepare` makes it: a DataLoaderShard over a BatchSamplerShard,
+    the generator it synchronises each epoch named."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+
+    shard = BatchSamplerShard(BatchSampler(sampler, 2, False), num_processes=2, process_index=rank)
+    return DataLoaderShard(DATA, batch_sampler=shard, rng_types=["generator"],
+                           synchronized_generator=getattr(sampler, "generator", None))
+
+
+def test_an_accelerate_loader_over_a_seedable_sampler_is_positioned_at_any_step():
+    from accelerate.data_loader import SeedableRandomSampler
+
+    def loader():
+        return accelerate_loader(SeedableRandomSampler(DATA, data_seed=5), rank=0)
+
+    assert unpositionable(loader()) is None
+    row = batches(loader(), rank=0)
+    drawn = [ids(row.at(s)) for s in range(12)]
+    assert drawn[0] != drawn[5]  # 5 batches an epoch: epoch 1 is shuffled otherwise
+    for step in (4, 5, 11):
+        assert ids(batches(loader(), rank=0).at(step)) == drawn[step], step
+    assert row.loader.rng_types is None  # no per-epoch broadcast a joiner would call alone
+
+
+def test_a_spares_accelerate_shard_is_retargeted_and_shuffling_by_a_synchronised_generator_is_said():
+    spare = accelerate_loader(SequentialSampler(DATA), rank=0)
+    assert ids(batches(spare, rank=1).at(2)) == ids(
+        batches(accelerate_loader(SequentialSampler(DATA), rank=1)).at(2))
+    shuffled = accelerate_loader(RandomSampler(DATA, generator=torch.Generator()), rank=0)
+    assert "use_seedable_sampler=True" in unpositionable(shuffled)
+
+
+def test_a_wrapped_optimizer_is_tracked_as_the_one_it_steps_and_a_wrapped_scheduler_is_stepped():
+    from unbroken.runtime.own_loop.step_block import stepped_per_update
+
+    class Wrapper:  # the shape of Accelerate's AcceleratedOptimizer / AcceleratedScheduler
+        def __init__(self, inner) -> None:
+            self.optimizer = self.scheduler = inner
+
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert TrackedState(model, [Wrapper(sgd)], {}).optimizers == [sgd]
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0)
+    assert stepped_per_update(lambda_lr) and stepped_per_update(Wrapper(lambda_lr))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd)
+    assert not stepped_per_update(plateau) and not stepped_per_update(Wrapper(plateau))

@@ -26,6 +26,7 @@ class TrackedState:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UserError(f"track({name}=...): {type(obj).__name__} has no "
                                 "state_dict/load_state_dict")
+        optimizers = [_inner(optimizer) for optimizer in optimizers]
         self.model, self.optimizers, self.extra = model, optimizers, extra
         self.whole = True
         """False while an update or a restore overwrites the tensors (a fault then leaves
@@ -118,3 +119,12 @@ class TrackedState:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a wrapper steps (Accelerate's `AcceleratedOptimizer` holds it as
+    `.optimizer` and has no step hooks of its own), or `optimizer` itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        return inner
+    return optimizer

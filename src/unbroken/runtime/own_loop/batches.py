@@ -5,8 +5,9 @@ commits); a rank that stands at another step (resumed from a checkpoint, rolled 
 replacement or promoted spare that joined) is positioned there: the micro-batch index
 `step * micro_batches` is an epoch and an offset in it, the sampler is given that epoch
 (`set_epoch`), and the offset's batches are drawn and dropped. That is exact for a
-`DataLoader` whose sampler is a `DistributedSampler` or a `SequentialSampler`: its batches
-are a function of (epoch, rank) alone. A promoted spare's sampler is re-made for the rank it
+`DataLoader` whose sampler is a `DistributedSampler` or a `SequentialSampler`, and for one
+Accelerate prepared over a sequential or seedable sampler: its batches are a function of
+(epoch, rank) alone. A promoted spare's sampler is re-made for the rank it
 took. Any other iterable cannot be positioned (`unpositionable` says why, in one line): its
 job restarts on a fault, as under torchrun, and the loader is simply iterated.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from unbroken.errors import UserError
 
@@ -28,14 +29,36 @@ def unpositionable(loader: Any) -> str | None:
     if not isinstance(loader, DataLoader):
         return (f"the data ({type(loader).__name__}) is not a torch DataLoader, so the batch "
                 "of a redone step cannot be drawn again")
-    sampler = loader.sampler
-    if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
-        return (f"the DataLoader's sampler ({type(sampler).__name__}) is neither a "
-                "DistributedSampler nor a SequentialSampler, so its batches are not a "
-                "function of the epoch (pass sampler=DistributedSampler(dataset))")
-    if loader.batch_sampler is None or type(loader.batch_sampler).__name__ != "BatchSampler":
+    shard = accelerate_shard(loader)
+    batches = shard.batch_sampler if shard is not None else loader.batch_sampler
+    if batches is None or type(batches) is not BatchSampler:
         return "the DataLoader has a batch sampler of its own, which cannot be positioned"
-    return None
+    sampler = batches.sampler
+    if isinstance(sampler, (DistributedSampler, SequentialSampler)) or _seedable(sampler):
+        return None
+    if shard is not None:
+        return ("Accelerate's prepared DataLoader shuffles with a generator it synchronises "
+                "between processes each epoch, so its batches are not a function of the epoch "
+                "(give Accelerator dataloader_config=DataLoaderConfiguration("
+                "use_seedable_sampler=True))")
+    return (f"the DataLoader's sampler ({type(sampler).__name__}) is neither a "
+            "DistributedSampler nor a SequentialSampler, so its batches are not a "
+            "function of the epoch (pass sampler=DistributedSampler(dataset))")
+
+
+def accelerate_shard(loader: Any) -> Any:
+    """The per-process batch sampler of a loader Accelerate prepared (`DataLoaderShard`: it
+    counts its epochs in `iteration` and shards batches by `process_index`), or None."""
+    if not (hasattr(loader, "iteration") and hasattr(loader, "skip_batches")):
+        return None
+    shard = getattr(loader, "batch_sampler", None)
+    return shard if hasattr(shard, "process_index") and hasattr(shard, "batch_sampler") else None
+
+
+def _seedable(sampler: Any) -> bool:
+    """A shuffling sampler whose order is a function of (seed, epoch): Accelerate's
+    `SeedableRandomSampler` (its generator re-seeded with `initial_seed + epoch`)."""
+    return all(hasattr(sampler, name) for name in ("initial_seed", "epoch", "set_epoch"))
 
 
 def epoch_and_offset(micro: int, per_epoch: int) -> tuple[int, int]:
@@ -59,6 +82,12 @@ class Batches:
         self.why_not = unpositionable(loader)
         """Why the loader cannot be positioned (one line), or None."""
         self._rank, self._world_size = rank, world_size
+        if self.why_not is None and accelerate_shard(loader) is not None:
+            # Its generator's state is broadcast from process 0 at each epoch's start: a
+            # collective in the data that a rank seeking alone would call alone. The order
+            # is a function of (seed, epoch) here (`unpositionable`): the broadcast adds
+            # nothing, so it is left out.
+            loader.rng_types = None
         self._step = -1  # the step whose batch is `_current`
         self._current: Any = None
         self._next_micro = -1  # the micro-batch index `_it` yields next (-1: none open)
@@ -69,6 +98,12 @@ class Batches:
     def sampler(self) -> DistributedSampler | None:
         sampler = getattr(self.loader, "sampler", None)
         return sampler if isinstance(sampler, DistributedSampler) else None
+
+    @property
+    def by_rank(self) -> bool:
+        """The batches are this rank's share of a world of fixed size (a DistributedSampler,
+        Accelerate's shard): the world size must never change."""
+        return self.sampler is not None or accelerate_shard(self.loader) is not None
 
     def at(self, step: int) -> Any:
         """Step `step`'s batch; the same object again while `step` has not committed."""
@@ -103,6 +138,8 @@ class Batches:
         """Make the sampler this rank's (a promoted spare's was made for rank 0)."""
         sampler = self.sampler
         rank, world = self._rank(), self._world_size()
+        if (shard := accelerate_shard(self.loader)) is not None:
+            shard.process_index, shard.num_processes = rank, world
         if sampler is not None and (sampler.rank, sampler.num_replicas) != (rank, world):
             DistributedSampler.__init__(sampler, sampler.dataset, num_replicas=world, rank=rank,
                                         shuffle=sampler.shuffle, seed=sampler.seed,
@@ -110,7 +147,9 @@ class Batches:
 
     def _open(self, epoch: int) -> None:
         self._epoch = epoch
-        if hasattr(self.loader.sampler, "set_epoch"):
+        if accelerate_shard(self.loader) is not None:
+            self.loader.set_epoch(epoch)  # its `iteration`, which its `__iter__` applies
+        elif hasattr(self.loader.sampler, "set_epoch"):
             self.loader.sampler.set_epoch(epoch)
         self._it = iter(self.loader)
 

@@ -49,6 +49,18 @@ def find_ddp(model: Any) -> DDP | None:
                  if issubclass(type(obj), DDP) and obj.module is model), None)
 
 
+def accumulating() -> str | None:
+    """Why Accelerate's own gradient accumulation keeps this loop from being recovered in
+    place, or None: `accumulate()` decides when to reduce from a counter of its own, which a
+    redone step would advance again. (Accumulate with `micro_batches=k` instead.)"""
+    state = sys.modules.get("accelerate.state")
+    steps = state.GradientState().num_steps if state is not None else 1
+    if steps > 1:
+        return (f"Accelerate accumulates gradients over {steps} steps by its own counter "
+                "(use run.steps(..., micro_batches=k) with accelerator.no_sync instead)")
+    return None
+
+
 class OwnLoop:
     """One `run.steps(total, data=...)` loop of the user's."""
 
@@ -72,8 +84,8 @@ class OwnLoop:
         self._reuse = not engine.joining
         if engine.in_place:
             self._check_in_place()
-        if engine.generations is not None and self.batches.sampler is not None:
-            engine.generations.fix_world("the data loader's DistributedSampler")
+        if engine.generations is not None and self.batches.by_rank:
+            engine.generations.fix_world("the data loader's per-rank shard")
         engine.start(self.total, self._build, lambda step, view: None)
         if engine.in_place and engine.position.rank == 0:
             print(_PROTECTED, file=sys.stderr, flush=True)
@@ -106,6 +118,8 @@ class OwnLoop:
         engine = self.engine
         if self.batches.why_not is not None:
             engine.in_place_unavailable(self.batches.why_not)
+        elif (why := accumulating()) is not None:
+            engine.in_place_unavailable(why)
         elif self._ddp is not None and (why := cannot_rebind(self._ddp)) is not None:
             engine.in_place_unavailable(f"the DDP model cannot be rebuilt on a new group: {why}")
 

@@ -63,6 +63,15 @@ def guard_scheduler(scheduler: Any) -> Any:
     return runtime_step
 
 
+def stepped_per_update(obj: Any) -> bool:
+    """A tracked object the runtime steps at each commit: an LR scheduler, or a wrapper of
+    one that steps it (Accelerate's `AcceleratedScheduler`); not `ReduceLROnPlateau`, whose
+    step needs a metric."""
+    schedulers = (obj, getattr(obj, "scheduler", None))
+    return any(isinstance(s, torch.optim.lr_scheduler.LRScheduler) for s in schedulers) \
+        and not any(isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) for s in schedulers)
+
+
 class StepBlock:
     """The tries of the steps of one `run.steps(total, data=...)` loop. `open(step)` arms it
     for a try; `run.try_step()` is its context; `close()` says how the try ended."""
@@ -81,8 +90,7 @@ class StepBlock:
         self._checked = False
         self._inside = False
         self._schedulers = [guard_scheduler(obj) for obj in tracked.extra.values()
-                            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-                            and not isinstance(obj, torch.optim.lr_scheduler.ReduceLROnPlateau)]
+                            if stepped_per_update(obj)]
         self._hooks = [hook for optimizer in tracked.optimizers for hook in (
             optimizer.register_step_pre_hook(self._before_update),
             optimizer.register_step_post_hook(self._after_update))]
