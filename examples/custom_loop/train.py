@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))
 from data import CharCorpus  # noqa: E402  (the GPT example's corpus and model)
@@ -64,6 +64,32 @@ class Windows(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.starts[i]
         return self.data[s: s + self.seq], self.data[s + 1: s + self.seq + 1]
+
+
+class RankStream(IterableDataset):
+    """(tests) A rank's own stream of windows, each `1..64` characters after the last by the
+    rank's own draws: after the same number of batches the ranks stand at different places,
+    so a rank's place is its loader's state, which no other rank holds. `rank()` is asked
+    when iterated (a promoted spare's is the rank it took)."""
+
+    def __init__(self, corpus: CharCorpus, seq: int, seed: int, rank) -> None:
+        self.data, self.seq, self.seed, self.rank = corpus.data, seq, seed, rank
+        self.pos, self.count = 0, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        rank, room = self.rank(), len(self.data) - self.seq - 1
+        while True:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + rank * 7_919 + self.count)
+            self.pos = (self.pos + int(torch.randint(1, 65, (), generator=g))) % room
+            self.count += 1
+            yield self.data[self.pos: self.pos + self.seq], \
+                self.data[self.pos + 1: self.pos + self.seq + 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos, self.count = state["pos"], state["count"]
 
 
 def _die_here(args: argparse.Namespace, step: int, rank: int, where: str) -> None:
@@ -133,6 +159,13 @@ def main() -> None:
     p.add_argument("--iterable", action="store_true",
                    help="(tests) feed the loop a plain generator over the loader, which cannot "
                         "be positioned: the job then restarts on a fault")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="(tests) every rank waits before this step until --hold-file exists "
+                        "(up to 300 s)")
+    p.add_argument("--hold-file", default=None)
+    p.add_argument("--stateful", action="store_true",
+                   help="(tests) torchdata's StatefulDataLoader over a per-rank stream whose "
+                        "place differs from rank to rank (RankStream)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -163,6 +196,13 @@ def main() -> None:
     sampler = DistributedSampler(dataset, num_replicas=run.world_size, rank=max(run.rank, 0),
                                  shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+    if args.stateful:
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+        except ImportError:
+            sys.exit("--stateful needs torchdata: pip install torchdata")
+        stream = RankStream(corpus, args.seq, args.seed, lambda: max(run.rank, 0))
+        loader = StatefulDataLoader(stream, batch_size=args.batch)
 
     def one_step(step: int, micro: list) -> torch.Tensor:
         total = torch.zeros(())
@@ -212,6 +252,11 @@ def main() -> None:
     else:
         data = (b for epoch in range(10**6) for b in loader) if args.iterable else loader
         for step, micro in run.steps(args.steps, data=data, micro_batches=args.accum):
+            if step == args.hold_at and args.hold_file:
+                with run.phase("hold"):  # many step times long: no hang timeout runs in it
+                    deadline = time.monotonic() + 300
+                    while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
+                        time.sleep(0.05)
             with run.try_step():
                 total = one_step(step, micro)
             after(step, micro, total)

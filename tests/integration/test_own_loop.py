@@ -148,24 +148,8 @@ def test_an_accelerate_loop_killed_is_recovered_in_place_by_a_spare(tmp_path):
     """`Accelerator.prepare`'d model, optimizer, loader (shuffled, seedable) and scheduler in
     the user's loop: rank 1 SIGKILLed from outside once the spare is ready; the spare takes
     its rank and its place in the prepared loader, and the job ends bit-identical."""
-    args = ["--steps", "40", "--exact"]
-    clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=ACCELERATE,
-                   args=[*args, "--final-state", str(tmp_path / "clean.pt")])
-    assert clean.code == 0, clean.output
-    run_dir = tmp_path / "faulty"
-    go = tmp_path / "go"
-    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "3",
-                 script=ACCELERATE, args=[*args, "--step-sleep", "0.05", "--hold-at", "10",
-                                          "--hold-file", str(go),
-                                          "--final-state", str(tmp_path / "faulty.pt")])
-    # The job waits before step 10 until the spare is ready (it warms up on idle CPU).
-    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to be ready",
-             explain=run_dir)
-    go.touch()
-    wait_for(lambda: [e for e in events_of(run_dir, "step") if e["step"] >= 12], 120,
-             "step 12", explain=run_dir)
-    os.kill(_pid_of_slot(run_dir, 1), signal.SIGKILL)
-    faulty = finish(proc, run_dir, timeout=300)
+    faulty, clean = _killed_with_a_spare(tmp_path, ACCELERATE, ["--steps", "40", "--exact"],
+                                         kills=(12,))
     assert faulty.code == 0, faulty.output
     assert not faulty.events("restart") and not faulty.events("in_place_unavailable")
     assert [e["slot"] for e in faulty.events("spare_promoted") if e["source"] == "agent"] == [1]
@@ -173,3 +157,49 @@ def test_an_accelerate_loop_killed_is_recovered_in_place_by_a_spare(tmp_path):
                          torch.load(tmp_path / "faulty.pt", weights_only=True))
     got = _committed(faulty)
     assert {k: v for k, v in _committed(clean).items() if k in got} == got
+
+
+def test_a_stateful_loader_whose_ranks_differ_is_placed_from_the_ranks_mark(tmp_path):
+    """torchdata's `StatefulDataLoader` over a per-rank stream (`RankStream`: after the same
+    number of batches the ranks stand at different places). Rank 1 is SIGKILLed twice from
+    outside, and a spare takes it each time (the pool warms a new one); each loads rank 1's
+    newest mark from the control store, never rank 0's or the loader's first state, and the job ends bit-identical,
+    every step on the fault-free run's batch."""
+    faulty, clean = _killed_with_a_spare(
+        tmp_path, SCRIPT, ["--stateful", "--steps", "40", "--exact", "--print-every", "1000"],
+        kills=(12, 24))
+    assert faulty.code == 0, faulty.output
+    assert not faulty.events("restart") and not faulty.events("in_place_unavailable")
+    took = [e["slot"] for e in faulty.events("spare_promoted") if e["source"] == "agent"]
+    assert took and set(took) == {1}, took
+    placed = [e for e in faulty.events("loader_positioned") if e["slot"] == 1]
+    assert len(placed) == 2 and all(e["mark"] == "store" for e in placed), placed
+    assert not faulty.events("loader_mark_unpublished")
+    assert_bit_identical(torch.load(tmp_path / "clean.pt", weights_only=True),
+                         torch.load(tmp_path / "faulty.pt", weights_only=True))
+    got = _committed(faulty)
+    assert {k: v for k, v in _committed(clean).items() if k in got} == got
+    assert summarize(faulty.run_dir)["steps"] == 40
+
+
+def _killed_with_a_spare(tmp_path, script, args: list[str], kills: tuple[int, ...]):
+    """A fault-free run of 2 workers, then one with a spare in which slot 1 is SIGKILLed from
+    outside once at or past each step of `kills`: (the faulty result, the clean result).
+    The job waits before step 10 until the spare is ready (it warms up on idle CPU)."""
+    clean = launch(tmp_path / "clean", "--nproc-per-node", "2", script=script,
+                   args=[*args, "--final-state", str(tmp_path / "clean.pt")])
+    assert clean.code == 0, clean.output
+    run_dir, go = tmp_path / "faulty", tmp_path / "go"
+    proc = start(run_dir, "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "4",
+                 script=script, args=[*args, "--step-sleep", "0.05", "--hold-at", "10",
+                                      "--hold-file", str(go),
+                                      "--final-state", str(tmp_path / "faulty.pt")])
+    wait_for(lambda: events_of(run_dir, "spare_ready"), 120, "the spare to be ready",
+             explain=run_dir)
+    go.touch()
+    for at in kills:
+        wait_for(lambda at=at: [e for e in events_of(run_dir, "step")
+                                if e["step"] >= at and e["slot"] == 1],
+                 120, f"slot 1 at step {at}", explain=run_dir)
+        os.kill(_pid_of_slot(run_dir, 1), signal.SIGKILL)
+    return finish(proc, run_dir, timeout=300), clean

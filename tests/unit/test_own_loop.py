@@ -5,6 +5,9 @@ stand-in that records what the block asks of it."""
 
 from __future__ import annotations
 
+import base64
+import pickle
+
 import pytest
 import torch
 from torch.utils.data import (
@@ -15,10 +18,12 @@ from torch.utils.data import (
     SequentialSampler,
     TensorDataset,
 )
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from unbroken.errors import UserError
 from unbroken.runtime.engine import Verdict
 from unbroken.runtime.own_loop.batches import Batches, epoch_and_offset, unpositionable
+from unbroken.runtime.own_loop.loader_state import Mark, decode_state, encode_state, stateful
 from unbroken.runtime.own_loop.step_block import StepBlock, StepSettled, guard_scheduler
 from unbroken.runtime.tracked import TrackedState
 
@@ -316,3 +321,90 @@ def test_a_wrapped_optimizer_is_tracked_as_the_one_it_steps_and_a_wrapped_schedu
     assert stepped_per_update(lambda_lr) and stepped_per_update(Wrapper(lambda_lr))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd)
     assert not stepped_per_update(plateau) and not stepped_per_update(Wrapper(plateau))
+
+
+# ---------------------------------------------------------------- a stateful loader
+
+class ShelfStore:
+    """The control store's marks, as `MarkStore` keeps them (newest per rank), in memory."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, Mark] = {}
+        self.publishing = True
+
+    def publish(self, mark: Mark) -> None:
+        if self.publishing:
+            self.marks[mark.rank] = mark
+
+    def fetch(self, rank: int) -> Mark | None:
+        return self.marks.get(rank)
+
+    def close(self) -> None:
+        pass
+
+
+def stateful_loader(rank: int = 1, world: int = 2) -> StatefulDataLoader:
+    """Shuffled by torchdata's own sampler (its generator in the loader's state)."""
+    g = torch.Generator().manual_seed(7 + rank)
+    return StatefulDataLoader(DATA, batch_size=3, shuffle=True, generator=g)
+
+
+def test_a_stateful_loader_is_positioned_by_its_state_whatever_its_sampler():
+    assert stateful(stateful_loader()) and not stateful(DataLoader(DATA))
+    reseeded = StatefulDataLoader(DATA, sampler=RandomSampler(DATA))  # restored by re-seeding
+    assert "shuffle=True" in unpositionable(reseeded) and "\n" not in unpositionable(reseeded)
+    assert unpositionable(stateful_loader()) is None  # a RandomSampler: by state, not epoch
+    assert batches(stateful_loader()).by_rank  # its state is the rank's: the world is fixed
+    reference = [ids(b) for b in (batches(stateful_loader()).at(s) for s in range(17))]
+    for start in (0, 3, 6, 7, 13):  # inside epochs and on their ends (7 batches an epoch)
+        b = batches(stateful_loader())
+        assert [ids(b.at(s)) for s in range(start, 17)] == reference[start:], start
+
+
+def test_a_joiner_loads_the_ranks_newest_mark_and_draws_only_what_it_lags():
+    store, seen = ShelfStore(), []
+    dead = Batches(stateful_loader(), None, lambda: 1, lambda: 2, marks=store)
+    drawn = [ids(dead.at(s)) for s in range(9)]  # rank 1 published its mark at each step
+    assert store.marks[1].micro == 8
+    store.publishing = False
+    joiner = Batches(stateful_loader(), None, lambda: 1, lambda: 2, seen.append, marks=store)
+    assert ids(joiner.at(8)) == drawn[8]
+    lagging = Batches(stateful_loader(), None, lambda: 1, lambda: 2, seen.append, marks=store)
+    reference = batches(stateful_loader())
+    assert [ids(lagging.at(s)) for s in (10, 11)] == [ids(reference.at(s)) for s in (10, 11)]
+    assert [(e.mark, e.dropped, e.step) for e in seen] == [("store", 0, 8), ("store", 2, 10)]
+
+
+def test_a_mark_of_another_rank_world_or_a_later_step_is_never_used():
+    store, seen = ShelfStore(), []
+    dead = Batches(stateful_loader(), None, lambda: 1, lambda: 2, marks=store)
+    for s in range(6):
+        dead.at(s)
+    store.publishing = False
+    reference = batches(stateful_loader())
+    for rank, world, step in ((1, 3, 6), (1, 2, 4)):  # another world size; a restart's step
+        b = Batches(stateful_loader(), None, lambda r=rank: r, lambda w=world: w, seen.append,
+                    marks=store)
+        assert ids(b.at(step)) == ids(reference.at(step))
+    assert [(e.mark, e.dropped) for e in seen] == [("start", 6), ("start", 4)]
+    assert store.fetch(0) is None  # rank 0's place is not rank 1's
+
+
+def test_a_survivor_redoes_from_its_own_mark_and_the_state_is_loaded_as_tensors_only():
+    seen = []
+    b = Batches(stateful_loader(), 2, lambda: 1, lambda: 2, seen.append)
+    first = [ids(x) for x in b.at(3)]
+    b._step = -1  # the state went elsewhere: placed again from its own mark
+    b._next_micro = -1
+    assert [ids(x) for x in b.at(3)] == first and seen[-1].mark == "own"
+    mark = b._mark
+    text = encode_state(mark.state)
+    assert decode_state(text).keys() == mark.state.keys()
+    evil = base64.b64encode(pickle.dumps(Exploit())).decode()
+    with pytest.raises(pickle.UnpicklingError):
+        decode_state(evil)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (print, ("a store's value ran code",))

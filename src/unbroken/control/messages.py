@@ -130,6 +130,16 @@ class WorkerProgress:
 
 
 @dataclass
+class LoaderState:
+    """A rank's stateful loader before the `micro`-th batch of the run (own loop)."""
+
+    micro: int
+    epoch: int
+    world_size: int  # of the world it was drawn for: a mark of another size is never used
+    state: str  # the loader's state_dict, torch.save'd and base64'd: loaded weights_only
+
+
+@dataclass
 class StallReport:
     """A node's word that its workers have stopped making progress in generation `gen`, with
     where each of them stands; `workers` empty: they move again. Written by the node's agent

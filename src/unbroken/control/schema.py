@@ -106,6 +106,14 @@ def fault_claim(name: str) -> Counter:
     return Counter(f"claim/fault/{name}", "workers: an injected fault fires once per job")
 
 
+def loader_state(rank: int) -> Slot[m.LoaderState]:
+    """Run-level: a rank's stateful loader survives attempts (a mark of a newer step than a
+    restart resumes at is simply not used)."""
+    return Slot(f"loader/{rank}", m.LoaderState,
+                "the rank's worker (own loop, stateful loader): before each step it draws, "
+                "latest only")
+
+
 def torchrun_restart_prefix(restart: int) -> str:
     """Under plain torchrun, where a restart's workers rendezvous in torchrun's agent store
     (not a control-store key: torchrun reuses one store for every restart)."""

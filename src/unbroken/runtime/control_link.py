@@ -28,15 +28,21 @@ class ControlLink:
         """The control channel, connected on first use (outages are events, not errors,
         until the retry window runs out)."""
         if self._channel is None:
-            env = self._env
-            signer = Signer(bytes.fromhex(env.secret)) if env.secret else None
-            address = ControlAddress.parse(env.control, EtcdCredentials.from_environ(os.environ))
-            backend = RetryingBackend(
-                lambda: open_backend(address, env.run_id, 30.0), window=env.retry_window,
-                on_lost=lambda error: self._record(ev.ControlPlaneLost(error=error)),
-                on_back=lambda outage: self._record(ev.ControlPlaneBack(outage=round(outage, 3))))
-            self._channel = Channel(backend, signer, on_forged=lambda key, why: self._record(ev.ForgedMessage(key=key, reason=why)))
+            self._channel = self.open_channel()
         return self._channel
+
+    def open_channel(self) -> Channel:
+        """A control channel of its own, on a new connection: for a thread other than the
+        main one (a channel is not shared between threads)."""
+        env = self._env
+        signer = Signer(bytes.fromhex(env.secret)) if env.secret else None
+        address = ControlAddress.parse(env.control, EtcdCredentials.from_environ(os.environ))
+        backend = RetryingBackend(
+            lambda: open_backend(address, env.run_id, 30.0), window=env.retry_window,
+            on_lost=lambda error: self._record(ev.ControlPlaneLost(error=error)),
+            on_back=lambda outage: self._record(ev.ControlPlaneBack(outage=round(outage, 3))))
+        return Channel(backend, signer, on_forged=lambda key, why: self._record(
+            ev.ForgedMessage(key=key, reason=why)))
 
     def file_drain(self, slot: int) -> bool:
         """Ask the leader to move `slot` onto a ready spare (as `unbroken drain --rank`

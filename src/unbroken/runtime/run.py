@@ -46,6 +46,7 @@ from unbroken.runtime.groups.first_group import form_first_group
 from unbroken.runtime.groups.process_group import default_backend, this_process
 from unbroken.runtime.heartbeat import PHASE_LONG, PHASE_RECOVERY, PHASE_TRAINING, HeartbeatWriter
 from unbroken.runtime.host import available_memory, process_start_time
+from unbroken.runtime.own_loop.loader_state import MarkStore
 from unbroken.runtime.own_loop.loop import OwnLoop
 from unbroken.runtime.own_loop.step_block import StepBlock
 from unbroken.runtime.position import Position
@@ -102,6 +103,7 @@ class Run:
                     process_group=round(first.seconds, 6), wid=settings.wid,
                     joining=settings.joining))
         self._link = link = ControlLink(env, events.emit)
+        self._under_agent = env.under_agent
         faults = FaultInjector(parse_faults(env.faults), env.rank, link.claim_fault, events.emit)
         ckpt = first.ckpt_groups
         checkpointer = None
@@ -263,7 +265,13 @@ class Run:
         if total < 0:
             raise UserError(f"steps(total): total must be >= 0, got {total}")
         if data is not None:
-            self._loop = OwnLoop(self._engine, total, data, micro_batches, self._fresh_metrics)
+            marks = None
+            if self._engine.in_place and self._under_agent:
+                link = self._link
+                marks = MarkStore(link.channel, link.open_channel, lambda error: self.events.emit(
+                    ev.LoaderMarkUnpublished(error=error)))
+            self._loop = OwnLoop(self._engine, total, data, micro_batches, self._fresh_metrics,
+                                 marks)
             return self._loop.steps()
         if micro_batches is not None:
             raise UserError("run.steps(micro_batches=...) needs data=: the loop draws them")

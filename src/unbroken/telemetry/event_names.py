@@ -55,6 +55,8 @@ class Event(StrEnum):
     LEAD_HANDED_OVER = "lead_handed_over"
     LEAD_HANDOVER_BLOCKED = "lead_handover_blocked"
     LEASE_LOST = "lease_lost"
+    LOADER_MARK_UNPUBLISHED = "loader_mark_unpublished"
+    LOADER_POSITIONED = "loader_positioned"
     NODE_DRAINED = "node_drained"
     NODE_LOST = "node_lost"
     NODE_QUARANTINED = "node_quarantined"

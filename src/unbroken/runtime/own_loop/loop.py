@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from unbroken.runtime.engine import Engine
 from unbroken.runtime.own_loop.batches import Batches
 from unbroken.runtime.own_loop.ddp_rebind import cannot_rebind, rebind
+from unbroken.runtime.own_loop.loader_state import MarkStore, stateful
 from unbroken.runtime.own_loop.step_block import StepBlock
 
 _PROTECTED = ("unbroken: your loop is recovered in place: a peer's fault inside `with "
@@ -65,11 +66,14 @@ class OwnLoop:
     """One `run.steps(total, data=...)` loop of the user's."""
 
     def __init__(self, engine: Engine, total: int, data: Any, micro_batches: int | None,
-                 fresh_metrics: Callable[[], dict[str, float]]) -> None:
-        """`fresh_metrics()`: a new dict for the step's metrics, where `run.log` writes."""
+                 fresh_metrics: Callable[[], dict[str, float]],
+                 marks: MarkStore | None = None) -> None:
+        """`fresh_metrics()`: a new dict for the step's metrics, where `run.log` writes.
+        `marks`: the control store's marks of a stateful loader (under an agent)."""
         self.engine, self.total = engine, total
         self.batches = Batches(data, micro_batches, lambda: engine.position.rank,
-                               lambda: engine.position.world_size)
+                               lambda: engine.position.world_size, engine.events.emit,
+                               marks if stateful(data) else None)
         self.block: StepBlock | None = None
         self._fresh = fresh_metrics
         self._ddp: DDP | None = None
@@ -111,6 +115,8 @@ class OwnLoop:
             engine.settle()
             settled = engine.position.step
         block.detach()
+        if self.batches.marks is not None:
+            self.batches.marks.close()
         engine.finish(checkpoint=settled != engine.position.step)
 
     def _check_in_place(self) -> None:

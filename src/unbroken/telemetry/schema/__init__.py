@@ -69,7 +69,8 @@ CLASSES: dict[str, tuple[str, ...]] = {
         "HangBlamed", "GenPlan", "GenUp", "RecoveryFallback"),
     "worker": (
         "WorkerStart", "Resume", "Step", "StepFailed", "GenLeave", "SwitchFailed", "GenSwitch",
-        "InPlaceUnavailable", "JoinerUnused", "SpareReady", "ShardSync", "SnapshotConfig",
+        "InPlaceUnavailable", "LoaderPositioned", "LoaderMarkUnpublished", "JoinerUnused",
+        "SpareReady", "ShardSync", "SnapshotConfig",
         "SnapshotsRefused", "AbortOnNotice", "Phase", "FlightRecorderDumped", "FaultInjected", "TrainingDone",
         "StepDropped", "MicroBatchesReplayed", "RolledBack"),
     "checkpoint": (

@@ -119,6 +119,27 @@ class InPlaceUnavailable(EventBody):
                       "Shard/Replicate, optimizer state that is not plain data; named)")
 
 
+@event(Event.LOADER_POSITIONED)
+class LoaderPositioned(EventBody):
+    """`run.steps(data=...)`: a stateful loader (torchdata's `StatefulDataLoader`) was placed
+    at a step it had not just drawn (a promoted spare, a replacement, a restart)."""
+
+    step: int = doc("the step whose batch it draws next")
+    mark: str = doc("the state it loaded: `own` (this worker's), `store` (the rank's mark "
+                      "in the control store, published by whoever held the rank) or `start` "
+                      "(the loader's first state: no usable mark)")
+    dropped: int = doc("batches drawn and dropped after loading it")
+    seconds: float = doc("time to place it")
+
+
+@event(Event.LOADER_MARK_UNPUBLISHED)
+class LoaderMarkUnpublished(EventBody):
+    """A stateful loader's mark could not be written to the control store; the next step's
+    tries again (a rank lost meanwhile is placed from an older mark, by more draws)."""
+
+    error: str = doc("the error")
+
+
 @event(Event.JOINER_UNUSED)
 class JoinerUnused(EventBody):
     """A replacement or spare that the job finished without; it exits 0."""
