@@ -27,6 +27,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ETCD := $(shell command -v etcd || echo /usr/bin/etcd)
 IP := $(shell command -v ip || echo /usr/sbin/ip)
 CHROMIUM := $(shell command -v chromium || echo /usr/bin/chromium)
+# The metrics tests start a Prometheus of their own and run promtool over the shipped rules:
+# Debian's prometheus (2.42, the oldest the rules must work on). Never its system service.
+PROMETHEUS := $(shell command -v prometheus || echo /usr/bin/prometheus)
 
 $(ETCD):
 	@command -v apt-get >/dev/null || { echo "install etcd 3.4+ (the etcd backend's tests need it)"; exit 1; }
@@ -43,8 +46,14 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
+$(PROMETHEUS):
+	@command -v apt-get >/dev/null || { echo "install prometheus 2.42+ and promtool (the metrics tests need them)"; exit 1; }
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+	-$(SUDO) systemctl disable --now prometheus 2>/dev/null || true
+
 .PHONY: install demo test test-fast coverage lint
-install: $(BIN)/unbroken $(T4)/.installed $(ETCD) $(IP) $(CHROMIUM)
+install: $(BIN)/unbroken $(T4)/.installed $(ETCD) $(IP) $(CHROMIUM) $(PROMETHEUS)
 
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
 	$(BIN)/unbroken demo

@@ -68,6 +68,20 @@ def test_a_scrape_of_a_running_job_agrees_with_its_event_log(tmp_path):
         assert m[(Metric.BADPUT, (("category", c.value),))] == pytest.approx(
             expected["badput_s"][c.value], abs=1e-5), c
     assert 0 < m[(Metric.GOODPUT, ())] < 1
+    # The node's own series (every agent serves them): both ranks' steps, each fault kind
+    # at 0 from the start, its role, and rank-seconds that never exceed the ranks' time.
+    def node(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted({"node": "0", **labels}.items())))]
+
+    assert node(f"{Metric.NODE_STEPS}_total") == 50
+    assert node(f"{Metric.NODE_FAULTS}_total", kind="crash") == 0
+    run_id = events_of(run_dir, "agent_start")[0]["run_id"]
+    assert node(Metric.NODE_INFO, role="leader", run=run_id) == 1
+    assert node(f"{Metric.NODE_CHECKPOINT_STALL}_total") == pytest.approx(
+        sum(e["stall"] for e in events if e["event"] == "checkpoint_saved"), abs=1e-4)
+    ranked = sum(v for (name, _), v in m.items() if name == f"{Metric.NODE_RANK_SECONDS}_total")
+    productive = node(f"{Metric.NODE_RANK_SECONDS}_total", category="productive_step")
+    assert 0 < productive < ranked <= 2 * m[(Metric.WALL, ())] + 1e-6
     assert re.search(r"status: step \d+, [\d.]+ steps/s, goodput \d+% so far, faults 0, "
                      r"spares ready 0", result.output), result.output
 

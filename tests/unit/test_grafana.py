@@ -1,6 +1,8 @@
-"""The Grafana dashboard (package data: src/unbroken/telemetry/grafana/) and deploy/grafana's
-alert rules query only declared metric names, with the suffixes their kinds expose, and only
-declared goodput categories. Structural checks, no Grafana or Prometheus needed."""
+"""The Grafana dashboard (package data: src/unbroken/telemetry/grafana/) and the Prometheus
+rules (src/unbroken/telemetry/prometheus/rules.yml, deploy/prometheus/unbroken-rules.yml)
+query only declared metric names, with the suffixes their kinds expose, declared recording
+rules and declared goodput categories. Structural checks, no Grafana or Prometheus needed
+(promtool runs the rules: tests/integration/test_prometheus.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,27 @@ import pytest
 import yaml
 
 from unbroken.telemetry.categories import Category
-from unbroken.telemetry.metric_names import Metric
+from unbroken.telemetry.metric_names import DEPRECATED, Metric, RecordingRule
 
 ROOT = Path(__file__).resolve().parents[2]
-GRAFANA = ROOT / "deploy" / "grafana"
+RULES = ROOT / "src" / "unbroken" / "telemetry" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "src" / "unbroken" / "telemetry" / "grafana" / "unbroken.json"
 METRIC_NAMES_SRC = ROOT / "src" / "unbroken" / "telemetry" / "metric_names.py"
 
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-METRIC_RE = re.compile(r"unbroken_[a-z_]+")
+RECORDED_RE = re.compile(r"\bjob:unbroken_[a-z_0-9]+:[a-z_0-9]+")
+_METRIC_RE = re.compile(r"unbroken_[a-z_]+")
+
+
+class _Metrics:
+    """The metric names in an expression, recorded series' names left out."""
+
+    @staticmethod
+    def findall(expr: str) -> list[str]:
+        return _METRIC_RE.findall(RECORDED_RE.sub("", expr))
+
+
+METRIC_RE = _Metrics()
 SUFFIXES = {"Gauge": ("",), "Counter": ("_total",), "Histogram": ("_bucket", "_sum", "_count")}
 CATEGORY_MATCHER_RE = re.compile(r'\bcategory\s*(?:=~|!~|!=|=)\s*"([^"]*)"')
 
@@ -56,7 +70,7 @@ def dashboard() -> dict:
 
 @pytest.fixture(scope="module")
 def alerts() -> dict:
-    return yaml.safe_load((GRAFANA / "alerts.yml").read_text())
+    return yaml.safe_load(RULES.read_text())
 
 
 def all_panels(dashboard: dict) -> list[dict]:
@@ -82,7 +96,13 @@ def dashboard_exprs(dashboard: dict) -> list[str]:
 
 
 def alert_rules(alerts: dict) -> dict[str, dict]:
-    return {rule["alert"]: rule for group in alerts["groups"] for rule in group["rules"]}
+    return {rule["alert"]: rule for group in alerts["groups"] for rule in group["rules"]
+            if "alert" in rule}
+
+
+def recording_rules(alerts: dict) -> dict[str, dict]:
+    return {rule["record"]: rule for group in alerts["groups"] for rule in group["rules"]
+            if "record" in rule}
 
 
 def test_dashboard_is_importable(dashboard):
@@ -94,7 +114,7 @@ def test_dashboard_is_importable(dashboard):
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
     job = variables["job"]
     assert job["type"] == "query" and job["datasource"] == DATASOURCE
-    assert job["query"]["query"] == job["definition"] == "label_values(unbroken_wall_seconds, job)"
+    assert job["query"]["query"] == job["definition"] == "label_values(unbroken_node_info, job)"
 
 
 def test_every_panel_has_an_id_a_title_the_datasource_and_targets(dashboard):
@@ -117,8 +137,9 @@ def test_every_query_selects_the_chosen_run(dashboard):
     for panel in query_panels(dashboard):
         for target in panel["targets"]:
             expr = target["expr"]
-            selectors = re.findall(r"unbroken_[a-z_]+\{([^}]*)\}", expr)
-            assert len(selectors) == len(METRIC_RE.findall(expr)), (panel["title"], expr)
+            selectors = re.findall(r"unbroken_[a-z_0-9:]+\{([^}]*)\}", expr)
+            assert len(selectors) == len(METRIC_RE.findall(expr)) + len(
+                RECORDED_RE.findall(expr)), (panel["title"], expr)
             assert all('job="$job"' in s for s in selectors), (panel["title"], expr)
 
 
@@ -142,10 +163,12 @@ def test_the_goodput_stat_is_a_percentage_with_red_yellow_green_thresholds(dashb
     assert steps == [("red", None), ("yellow", 0.8), ("green", 0.95)]
 
 
-@pytest.mark.parametrize("source", ["dashboard", "alerts"])
+@pytest.mark.parametrize("source", ["dashboard", "rules"])
 def test_queried_metric_names_are_declared_with_their_kinds_suffixes(source, dashboard, alerts):
     exprs = (dashboard_exprs(dashboard) if source == "dashboard"
-             else [r["expr"] for r in alert_rules(alerts).values()])
+             else [r["expr"] for g in alerts["groups"] for r in g["rules"]])
+    recorded = {name for expr in exprs for name in RECORDED_RE.findall(expr)}
+    assert recorded <= {r.value for r in RecordingRule}, recorded
     exposed = exposed_names()
     kinds = metric_kinds()
     names = {name for expr in exprs for name in METRIC_RE.findall(expr)}
@@ -162,10 +185,15 @@ def test_queried_metric_names_are_declared_with_their_kinds_suffixes(source, das
                 f"rate/increase of the gauge {name}: {expr}")
 
 
-def test_every_declared_metric_is_on_the_dashboard(dashboard):
+def test_every_declared_metric_and_rule_is_on_the_dashboard_or_in_the_rules(dashboard, alerts):
     exposed = exposed_names()
-    used = {exposed[n] for e in dashboard_exprs(dashboard) for n in METRIC_RE.findall(e)}
-    assert used == {m.value for m in Metric}
+    exprs = dashboard_exprs(dashboard) + [r["expr"] for g in alerts["groups"] for r in g["rules"]]
+    used = {exposed[n] for e in exprs for n in METRIC_RE.findall(e)}
+    assert used == {m.value for m in Metric} - {m.value for m in DEPRECATED}
+    assert set(recording_rules(alerts)) == {r.value for r in RecordingRule}
+    on_dashboard = {n for e in dashboard_exprs(dashboard) for n in RECORDED_RE.findall(e)}
+    assert {RecordingRule.GOODPUT, RecordingRule.RANK_SECONDS_RATE,
+            RecordingRule.STEPS_RATE} <= on_dashboard
 
 
 def test_category_matchers_and_overrides_name_declared_categories(dashboard):
@@ -175,7 +203,7 @@ def test_category_matchers_and_overrides_name_declared_categories(dashboard):
         for value in CATEGORY_MATCHER_RE.findall(expr):
             used.update(v for v in value.split("|") if v)
     for panel in query_panels(dashboard):
-        if not any("unbroken_badput_seconds" in t["expr"] for t in panel["targets"]):
+        if not any("category" in t["expr"] for t in panel["targets"]):
             continue
         assert all(t["legendFormat"] == "{{category}}" for t in panel["targets"]), panel["title"]
         for override in panel["fieldConfig"]["overrides"]:
@@ -186,14 +214,24 @@ def test_category_matchers_and_overrides_name_declared_categories(dashboard):
 
 
 def test_alert_rules(alerts):
+    """The alerts query the recorded series where one says what they need; each groups by
+    the run (`job`); their firing is promtool's to show (deploy/prometheus/)."""
     rules = alert_rules(alerts)
-    assert set(rules) == {"UnbrokenGoodputLow", "UnbrokenFrequentFaults", "UnbrokenNoStepProgress"}
+    assert set(rules) == {"UnbrokenFault", "UnbrokenGoodputLow", "UnbrokenFrequentFaults",
+                          "UnbrokenNoStepProgress"}
     for name, rule in rules.items():
         assert rule["annotations"]["summary"] and rule["labels"]["severity"], name
-        assert "by (job)" in rule["expr"], name
+        assert "by (job" in rule["expr"] or "job:" in rule["expr"], name
+    assert "for" not in rules["UnbrokenFault"]  # at once
     assert rules["UnbrokenGoodputLow"]["for"] == "15m"
-    assert re.search(r"unbroken_goodput_ratio\)\s*<\s*0\.8\b", rules["UnbrokenGoodputLow"]["expr"])
-    assert re.search(r"increase\(unbroken_faults_total\[1h\]\)\)\)\s*>\s*3\b",
+    assert re.search(r"job:unbroken_goodput:ratio_rate5m\s*<\s*0\.8\b",
+                     rules["UnbrokenGoodputLow"]["expr"])
+    assert re.search(r"floor\(sum by \(job\) \(job:unbroken_faults:increase1h\)\)\s*>\s*3\b",
                      rules["UnbrokenFrequentFaults"]["expr"])
-    assert re.search(r"rate\(unbroken_steps_total\[10m\]\)\)\s*==\s*0\b",
+    assert re.search(r"rate\(unbroken_node_steps_total\[10m\]\)\)\s*==\s*0\b",
                      rules["UnbrokenNoStepProgress"]["expr"])
+
+
+def test_the_deploy_rules_file_is_the_packaged_one():
+    shipped = ROOT / "deploy" / "prometheus" / "unbroken-rules.yml"
+    assert shipped.resolve() == RULES.resolve()

@@ -32,7 +32,8 @@ def test_stdout_is_the_yaml_and_stderr_says_how_to_make_the_secret(capsys):
     code, out, err = run(["k8s", *FLAGS, "--metrics", "train.py", "--steps", "5"], capsys)
     assert code == 0
     objs = list(yaml.safe_load_all(out))
-    assert [o["kind"] for o in objs] == ["JobSet", "Service", "ServiceMonitor", "ConfigMap"]
+    assert [o["kind"] for o in objs] == ["JobSet", "Service", "ServiceMonitor", "PrometheusRule",
+                                         "ConfigMap"]
     assert objs[0]["spec"]["replicatedJobs"][0]["template"]["spec"]["completions"] == 2
     assert SECRET_COMMAND in err.splitlines()
     assert not HEX64.search(out) and not HEX64.search(err)

@@ -148,7 +148,7 @@ def test_core_objects_validate_strictly_against_kubernetes_schemas(case):
 
 
 def test_strict_validation_catches_an_unknown_field():
-    service = render(spec_of(ALL["jobset-gpu"]))[-3]
+    service = render(spec_of(ALL["jobset-gpu"]))[-4]
     assert service["kind"] == "Service"
     service = {**service, "spec": {**service["spec"], "clusterIp": "None"}}
     with pytest.raises(kubernetes_validate.ValidationError, match="clusterIp"):
@@ -253,6 +253,22 @@ def test_the_service_monitor_selects_the_metrics_service_and_its_port(name):
         assert endpoint["port"] in service_ports
         assert endpoint["path"] == "/metrics"
         assert re.fullmatch(r"\d+s", endpoint["interval"])
+
+
+@pytest.mark.parametrize("name", [n for n, a in ALL.items() if "--metrics" in a])
+def test_the_prometheus_rule_holds_the_shipped_rules_as_they_are(name):
+    # The PrometheusRule's schema is the Prometheus Operator's CRD (no package ships it):
+    # its fields here; the rules themselves are promtool's (tests/integration/
+    # test_prometheus.py).
+    spec = spec_of(ALL[name])
+    (rule,) = of_kind(render(spec), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"}
+    assert rule["metadata"]["namespace"] == spec.namespace
+    assert rule["metadata"]["name"] == f"{spec.name}-rules"
+    shipped = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "prometheus"
+                              / "unbroken-rules.yml").read_text())
+    assert rule["spec"] == {"groups": shipped["groups"]}
 
 
 @pytest.mark.parametrize("name", [n for n, a in ALL.items() if "--metrics" in a])
@@ -685,18 +701,18 @@ def test_the_etcd_cluster_and_the_agents_agree_on_its_names():
 
 def test_objects_come_in_apply_order_and_are_written_one_per_file(tmp_path):
     kinds = {name: [o["kind"] for o in render(spec_of(argv))] for name, argv in ALL.items()}
-    assert kinds["jobset-gpu"] == ["JobSet", "Service", "ServiceMonitor", "ConfigMap"]
+    assert kinds["jobset-gpu"] == ["JobSet", "Service", "ServiceMonitor", "PrometheusRule", "ConfigMap"]
     assert kinds["jobset-etcd-standby"] == ["Service", "StatefulSet", "JobSet"]
     assert kinds["trainjob"] == ["ClusterTrainingRuntime", "TrainJob", "Service",
-                                 "ServiceMonitor", "ConfigMap"]
+                                 "ServiceMonitor", "PrometheusRule", "ConfigMap"]
     assert kinds["pytorchjob-etcd"] == ["Service", "StatefulSet", "PyTorchJob", "Service",
-                                        "ServiceMonitor", "ConfigMap"]
+                                        "ServiceMonitor", "PrometheusRule", "ConfigMap"]
     objs = render(spec_of(ALL["trainjob"]))
     paths = write_dir(objs, tmp_path / "out")
     assert [p.name for p in paths] == [
         "00-clustertrainingruntime-tj-runtime.yaml", "01-trainjob-tj.yaml",
         "02-service-tj-metrics.yaml", "03-servicemonitor-tj-metrics.yaml",
-        "04-configmap-tj-grafana-dashboard.yaml"]
+        "04-prometheusrule-tj-rules.yaml", "05-configmap-tj-grafana-dashboard.yaml"]
     assert [yaml.safe_load(p.read_text()) for p in paths] == objs
     assert write_dir(objs, tmp_path / "out") == paths  # the same files again: fine
 

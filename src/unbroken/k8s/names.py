@@ -91,5 +91,9 @@ def metrics_service(spec: K8sSpec) -> str:
     return f"{spec.name}-metrics"
 
 
+def prometheus_rule(spec: K8sSpec) -> str:
+    return f"{spec.name}-rules"
+
+
 def dashboard_configmap(spec: K8sSpec) -> str:
     return f"{spec.name}-grafana-dashboard"

@@ -14,6 +14,7 @@ from pathlib import Path
 from unbroken.errors import UserError
 from unbroken.k8s import etcd, jobset, observability, pytorchjob, trainer
 from unbroken.k8s.spec import ControlPlane, K8sSpec, Workload
+from unbroken.k8s.yaml_io import pyyaml
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -39,19 +40,11 @@ def render(spec: K8sSpec) -> list[dict]:
     return objs + observability.objects(spec)
 
 
-def _yaml():
-    try:
-        import yaml
-    except ImportError:
-        raise UserError("unbroken k8s writes YAML with PyYAML: pip install 'unbroken[k8s]'") from None
-    return yaml
-
-
 def to_yaml(objs: list[dict]) -> str:
     """One YAML stream, `---` between objects, keys in the order rendered (apiVersion, kind,
     metadata, spec); multi-line strings (the dashboard) as literal blocks, strings that look
     like numbers or booleans to any YAML reader quoted; no aliases."""
-    yaml = _yaml()
+    yaml = pyyaml()
 
     class Dumper(yaml.SafeDumper):
         def ignore_aliases(self, data: object) -> bool:

@@ -144,10 +144,11 @@ class K8sSpec:
     checkpoint_mount: str = "/checkpoints"
     """Where the checkpoint volume is mounted in the container: pass it to the script."""
     metrics: bool = False
-    """Serve Prometheus metrics and render a metrics Service, a ServiceMonitor (needs the
-    Prometheus Operator's CRDs) and the Grafana dashboard's ConfigMap."""
+    """Serve Prometheus metrics and render a metrics Service, a ServiceMonitor and a
+    PrometheusRule (both need the Prometheus Operator's CRDs) and the Grafana dashboard's
+    ConfigMap."""
     metrics_port: int = 9400
-    """The port the leader's agent serves /metrics on (`--metrics-port`)."""
+    """The port every agent serves /metrics on (`--metrics-port`)."""
     control_plane: ControlPlane = ControlPlane.EMBEDDED
     """Embedded TCPStore on node 0, or an etcd StatefulSet."""
     etcd_replicas: int = 3

@@ -39,12 +39,14 @@ from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader.leader import Leader
+from unbroken.launch.leader.leader_chores import start_node_metrics
 from unbroken.launch.workers.fork_client import ForkServer
 from unbroken.launch.workers.orphan_guard import OrphanGuard
 from unbroken.launch.workers.supervisor import NodeSupervisor
 from unbroken.launch.workers.worker_spawn import launcher_defaults, nccl_overrides
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
+from unbroken.telemetry.node_export import NodeTelemetry
 
 
 class _Interrupted(Exception):
@@ -65,6 +67,7 @@ class Agent:
         self.role: Leader | Follower | None = None
         self._secret: bytes | None = None  # as found at first contact; None: unsigned
         self._kept: object = None  # a handed-over lead's worker store, open until the end
+        self.metrics: NodeTelemetry | None = None  # the node's /metrics (--metrics-port)
 
     def run(self, restore_signals: bool = True) -> int:
         """Run this node's part of the job to its end; returns the agent's exit code.
@@ -85,6 +88,7 @@ class Agent:
             self.say(line)
         guard, forks, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
+        self.metrics = start_node_metrics(cfg, self.events, self.say)
         try:
             channel, address = self._connect()
             self._return_as_standby(channel)
@@ -102,7 +106,7 @@ class Agent:
                 leads = not cfg.standby and election.stand(first=cfg.is_leader).instance \
                     == self.instance
             args = (cfg, channel, watch, self.events, self.instance, self._sleep,
-                    self._report_failure, election)
+                    self._report_failure, election, self.metrics)
             code = self._play(Leader if leads else Follower, args)
             if self._handoff_until and code == ExitCode.DRAINED:
                 self.say("SIGTERM: this node's ranks moved to spares; the job goes on without it")
@@ -130,6 +134,8 @@ class Agent:
             if forks is not None:
                 forks.close()
             guard.close()
+            if self.metrics is not None:
+                self.metrics.close()
             for s, handler in previous.items() if restore_signals else ():
                 signal.signal(s, handler)
             if code is None:
@@ -148,6 +154,9 @@ class Agent:
         change: Elected | HandedOver | None = None
         while True:
             self.role = role(*args)
+            if self.metrics is not None:
+                self.metrics.export.set_role("leader" if role is Leader else
+                                             "standby" if self.cfg.standby else "follower")
             try:
                 if isinstance(self.role, Leader):
                     return self.role.run(takeover=change if isinstance(change, Elected) else None)

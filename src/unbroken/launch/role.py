@@ -10,6 +10,7 @@ from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.election import Election
 from unbroken.telemetry.events import EventLog
+from unbroken.telemetry.node_export import NodeTelemetry
 
 
 class Role:
@@ -18,7 +19,7 @@ class Role:
     def __init__(self, cfg: LaunchConfig, channel: Channel, watch: AttemptWatch,
                  events: EventLog, instance: str, sleep: Callable[[], None],
                  report_failure: Callable[[Fault | None, str | None], None],
-                 election: Election | None = None) -> None:
+                 election: Election | None = None, metrics: NodeTelemetry | None = None) -> None:
         self.cfg = cfg
         self.channel = channel
         self.watch = watch  # this node's processes, attempt by attempt
@@ -27,6 +28,7 @@ class Role:
         self._sleep = sleep  # a short sleep that raises on SIGINT/SIGTERM
         self._report_failure = report_failure
         self.election = election  # None: leadership is fixed on node 0 (TCPStore)
+        self.metrics = metrics  # the node's /metrics (--metrics-port), or None
         self.outage_ended = False  # set by the agent when the control plane answers again
 
     def say(self, msg: str) -> None:

@@ -1,7 +1,10 @@
-"""Live telemetry on the leader's agent: Prometheus `/metrics` and the terminal status line.
+"""Live telemetry on the leader's agent: the job-wide Prometheus series and the terminal
+status line.
 
 Both are fed by one reader of the run's event log (`EventTail`), so they say exactly what
-the log says. `LiveStats` is the pure part: it folds events into counters and keeps them
+the log says. The series join the node's registry (`node_export`: every agent serves one)
+while this agent leads; they are kept for one release, replaced by the recording rules over
+every node's counters (`metric_names`). `LiveStats` is the pure part: it folds events into counters and keeps them
 for the goodput accounting (`goodput.account`), which is re-run at most every
 `refresh_s`. `LiveTelemetry` is the thin executor: a thread that tails the log, updates the
 Prometheus metrics (names: `telemetry.metric_names`) and prints the status line.
@@ -175,6 +178,21 @@ class LiveStats:
                        slots=seen or None, until=time.time())
 
 
+class SayOnce:
+    """Says a telemetry thread's error in one line, once while it persists: `what` prefixes
+    it, `cost` ends it ("... (metrics may be stale)"). Telemetry never stops the job."""
+
+    def __init__(self, say: Callable[[str], None], what: str, cost: str) -> None:
+        self._say, self._what, self._cost = say, what, cost
+        self._last: str | None = None
+
+    def __call__(self, exc: Exception) -> None:
+        why = f"{type(exc).__name__}: {exc}"
+        if why != self._last:
+            self._say(f"{self._what}: {why} ({self._cost})")
+        self._last = why
+
+
 def status_line(stats: LiveStats, report: dict[str, Any] | None) -> str:
     """One line for the terminal: step, steps/s, goodput so far, faults, spares ready."""
     rate = stats.steps_per_s()
@@ -187,18 +205,12 @@ def status_line(stats: LiveStats, report: dict[str, Any] | None) -> str:
 
 
 class PrometheusExport:
-    """The metrics, in a registry of their own, served by prometheus_client's HTTP server."""
+    """The job-wide series, registered in the node's registry until `close`."""
 
-    def __init__(self, addr: str, port: int) -> None:
-        from prometheus_client import (
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            Histogram,
-            start_http_server,
-        )
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
 
-        r = self.registry = CollectorRegistry()
+        r = self.registry = registry
         self.goodput = Gauge(Metric.GOODPUT, "Productive step time over wall time x ranks",
                              registry=r)
         self.badput = Gauge(Metric.BADPUT, "Seconds per rank by badput category",
@@ -227,7 +239,9 @@ class PrometheusExport:
                                                  "Checkpoint start to commit",
                                                  buckets=RECOVERY_BUCKETS, registry=r),
         }
-        self.server, self.thread = start_http_server(port, addr=addr, registry=r)
+        self._collectors = [self.goodput, self.badput, self.wall, self.step, self.world,
+                            self.spares, self.faults, self.anomalies,
+                            *self.counters.values(), *self.histograms.values()]
 
     def observe(self, obs: list[tuple[Metric, Any]]) -> None:
         for metric, value in obs:
@@ -252,18 +266,19 @@ class PrometheusExport:
                 self.badput.labels(category=c.value).set(report["badput_s"][c.value])
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Leave the registry (the agent no longer leads)."""
+        for collector in self._collectors:
+            self.registry.unregister(collector)
 
 
 class LiveTelemetry:
     """The leader's thread: every `poll_s` it reads the log's new events into `LiveStats` and
     the metrics; every `refresh_s` (without metrics: every `status_every`) it re-runs the
     accounting; every `status_every` it says the status line (0: never). `close()` stops it
-    and the HTTP server."""
+    and takes its series out of the registry."""
 
     def __init__(self, events_path: Path, say: Callable[[str], None], *,
-                 metrics: tuple[str, int] | None, status_every: float,
+                 registry: Any = None, status_every: float,
                  refresh_s: float = 5.0, poll_s: float = 0.5) -> None:
         self.stats = LiveStats()
         self._tail = EventTail(events_path)
@@ -272,7 +287,7 @@ class LiveTelemetry:
         self._refresh_s = refresh_s
         self._poll_s = poll_s
         self._stop = threading.Event()
-        self.export = PrometheusExport(*metrics) if metrics else None
+        self.export = PrometheusExport(registry) if registry is not None else None
         self.report: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="unbroken-telemetry",
                                         daemon=True)
@@ -282,17 +297,14 @@ class LiveTelemetry:
         # Without a scraper to serve, the accounting runs only as often as the status line.
         refresh_every = self._refresh_s if self.export is not None else self._status_every
         refreshed = said = time.monotonic()
-        failed = None  # the last error said: a persistent one is said once, not every poll
+        failed = SayOnce(self._say, "telemetry", "metrics and status may be stale")
         while not self._stop.wait(self._poll_s):
             now = time.monotonic()
             due = now - refreshed >= refresh_every
             try:
                 self.tick(refresh=due)
             except Exception as exc:  # noqa: BLE001 -- telemetry must never stop the job
-                why = f"{type(exc).__name__}: {exc}"
-                if why != failed:
-                    self._say(f"telemetry: {why} (metrics and status may be stale)")
-                failed = why
+                failed(exc)
             if due:
                 refreshed = now
             if self._status_every and now - said >= self._status_every:

@@ -287,8 +287,9 @@ class Telemetry:
 
     metrics_port: int | None = flag(
         "--metrics-port", parse=port, metavar="PORT",
-        help="the leader's agent serves Prometheus /metrics on this port (goodput, badput by "
-             "category, step and recovery times, faults; see docs/goodput.md)")
+        help="every agent serves Prometheus /metrics on this port: its node's counters "
+             "(rank-seconds by goodput category, steps, faults, recoveries, checkpoint stall); "
+             "the leader's also the job-wide series (see docs/goodput.md)")
     """None: no /metrics."""
     metrics_addr: str = flag("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                              help="the address /metrics binds to (default 127.0.0.1: loopback "

@@ -105,7 +105,7 @@ class Leader(Role):
         self.state.nodes = node_life.with_job(self.state.nodes, job)
 
     def run(self, takeover: Elected | None = None) -> int:
-        live = start_telemetry(self.cfg, self.say, takeover is not None)
+        live = start_telemetry(self.cfg, self.say, self.metrics)
         try:
             return self._lead(takeover)
         finally:

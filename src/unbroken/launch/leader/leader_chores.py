@@ -15,32 +15,41 @@ from unbroken.launch.config import LaunchConfig
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 from unbroken.telemetry.live import LiveTelemetry
+from unbroken.telemetry.node_export import NodeExport, NodeTelemetry
+
+
+def start_node_metrics(cfg: LaunchConfig, events: EventLog,
+                       say: Callable[[str], None]) -> NodeTelemetry | None:
+    """Every agent's /metrics (with --metrics-port): its node's series, from its start to its
+    end, whatever its role. A port that cannot be bound is the user's to fix: one line,
+    exit 2 at start."""
+    if cfg.telemetry.metrics_port is None:
+        return None
+    addr, port = cfg.telemetry.metrics_addr, cfg.telemetry.metrics_port
+    try:
+        export = NodeExport(addr, port, node=cfg.node_rank or 0,
+                            role="standby" if cfg.standby else "follower", run=cfg.run_id)
+    except OSError as exc:
+        raise UserError(f"--metrics-port {port}: cannot serve /metrics on {addr}: "
+                        f"{exc.strerror or exc}; choose a free port (or --metrics-addr)"
+                        ) from None
+    metrics = NodeTelemetry(Path(cfg.run_dir) / EVENTS_FILE, export,
+                            lambda: events.context.get("node"), say)
+    events.observer = metrics.own
+    host, bound = export.address
+    say(f"metrics: http://{host}:{bound}/metrics")
+    return metrics
 
 
 def start_telemetry(cfg: LaunchConfig, say: Callable[[str], None],
-                    takeover: bool) -> LiveTelemetry | None:
-    """Prometheus /metrics (with --metrics-port) and the status line, for as long as this
-    agent leads. A port that cannot be bound is the user's to fix: one line, exit 2 at
-    start; an agent taking over a running job says so and leads without metrics."""
-    if cfg.telemetry.metrics_port is None and not cfg.telemetry.status_every:
+                    metrics: NodeTelemetry | None) -> LiveTelemetry | None:
+    """The job-wide series (kept for one release: the recording rules replace them) in the
+    node's registry, and the status line, for as long as this agent leads."""
+    if metrics is None and not cfg.telemetry.status_every:
         return None
-    metrics = ((cfg.telemetry.metrics_addr, cfg.telemetry.metrics_port)
-               if cfg.telemetry.metrics_port is not None else None)
-    try:
-        live = LiveTelemetry(Path(cfg.run_dir) / EVENTS_FILE, say, metrics=metrics,
-                             status_every=cfg.telemetry.status_every)
-    except OSError as exc:
-        if takeover:
-            say(f"warning: cannot serve /metrics on {cfg.telemetry.metrics_addr}:"
-                f"{cfg.telemetry.metrics_port} ({exc.strerror or exc}); leading without metrics")
-            return None
-        raise UserError(f"--metrics-port {cfg.telemetry.metrics_port}: cannot serve /metrics on "
-                        f"{cfg.telemetry.metrics_addr}: {exc.strerror or exc}; choose a free port "
-                        "(or --metrics-addr)") from None
-    if live.export is not None:
-        host, bound = live.export.server.server_address[:2]
-        say(f"metrics: http://{host}:{bound}/metrics")
-    return live
+    return LiveTelemetry(Path(cfg.run_dir) / EVENTS_FILE, say,
+                         registry=metrics.export.registry if metrics is not None else None,
+                         status_every=cfg.telemetry.status_every)
 
 
 class Rejections:
