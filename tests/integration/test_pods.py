@@ -36,6 +36,8 @@ import yaml
 from conftest import SCRIPTS, offered, read_events, unbroken_cmd, wait_for
 from pods import Cluster, JobSetRun, StatefulSetRun, unavailable
 
+from unbroken.telemetry.report import build_report
+
 pytestmark = [pytest.mark.usefixtures("no_process_outlives_its_test"),
               pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 
@@ -171,6 +173,18 @@ def test_a_deleted_pod_with_no_standby_is_taken_back_in_when_recreated(cluster, 
         assert restarts and restarts[-1]["restarts_left"] >= 10 - 1, restarts
     finally:
         run.close()
+    # After the job, from the shared volume alone: every pod's copy of its events, the
+    # deleted pod's beside its successor's, and the report counts what only the deleted pod
+    # saw (its worker's steps of the first attempt, the fault its agent recorded).
+    (copies,) = (cluster.shared / "unbroken-events").iterdir()
+    node1 = sorted(copies.glob("node1-*.jsonl"))
+    assert [p.name for p in node1] == sorted(f"node1-{p.uid}.jsonl" for p in
+                                             run.incarnations("node", 1)[:2]), node1
+    report = build_report([copies])
+    assert [s for s in report["steps"] if s["slot"] == 1 and s["attempt"] == 0]
+    assert [f for f in report["faults"] if f["node"] == 1], report["faults"]
+    assert report["world_size"] == 2
+    assert "[rank0]:ckpt_train: rank 0 of 2" in node0.log(), node0.log()[-2000:]  # tee'd
 
 
 def _etcd_ready(sts: StatefulSetRun) -> bool:

@@ -8,8 +8,9 @@ over the shipped rules.
   own /metrics; a Prometheus of the test's own (its own TSDB in a temporary directory, a
   free port, 1 s scrape and evaluation intervals, the shipped rules) scrapes both. Both
   targets are up; a worker on node 1 is SIGKILLed: the fault counter summed over nodes
-  reads 1 in Prometheus's query API, labelled node 1, and the shipped alert whose `for:` is
-  0 (`UnbrokenFault`) fires on it.
+  reads 1 in Prometheus's query API, labelled node 1, the shipped alert whose `for:` is
+  0 (`UnbrokenFault`) fires on it, the leader counts the capacity the job lost until the
+  replacement joined, and the goodput rule gives a ratio over every node.
 """
 
 from __future__ import annotations
@@ -149,6 +150,11 @@ def test_a_real_prometheus_scrapes_every_node_and_a_fault_on_node_1_fires_the_al
                 60, "UnbrokenFault to fire", explain=run1)
             (alert,) = prom.query('ALERTS{alertname="UnbrokenFault",alertstate="firing"}')
             assert alert["metric"]["job"] == SCRAPE_JOB
+            # The job ran short of node 1's rank until its replacement joined: the leader's
+            # capacity counter, and the rule that adds it to every node's rank-seconds.
+            wait_for(lambda: (prom.value(f'unbroken_job_capacity_lost_rank_seconds_total'
+                                         f'{{job="{SCRAPE_JOB}"}}') or 0) > 0,
+                     60, "the capacity lost", explain=run1)
             # Goodput by the recording rule, over every node's rank-seconds.
             wait_for(lambda: prom.value(
                 f'job:unbroken_goodput:ratio_rate5m{{job="{SCRAPE_JOB}"}}') is not None,

@@ -76,6 +76,7 @@ def step_fn(step, net):
         time.sleep(args.step_sleep)
 
 
+print(f"ckpt_train: rank {run.rank} of {run.world_size} trains from step {run.step}", flush=True)
 run.train(step_fn, steps=args.steps, build=build)
 if args.full_state:
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -327,7 +327,8 @@ def field(path: str, labels: dict[str, str], annotations: dict[str, str], pod_na
         return labels[m.group(1)]
     if m := re.fullmatch(r"metadata\.annotations\['(.+)'\]", path):
         return annotations[m.group(1)]
-    return {"metadata.name": pod_name, "status.podIP": "10.1.2.3"}[path]
+    return {"metadata.name": pod_name, "status.podIP": "10.1.2.3",
+            "metadata.uid": "0c5a0e2e-1f4b-4c1e-9a59-7d2b8c0e4f11"}[path]
 
 
 def container_env(container: dict, injected: dict[str, str], labels: dict[str, str],
@@ -593,7 +594,8 @@ def test_the_command_line_keeps_its_order_and_spelling():
         "--local-addr", "$(POD_IP)", "--etcd-cacert", f"{tls}/ca.crt", "--etcd-cert",
         f"{tls}/tls.crt", "--etcd-key", f"{tls}/tls.key", "--run-dir", "/var/run/unbroken/run",
         "--secret-file", "/var/run/unbroken/secret/secret", "--shutdown-timeout", "55",
-        "--node-timeout", "10", "--max-restarts", "10", "--spares", "1", "--continue-dead-job",
+        "--node-timeout", "10", "--max-restarts", "10", "--spares", "1", "--event-stdout",
+        "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", "--continue-dead-job",
         "/app/train.py"]
     assert standby == [*node[:4], "--standby", *node[6:]]
 

@@ -1,12 +1,16 @@
 """One node's counters (telemetry/node_metrics.py): what its agent and its workers recorded,
 folded once; rank-seconds that never go down, charged only while the node held the slot;
-how far behind the present they are counted. Pure: events built in the test."""
+how far behind the present they are counted; the leader's capacity ledger and its
+resumption by a successor. Pure: events built in the test."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from unbroken.telemetry import schema as ev
+from unbroken.telemetry.job_ledger import CapacityLedger
 from unbroken.telemetry.metric_names import Metric
 from unbroken.telemetry.node_metrics import (
     IN_PLACE,
@@ -89,3 +93,34 @@ def test_time_is_counted_up_to_the_oldest_held_slots_last_event_within_the_bound
     c.last_seen[1] = 1.0  # a hung rank holds the count back no more than SETTLE_S
     assert settled_until(100.0, c) == 100.0 - SETTLE_S
     assert settled_until(100.0, NodeCounters(node=1)) == 100.0  # nothing held
+
+
+# ---------------------------------------------------------------- the leader's ledger
+
+def gen_up(t: float, gen: int, world: int) -> ev.GenUp:
+    return ev.GenUp(t=t, source="agent", node=0, gen=gen, world_size=world, duration=0.2,
+                    faults=["node_lost"])
+
+
+def test_capacity_lost_integrates_the_ranks_missing_from_the_full_world():
+    ledger = CapacityLedger()
+    assert ledger.total(50.0) == 0.0
+    ledger.fold(ev.Rendezvous(t=10.0, source="agent", node=0, attempt=0, world_size=8,
+                              duration=1.0, worker_port=1))
+    ledger.fold(gen_up(20.0, 1, 6))  # a node of 2 lost, the job goes on shrunk
+    assert ledger.total(30.0) == pytest.approx(2 * 10.0)
+    ledger.fold(gen_up(40.0, 2, 8))  # grown back
+    assert ledger.total(100.0) == pytest.approx(2 * 20.0) and ledger.gen == 2
+
+
+def test_a_successor_resumes_the_ledger_and_ignores_what_it_already_holds():
+    ledger = CapacityLedger()
+    ledger.change(4, 0.0)
+    ledger.change(3, 10.0)
+    saved = json.loads(json.dumps(ledger.plain()))  # through the LeaderRecord
+    successor = CapacityLedger.from_plain(saved)
+    successor.fold(gen_up(5.0, 1, 3))  # the old leader's event, read again from a shared log
+    assert successor.total(30.0) == pytest.approx(1 * 20.0)
+    successor.fold(gen_up(30.0, 2, 4))
+    assert successor.total(60.0) == pytest.approx(20.0) and successor.missing == 0
+    assert CapacityLedger.from_plain(None).total(1e9) == 0.0

@@ -342,3 +342,4 @@ class LeaderRecord:
     attempt: int
     restarts_spent: int
     nodes: NodeSet
+    capacity: dict[str, Any] | None = None  # the leader's capacity ledger (`job_ledger`)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from unbroken.k8s import names
 from unbroken.k8s.spec import ControlPlane, K8sSpec
+from unbroken.telemetry.event_copy import POD_UID_ENV
 
 CONTAINER = "node"
 """The agent's container in a JobSet or Trainer pod: Trainer's torch plugin looks for
@@ -47,7 +48,8 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
     --standby); --rdzv-id $(UNBROKEN_JOB_ID); the control plane (c10d: --master-addr and
     --master-port; etcd: --rdzv-endpoint, --local-addr $(POD_IP) and the TLS files);
     --run-dir, --secret-file, --shutdown-timeout, --node-timeout, --max-restarts; --spares
-    and --metrics-port/--metrics-addr when set; --continue-dead-job; the script and its
+    and --metrics-port/--metrics-addr when set; --event-dir or --event-stdout
+    (`event_args`); --tee 3 with the rank prefix; --continue-dead-job; the script and its
     arguments.
 
     `pet`: the pod's controller sets torchrun's PET_NNODES, PET_NPROC_PER_NODE,
@@ -80,8 +82,24 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
         args += ["--spares", str(spec.spares)]
     if spec.metrics:
         args += ["--metrics-port", str(spec.metrics_port), "--metrics-addr", "0.0.0.0"]
+    args += event_args(spec)
+    args += ["--tee", "3", "--log-line-prefix-template", RANK_PREFIX]
     args += ["--continue-dead-job", spec.script, *spec.script_args]
     return args
+
+
+RANK_PREFIX = "[rank${rank}]:"
+"""Each worker line in the pod's log, as torchrun --tee prefixes it, by its global rank."""
+EVENT_SUBDIR = "unbroken-events"
+"""Under the checkpoint volume: `<mount>/unbroken-events/<job id>/`, every pod's events."""
+
+
+def event_args(spec: K8sSpec) -> list[str]:
+    """Where a pod's events outlive it: a file of its own on the shared checkpoint volume (a
+    PVC) under the job's id, else (node-local or no volume) its log's stdout, tagged."""
+    if spec.checkpoint_pvc:
+        return ["--event-dir", f"{spec.checkpoint_mount}/{EVENT_SUBDIR}/$({JOB_ID_VAR})"]
+    return ["--event-stdout"]
 
 
 def _from_field(name: str, path: str) -> dict:
@@ -133,10 +151,12 @@ def fabric_env(spec: K8sSpec) -> list[dict]:
 
 def env(spec: K8sSpec, identity: list[dict]) -> list[dict]:
     """The container's environment, in order (a later value may use an earlier one as
-    $(NAME)): the job's identity, the pod's name and IP, then NCCL's and EFA's. The Job
+    $(NAME)): the job's identity, the pod's name, IP and UID (its event file's name), then
+    NCCL's and EFA's. The Job
     controller injects JOB_COMPLETION_INDEX itself."""
     return [*identity, _from_field("POD_NAME", "metadata.name"),
-            _from_field("POD_IP", "status.podIP"), *fabric_env(spec)]
+            _from_field("POD_IP", "status.podIP"), _from_field(POD_UID_ENV, "metadata.uid"),
+            *fabric_env(spec)]
 
 
 def resources(spec: K8sSpec) -> dict:

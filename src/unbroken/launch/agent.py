@@ -39,7 +39,7 @@ from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader.leader import Leader
-from unbroken.launch.leader.leader_chores import start_node_metrics
+from unbroken.launch.node_telemetry import start_event_copy, start_node_metrics
 from unbroken.launch.workers.fork_client import ForkServer
 from unbroken.launch.workers.orphan_guard import OrphanGuard
 from unbroken.launch.workers.supervisor import NodeSupervisor
@@ -89,6 +89,7 @@ class Agent:
         guard, forks, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
         self.metrics = start_node_metrics(cfg, self.events, self.say)
+        copy = start_event_copy(cfg, self.events, self.instance, self.say)
         try:
             channel, address = self._connect()
             self._return_as_standby(channel)
@@ -139,10 +140,14 @@ class Agent:
             for s, handler in previous.items() if restore_signals else ():
                 signal.signal(s, handler)
             if code is None:
+                if copy is not None:
+                    copy.close()
                 self.events.close()  # reports the events a full disk cost
         if self._signal is not None and code != 128 + self._signal:
             self.say(f"signal {self._signal} came after the job's end: exit {code} stands")
         self.events.emit(ev.AgentExit(code=int(code), events_dropped=self.events.dropped))
+        if copy is not None:
+            copy.close()  # after the agent's last event
         self.events.close()
         return int(code)
 

@@ -119,13 +119,24 @@ def poisson_mtbf(count: int, exposure_h: float) -> tuple[float, float, float]:
 
 
 def _run_id(path: Path) -> str | None:
-    """The job id (`agent_start.run_id`) of the run whose log is under `path`."""
+    """The job id (`agent_start.run_id`) of the run whose log is under `path` (or is
+    `path`: a saved log)."""
     import json
 
-    for log in [path / "events.jsonl", *sorted(path.glob("**/events.jsonl"))]:
+    from unbroken.telemetry.event_copy import COPY_GLOB, EVENT_TAG
+
+    logs = [path] if path.is_file() else [path / "events.jsonl",
+                                          *sorted(path.glob("**/events.jsonl"))]
+    if path.is_dir() and not logs[0].exists():
+        logs += sorted(path.glob(COPY_GLOB))  # an --event-dir: every copy is of one job
+    for log in logs:
         try:
             with open(log, encoding="utf-8") as fh:
                 for _, line in zip(range(50), fh, strict=False):
+                    if EVENT_TAG in line:  # a saved log's tagged line
+                        line = line.split(EVENT_TAG, 1)[1]
+                    elif path.is_file() and not line.startswith("{"):
+                        continue
                     record = json.loads(line)
                     if record.get("event") == "agent_start":
                         return str(record.get("run_id"))
@@ -138,14 +149,16 @@ def measure(run_dirs: list[str | Path]) -> RunMeasures:
     """What the runs in `run_dirs` measured. The dirs of one job's nodes (nodes that share
     nothing keep their own: the same `run_id`) are merged into one run, as `unbroken report
     DIR DIR` does; dirs of other jobs are other runs."""
+    from unbroken.telemetry.event_copy import COPY_GLOB
     from unbroken.telemetry.report import build_report
 
     runs: dict[str, list[Path]] = {}
     for d in run_dirs:
         path = Path(d)
-        if not (path / "events.jsonl").exists() and not any(path.glob("**/events.jsonl")):
+        if not (path / "events.jsonl").exists() and not any(path.glob("**/events.jsonl")) \
+                and not any(path.glob(COPY_GLOB)) and not path.is_file():
             raise UserError(f"{d}: no event log (events.jsonl) here: is it the run dir of a "
-                            "run (`unbroken run --run-dir`)?")
+                            "run (`unbroken run --run-dir`), its --event-dir, or a saved log?")
         runs.setdefault(_run_id(path) or str(path), []).append(path)
     reports = []
     for paths in runs.values():

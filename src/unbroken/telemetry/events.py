@@ -140,8 +140,9 @@ class EventLog:
         self.shared = False
         """Several owners write to it (the worker's watch, then its `Run`): their `close()`
         leaves it open, and what it dropped is reported at the process's exit."""
-        self.observer: Any = None
-        """Called with each record `emit` makes (the agent's node metrics), or None."""
+        self.observers: list[Any] = []
+        """Each is called with every record `emit` makes (the agent's node metrics and its
+        copy of the node's events), on the emitting thread; it must not block."""
         _LOGS.add(self)
         if self.path is not None:
             try:
@@ -159,8 +160,8 @@ class EventLog:
             event, fields = event.EVENT, encode(event)
         record = {"t": round(time.time(), 6), "event": event, VERSION_KEY: SCHEMA_VERSION,
                   **self.context, **fields}
-        if self.observer is not None:
-            self.observer(record)
+        for observe in self.observers:
+            observe(record)
         if self.path is None:
             return record
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"

@@ -28,6 +28,7 @@ from typing import Any
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import BADPUT
 from unbroken.telemetry.goodput import account, fault_key
+from unbroken.telemetry.job_ledger import CapacityLedger
 from unbroken.telemetry.metric_names import Metric
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -94,6 +95,7 @@ class LiveStats:
     world_size: int = 0
     dropped: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (t, step) for steps/s
+    ledger: CapacityLedger = field(default_factory=CapacityLedger)  # resumed by a successor
     _faults_seen: set = field(default_factory=set)
 
     def fold(self, record: dict[str, Any] | ev.EventBody) -> list[tuple[Metric, Any]]:
@@ -138,11 +140,13 @@ class LiveStats:
             self.restarts += 1
             obs.append((Metric.RESTARTS, 1))
         elif isinstance(e, ev.GenUp):
+            self.ledger.fold(e)
             if e.world_size is not None:
                 self.world_size = e.world_size
             if e.duration is not None and e.faults:
                 obs.append((Metric.RECOVERY_TIME, e.duration))
         elif isinstance(e, ev.Rendezvous):
+            self.ledger.fold(e)
             if e.world_size is not None:
                 self.world_size = e.world_size
         elif isinstance(e, ev.CheckpointSaved | ev.CheckpointFailed) \
@@ -239,9 +243,12 @@ class PrometheusExport:
                                                  "Checkpoint start to commit",
                                                  buckets=RECOVERY_BUCKETS, registry=r),
         }
+        self.ledger: CapacityLedger | None = None  # set by `set`; read at each scrape
         self._collectors = [self.goodput, self.badput, self.wall, self.step, self.world,
                             self.spares, self.faults, self.anomalies,
-                            *self.counters.values(), *self.histograms.values()]
+                            *self.counters.values(), *self.histograms.values(),
+                            _LedgerCollector(self)]
+        r.register(self._collectors[-1])
 
     def observe(self, obs: list[tuple[Metric, Any]]) -> None:
         for metric, value in obs:
@@ -255,6 +262,7 @@ class PrometheusExport:
                 self.histograms[metric].observe(value)
 
     def set(self, stats: LiveStats, report: dict[str, Any] | None) -> None:
+        self.ledger = stats.ledger
         self.step.set(stats.step)
         self.world.set(stats.world_size)
         self.spares.set(stats.spares_ready)
@@ -269,6 +277,25 @@ class PrometheusExport:
         """Leave the registry (the agent no longer leads)."""
         for collector in self._collectors:
             self.registry.unregister(collector)
+
+
+class _LedgerCollector:
+    """The leader's counter of capacity lost and its generation gauge, read from the ledger
+    at each scrape (the capacity grows with time, between events too)."""
+
+    def __init__(self, export: PrometheusExport) -> None:
+        self._export = export
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ledger = self._export.ledger
+        if ledger is None:
+            return
+        yield CounterMetricFamily(Metric.JOB_CAPACITY_LOST, "Rank-seconds run short of ranks",
+                                  value=ledger.total(time.time()))
+        yield GaugeMetricFamily(Metric.JOB_GENERATION, "The newest generation up",
+                                value=ledger.gen)
 
 
 class LiveTelemetry:

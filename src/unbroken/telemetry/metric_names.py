@@ -46,6 +46,11 @@ class Metric(StrEnum):
     NODE_CHECKPOINT_STALL = "unbroken_node_checkpoint_stall_seconds"
     """Counter (`_total`), label `node`: rank-seconds the node's training loops stalled for
     checkpoints."""
+    JOB_CAPACITY_LOST = "unbroken_job_capacity_lost_rank_seconds"
+    """Counter (`_total`), the leader's only: rank-seconds the job ran short of its full
+    world (ranks no live node holds); a new leader resumes it (`job_ledger`)."""
+    JOB_GENERATION = "unbroken_job_generation"
+    """Gauge, the leader's only: the newest generation up."""
     GOODPUT = "unbroken_goodput_ratio"
     """Gauge, 0..1: productive step time over wall time times world size, so far."""
     BADPUT = "unbroken_badput_seconds"

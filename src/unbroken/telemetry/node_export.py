@@ -3,8 +3,8 @@
 `NodeTelemetry` is the executor: the HTTP server (bound once, at the agent's start, whatever
 its role, so that every target a ServiceMonitor selects answers), a registry the leader's
 job-wide series join while it leads (`live.LiveTelemetry`), and a thread that every
-`poll_s` folds the agent's own new events (handed over by `own`, from its event log) and
-its node's worker events (tailed from the log), and every `refresh_s` advances the
+`poll_s` folds the node's new events (`node_log.NodeLog`: the agent's own and its
+workers'), and every `refresh_s` advances the
 rank-seconds from the goodput accounting of what the node's log holds.
 """
 
@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import Category
 from unbroken.telemetry.goodput import account
-from unbroken.telemetry.live import EventTail, SayOnce
+from unbroken.telemetry.live import SayOnce
 from unbroken.telemetry.metric_names import NODE_LABEL, Metric
+from unbroken.telemetry.node_log import NodeLog
 from unbroken.telemetry.node_metrics import (
     FAULT_KINDS,
     RECOVERY_KINDS,
@@ -120,14 +118,11 @@ class NodeTelemetry:
     agent emits (from any thread); `close()` folds what is left, counts the rank-seconds to
     the end, and stops the server."""
 
-    def __init__(self, events_path: Path, export: NodeExport, node: Callable[[], int | None],
-                 say: Callable[[str], None], *, refresh_s: float = 5.0,
-                 poll_s: float = 0.5) -> None:
+    def __init__(self, log: NodeLog, export: NodeExport, say: Callable[[str], None], *,
+                 refresh_s: float = 5.0, poll_s: float = 0.5) -> None:
         self.export = export
-        self._node = node
+        self._log = log
         self._say = say
-        self._tail = EventTail(events_path)
-        self._own: deque[dict[str, Any]] = deque()
         self._events: list[ev.EventBody] = []  # this node's, for the accounting
         self._counters: NodeCounters | None = None
         self._seconds = RankSeconds()
@@ -137,10 +132,6 @@ class NodeTelemetry:
         self._thread = threading.Thread(target=self._loop, name="unbroken-node-metrics",
                                         daemon=True)
         self._thread.start()
-
-    def own(self, record: dict[str, Any]) -> None:
-        """An event this agent emitted (its `EventLog` observer)."""
-        self._own.append(record)
 
     def _loop(self) -> None:
         refreshed = time.monotonic()
@@ -158,7 +149,7 @@ class NodeTelemetry:
         """Fold what is new; with `refresh`, advance the rank-seconds (to `until`, else to
         the settled present)."""
         with self._lock:
-            node = self._node()
+            node = self._log.node()
             if node is None:  # not yet given a node rank: nothing is this node's yet
                 return
             if self._counters is None or self._counters.node != node:
@@ -166,16 +157,10 @@ class NodeTelemetry:
                 if self.export.node != str(node):
                     self.export.set_node(node)
             counters, obs = self._counters, []
-            while self._own:
-                e = ev.decode(self._own.popleft())
-                self._events.append(e)
-                obs += counters.fold_own(e)
-            for record in self._tail.read():
-                if record.get("source") == "agent" or record.get("node") != node:
-                    continue  # an agent's (ours came by `own`), or another node's
+            for own, record in self._log.read():
                 e = ev.decode(record)
                 self._events.append(e)
-                obs += counters.fold_worker(e)
+                obs += counters.fold_own(e) if own else counters.fold_worker(e)
             if refresh and counters.slots and self._events:
                 obs += self._advance(counters, until)
             self.export.observe(obs)
@@ -193,5 +178,5 @@ class NodeTelemetry:
             self.tick(refresh=True, until=time.time())
         except Exception as exc:  # noqa: BLE001
             self._say(f"metrics: {type(exc).__name__}: {exc} (the last counts are lost)")
-        self._tail.close()
+        self._log.close()
         self.export.close()

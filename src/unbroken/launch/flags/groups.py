@@ -298,6 +298,16 @@ class Telemetry:
         "--status-every", parse=seconds_or_zero, default=30.0, metavar="SECONDS",
         help="the leader prints a status line (step, steps/s, goodput so far, faults, spares "
              "ready) this often; 0: never (default 30)")
+    event_dir: str | None = flag(
+        "--event-dir", metavar="DIR",
+        help="also keep this node's events in DIR/node<K>-<pod uid or agent id>.jsonl: a "
+             "directory on a volume every node shares, where they outlive a pod (`unbroken "
+             "report DIR` merges every node's file, a deleted pod's included)")
+    """None: the run dir's log only."""
+    event_stdout: bool = flag(
+        "--event-stdout", kind=Kind.SWITCH, default=False,
+        help="also write this node's events to stdout, each line 'unbroken-event: {json}' "
+             "(no shared volume: a pod's log keeps them; `unbroken report` reads a saved log)")
     event_log_handler: str = flag("--event-log-handler", torchrun=True, default="null",
                                   help="torchrun's event handler; unbroken writes its events to "
                                        "RUN_DIR/events.jsonl")

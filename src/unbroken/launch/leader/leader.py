@@ -67,6 +67,8 @@ from unbroken.launch.planning.planner_state import (
 from unbroken.launch.role import Role
 from unbroken.polling import PollTimeout, poll_until
 from unbroken.telemetry import schema as ev
+from unbroken.telemetry.job_ledger import CapacityLedger
+from unbroken.telemetry.live import LiveTelemetry
 
 _LOOK = 0.02  # seconds between two looks while waiting: the role's sleep (the agent's default)
 
@@ -89,6 +91,7 @@ class Leader(Role):
         self._stepping_down = False  # SIGTERM on etcd: leaving without ending the job
         self._handover_blocked: int | None = None  # the heir a handover could not reach, said
         self.rendezvous = Rendezvous(self)
+        self._live: LiveTelemetry | None = None  # while it leads: the job-wide series
 
     @property
     def budget(self) -> RestartBudget:
@@ -105,7 +108,7 @@ class Leader(Role):
         self.state.nodes = node_life.with_job(self.state.nodes, job)
 
     def run(self, takeover: Elected | None = None) -> int:
-        live = start_telemetry(self.cfg, self.say, self.metrics)
+        self._live = live = start_telemetry(self.cfg, self.say, self.metrics)
         try:
             return self._lead(takeover)
         finally:
@@ -177,6 +180,8 @@ class Leader(Role):
         if record is not None:
             self.state.budget = replace(self.budget, spent=record.restarts_spent)
             self.nodes = record.nodes
+            if self._live is not None and record.capacity:  # the capacity counter goes on
+                self._live.stats.ledger = CapacityLedger.from_plain(record.capacity)
         current = ch.read(CURRENT)
         attempt = current if current is not None else 0
         self.events.emit(ev.LeaderElected(attempt=attempt, term=self.election.mine.term,
@@ -254,7 +259,9 @@ class Leader(Role):
 
     def save_record(self, attempt: int) -> None:
         """Persist the budget and the node set for a successor, when they changed."""
-        record = LeaderRecord(attempt=attempt, restarts_spent=self.budget.spent, nodes=self.nodes)
+        ledger = self._live.stats.ledger if self._live is not None else None
+        record = LeaderRecord(attempt=attempt, restarts_spent=self.budget.spent, nodes=self.nodes,
+                              capacity=ledger.plain() if ledger is not None else None)
         if record != self._recorded:
             self.channel.write(LEADER_RECORD, record)
             self._recorded = copy.deepcopy(record)

@@ -10,35 +10,12 @@ from pathlib import Path
 from unbroken.control.channel import Channel
 from unbroken.control.messages import NodeSet
 from unbroken.control.schema import AUTH_REJECTIONS
-from unbroken.errors import ExitCode, UserError
+from unbroken.errors import ExitCode
 from unbroken.launch.config import LaunchConfig
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 from unbroken.telemetry.live import LiveTelemetry
-from unbroken.telemetry.node_export import NodeExport, NodeTelemetry
-
-
-def start_node_metrics(cfg: LaunchConfig, events: EventLog,
-                       say: Callable[[str], None]) -> NodeTelemetry | None:
-    """Every agent's /metrics (with --metrics-port): its node's series, from its start to its
-    end, whatever its role. A port that cannot be bound is the user's to fix: one line,
-    exit 2 at start."""
-    if cfg.telemetry.metrics_port is None:
-        return None
-    addr, port = cfg.telemetry.metrics_addr, cfg.telemetry.metrics_port
-    try:
-        export = NodeExport(addr, port, node=cfg.node_rank or 0,
-                            role="standby" if cfg.standby else "follower", run=cfg.run_id)
-    except OSError as exc:
-        raise UserError(f"--metrics-port {port}: cannot serve /metrics on {addr}: "
-                        f"{exc.strerror or exc}; choose a free port (or --metrics-addr)"
-                        ) from None
-    metrics = NodeTelemetry(Path(cfg.run_dir) / EVENTS_FILE, export,
-                            lambda: events.context.get("node"), say)
-    events.observer = metrics.own
-    host, bound = export.address
-    say(f"metrics: http://{host}:{bound}/metrics")
-    return metrics
+from unbroken.telemetry.node_export import NodeTelemetry
 
 
 def start_telemetry(cfg: LaunchConfig, say: Callable[[str], None],
