@@ -47,11 +47,12 @@ def test_output_dir_gets_one_file_per_object_and_a_line_each(tmp_path, capsys):
     assert code == 0 and out == ""
     files = sorted(out_dir.iterdir())
     assert [f.name for f in files] == ["00-service-job-etcd.yaml", "01-statefulset-job-etcd.yaml",
-                                       "02-jobset-job.yaml"]
+                                       "02-poddisruptionbudget-job-etcd.yaml",
+                                       "03-jobset-job.yaml"]
     assert [line for line in err.splitlines() if line.startswith("wrote ")] == [
         f"wrote {f}" for f in files]
     assert [yaml.safe_load(f.read_text())["kind"] for f in files] == [
-        "Service", "StatefulSet", "JobSet"]
+        "Service", "StatefulSet", "PodDisruptionBudget", "JobSet"]
     assert SECRET_COMMAND in err.splitlines() and not HEX64.search(err)
 
 

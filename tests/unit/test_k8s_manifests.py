@@ -78,6 +78,17 @@ MORE = {
                               "--nnodes", "1:3", "--control-plane", "etcd", "/app/train.py"],
     "pytorchjob-one-node": ["--name", "pj", "--image", "img", "--workload", "pytorchjob",
                             "/app/train.py"],
+    # A platform team's 8-node H100 job: etcd, metrics, a shared volume, IRSA for S3.
+    "llm": ["--name", "llm", "--image", "123456789012.dkr.ecr.us-east-1.amazonaws.com/llm:1",
+            "--nnodes", "8", "--gpus", "8", "--efa", "32", "--nproc-per-node", "8",
+            "--control-plane", "etcd", "--metrics", "--checkpoint-pvc", "ckpt",
+            "--service-account", "trainer", "/app/train.py"],
+    "llm-platform": ["--name", "llmp", "--image", "img:5", "--nnodes", "2", "--gpus", "8",
+                     "--nproc-per-node", "7", "--spares", "1", "--checkpoint-pvc", "ckpt",
+                     "--service-account", "trainer", "--irsa-role-arn",
+                     "arn:aws:iam::123456789012:role/llm-s3", "--image-pull-secret", "ecr",
+                     "--priority-class", "training-high", "--run-arg=--hang-timeout=600",
+                     "--env", "HF_HUB_OFFLINE=1", "--state-size", "20Gi", "/app/train.py"],
 }
 ALL = {**INVOCATIONS, **MORE}
 
@@ -628,8 +639,9 @@ def test_the_trainjob_runs_on_its_own_runtime_as_trainer_expects():
         "name": runtime["metadata"]["name"]}
     trainer = train_job["spec"]["trainer"]
     assert (trainer["image"], trainer["numNodes"], trainer["numProcPerNode"]) == ("img:3", 2, 4)
-    assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "4"},
-                                           "requests": {"nvidia.com/gpu": "4"}}
+    # 16Gi + 4 x (6Gi + 3 x 8Gi) + 1Gi; 4 x 8 + 1 cores
+    amounts = {"cpu": "33", "memory": "137Gi", "nvidia.com/gpu": "4"}
+    assert trainer["resourcesPerNode"] == {"limits": amounts, "requests": amounts}
     assert trainer["args"][-3:] == ["/app/train.py", "--lr", "3e-4"]
 
 
@@ -652,7 +664,9 @@ def test_gpu_and_efa_pods_get_their_resources_and_fabric_environment():
     spec = spec_of(ALL["jobset-gpu"])
     (template,) = pod_templates(render(spec))
     (agent,) = template["spec"]["containers"]
-    amounts = {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"}
+    # 16Gi of /dev/shm + 8 x (6Gi + 3 x 8Gi of host copies) + 1Gi; 8 x 8 cores + 1.
+    amounts = {"cpu": "65", "memory": "257Gi", "nvidia.com/gpu": "8",
+               "vpc.amazonaws.com/efa": "4"}
     assert agent["resources"] == {"limits": amounts, "requests": amounts}
     env = {v["name"]: v.get("value") for v in agent["env"]}
     assert env["FI_PROVIDER"] == "efa" and env["NCCL_SOCKET_IFNAME"] == "^lo,docker"
@@ -665,7 +679,8 @@ def test_gpu_and_efa_pods_get_their_resources_and_fabric_environment():
     assert template["spec"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     (cpu,) = pod_templates(render(spec_of(ALL["jobset-one-node"])))
-    assert "resources" not in cpu["spec"]["containers"][0]
+    # 1Gi + (2Gi + 3 x 256Mi) + 1Gi, rounded up; 1 + 1 cores
+    assert cpu["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "2", "memory": "5Gi"}
     assert not {"NCCL_DEBUG", "FI_PROVIDER"} & {v["name"] for v in cpu["spec"]["containers"][0]["env"]}
 
 
@@ -704,10 +719,12 @@ def test_the_etcd_cluster_and_the_agents_agree_on_its_names():
 def test_objects_come_in_apply_order_and_are_written_one_per_file(tmp_path):
     kinds = {name: [o["kind"] for o in render(spec_of(argv))] for name, argv in ALL.items()}
     assert kinds["jobset-gpu"] == ["JobSet", "Service", "ServiceMonitor", "PrometheusRule", "ConfigMap"]
-    assert kinds["jobset-etcd-standby"] == ["Service", "StatefulSet", "JobSet"]
+    assert kinds["jobset-etcd-standby"] == ["Service", "StatefulSet", "PodDisruptionBudget",
+                                            "JobSet"]
     assert kinds["trainjob"] == ["ClusterTrainingRuntime", "TrainJob", "Service",
                                  "ServiceMonitor", "PrometheusRule", "ConfigMap"]
-    assert kinds["pytorchjob-etcd"] == ["Service", "StatefulSet", "PyTorchJob", "Service",
+    assert kinds["pytorchjob-etcd"] == ["Service", "StatefulSet", "PodDisruptionBudget",
+                                        "PyTorchJob", "Service",
                                         "ServiceMonitor", "PrometheusRule", "ConfigMap"]
     objs = render(spec_of(ALL["trainjob"]))
     paths = write_dir(objs, tmp_path / "out")
@@ -766,3 +783,162 @@ def test_the_rendering_matches_its_golden_file(name):
         f"{path.relative_to(ROOT)} differs from the rendering: if the change is meant, "
         "rewrite the goldens with  UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_k8s_manifests.py "
         "and review their diff")
+
+
+# ------------------------------------------------------------------ a platform team's checks
+# The Pod Security Standards' "restricted" profile, check by check, as the admission
+# controller applies it (kubernetes.io/docs/concepts/security/pod-security-standards/,
+# v1.31): evaluated here on every pod spec rendered.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What keeps `pod` (a pod spec) out of the restricted profile; [] when it meets it."""
+    out = []
+    psc = pod.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            out.append(key)
+    for v in pod.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation is not false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities do not drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: adds capabilities")
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+            out.append(f"{name}: runAsNonRoot is not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{name}: runs as root")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile {seccomp}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{name}: hostPort")
+        if sc.get("procMount", "Default") != "Default":
+            out.append(f"{name}: procMount")
+    return out
+
+
+def every_pod_spec(objs: list[dict]) -> list[dict]:
+    out = [t["spec"] for t in pod_templates(objs)]
+    out += [sts["spec"]["template"]["spec"] for sts in of_kind(objs, "StatefulSet")]
+    return out
+
+
+def test_every_pod_meets_the_restricted_profile_or_targets_baseline_and_says_why(case):
+    name, spec, objs = case
+    for pod_spec in every_pod_spec(objs):
+        violations = restricted_violations(pod_spec)
+        if spec.checkpoint_host_path and pod_spec in [t["spec"] for t in pod_templates(objs)]:
+            assert violations == ["volume checkpoints: ['hostPath']"], (name, violations)
+            assert spec.pod_security == "baseline"
+            assert any("spec.volumes[].hostPath" in w and "baseline" in w
+                       for w in spec.warnings())
+        else:
+            assert violations == [], (name, violations)
+
+
+def test_the_restricted_check_finds_what_it_looks_for():
+    one = every_pod_spec(render(spec_of(ALL["jobset-one-node"])))[0]
+    assert restricted_violations(one) == []
+    bad = {**one, "hostNetwork": True,
+           "securityContext": {**one["securityContext"], "runAsNonRoot": False},
+           "containers": [{**one["containers"][0], "securityContext": {}}]}
+    assert restricted_violations(bad) == [
+        "hostNetwork", "node: allowPrivilegeEscalation is not false",
+        "node: capabilities do not drop ALL", "node: runAsNonRoot is not true"]
+
+
+def test_every_container_is_guaranteed_requests_equal_limits(case):
+    name, _, objs = case
+    for c in containers(objs):
+        res = c["resources"]
+        assert res["requests"] == res["limits"], (name, c["name"])
+        assert {"cpu", "memory"} <= set(res["limits"]), (name, c["name"])
+
+
+def test_the_platform_teams_job_renders_as_asked():
+    spec = spec_of(ALL["llm"])
+    objs = render(spec)
+    (template,) = pod_templates(objs)
+    ps = template["spec"]
+    assert ps["serviceAccountName"] == "trainer"
+    assert ps["securityContext"]["fsGroup"] == 1000
+    assert ps["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert template["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
+    env = {v["name"]: v.get("value") for v in ps["containers"][0]["env"]}
+    assert env["HOME"] == "/var/run/unbroken/home"
+    assert {"HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env)
+    assert "/var/run/unbroken/home" in {m["mountPath"] for m in ps["containers"][0]["volumeMounts"]}
+    args = ps["containers"][0]["args"]
+    assert args[args.index("--metrics-port") + 1] == "9478"
+    (pdb,) = of_kind(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "etcd"
+    (etcd,) = of_kind(objs, "StatefulSet")
+    member = etcd["spec"]["template"]["spec"]["containers"][0]
+    assert member["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in member["command"]
+    assert "podAntiAffinity" in etcd["spec"]["template"]["spec"]["affinity"]
+    assert not [o for o in objs if o["kind"] == "PodDisruptionBudget"
+                and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] != "etcd"]
+    for obj in [pdb, *of_kind(objs, "ServiceAccount")]:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_irsa_pull_secrets_priority_run_args_and_env_reach_the_pods():
+    spec = spec_of(ALL["llm-platform"])
+    objs = render(spec)
+    (account,) = of_kind(objs, "ServiceAccount")
+    assert account["metadata"]["name"] == "trainer"
+    assert account["metadata"]["annotations"] == {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/llm-s3"}
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(account, version, strict=True)
+    (template,) = pod_templates(objs)
+    ps = template["spec"]
+    assert ps["imagePullSecrets"] == [{"name": "ecr"}]
+    assert ps["priorityClassName"] == "training-high"
+    c = ps["containers"][0]
+    assert c["args"][c["args"].index("--continue-dead-job") - 1] == "--hang-timeout=600"
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} == c["env"][-1]
+    # 16Gi + 8 processes (7 workers and a spare) x (6Gi + 3 x 20Gi) + 1Gi
+    assert c["resources"]["limits"]["memory"] == "545Gi"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--gpus", "8", "--nproc-per-node", "8", "--spares", "1"],
+     "--nproc-per-node 8 and --spares 1 need 9 GPUs, the pod has --gpus 8"),
+    (["--gpus", "4", "--nproc-per-node", "8"],
+     "--nproc-per-node 8 with --gpus 4: each worker needs a GPU of its own"),
+    (["--metrics", "--metrics-port", "9400"], "--metrics-port 9400 is dcgm-exporter's port"),
+    (["--irsa-role-arn", "arn:aws:iam::123456789012:role/x"],
+     "--irsa-role-arn needs --service-account"),
+    (["--service-account", "t", "--irsa-role-arn", "role/x"], "is not an IAM role ARN"),
+    (["--run-arg=--max-restarts=many"], "--run-arg --max-restarts=many: unbroken run says:"),
+    (["--env", "NO_VALUE"], "--env takes KEY=VALUE"),
+    (["--memory", "lots"], "--memory 'lots' must be a positive quantity"),
+    (["--cpu", "0"], "--cpu '0' must be a positive number of cores"),
+    (["--run-as-user", "0"], "--run-as-user 0: a non-root user id"),
+])
+def test_a_layout_or_setting_that_cannot_run_is_refused_in_one_line_with_exit_2(argv, said,
+                                                                                 capsys):
+    from unbroken.cli import main
+
+    code = main(["k8s", "--name", "x", "--image", "img", *argv, "/app/train.py"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0], err

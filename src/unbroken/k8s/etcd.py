@@ -1,5 +1,5 @@
-"""The job's own etcd cluster (control plane `etcd`): a headless Service and a StatefulSet
-`<name>-etcd` whose members find each other, and the agents find them, by their stable
+"""The job's own etcd cluster (control plane `etcd`): a headless Service, a StatefulSet
+`<name>-etcd` and its PodDisruptionBudget; members find each other, and the agents find them, by their stable
 names `<name>-etcd-<i>.<name>-etcd`.
 
 Every flag used is accepted by etcd 3.4 (Debian's etcd-server) and 3.5 (the image). The
@@ -18,6 +18,12 @@ from unbroken.k8s import names
 from unbroken.k8s.spec import K8sSpec
 
 IMAGE = "quay.io/coreos/etcd:v3.5.17"
+METRICS_PORT = 2381
+"""Plain http, for the probes (`/health`) and Prometheus: the client port may demand a
+client certificate, which the kubelet's probes cannot present."""
+USER = 65532  # the image's distroless `nonroot`
+RESOURCES = {"cpu": "500m", "memory": "512Mi"}
+"""Each member's, requests = limits: an idle job's keys fit in tens of MiB."""
 DATA_MOUNT = "/var/lib/etcd"
 DATA_SIZE = "1Gi"
 TLS_DIR = "/etc/etcd/tls"
@@ -54,7 +60,8 @@ def command(spec: K8sSpec) -> list[str]:
            f"--initial-cluster={cluster}", "--initial-cluster-state=new",
            f"--initial-cluster-token={svc}",
            # the agents' keys churn for as long as the job trains: keep one hour of history
-           "--auto-compaction-retention=1"]
+           "--auto-compaction-retention=1",
+           f"--listen-metrics-urls=http://0.0.0.0:{METRICS_PORT}"]
     if spec.etcd_tls_secret:
         out += ["--client-cert-auth", f"--trusted-ca-file={TLS_DIR}/ca.crt",
                 f"--cert-file={TLS_DIR}/tls.crt", f"--key-file={TLS_DIR}/tls.key",
@@ -69,10 +76,22 @@ def statefulset(spec: K8sSpec) -> dict:
         "name": "etcd", "image": IMAGE, "command": command(spec),
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "ports": [{"name": "client", "containerPort": names.ETCD_CLIENT_PORT, "protocol": "TCP"},
-                  {"name": "peer", "containerPort": names.ETCD_PEER_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+                  {"name": "peer", "containerPort": names.ETCD_PEER_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        # Ready once the member is healthy (in a quorum); alive while its client port
+        # answers: a member waiting for its peers' quorum at start is not restarted for it.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": "client"}, "initialDelaySeconds": 10,
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": dict(RESOURCES), "limits": dict(RESOURCES)},
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "data", "mountPath": DATA_MOUNT}]}
     pod_spec: dict = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "runAsGroup": USER,
+                            "fsGroup": USER, "fsGroupChangePolicy": "OnRootMismatch",
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
             {"weight": 100, "podAffinityTerm": {
                 "labelSelector": {"matchLabels": _selector(spec)},
@@ -95,3 +114,11 @@ def statefulset(spec: K8sSpec) -> dict:
                     "metadata": {"name": "data"},
                     "spec": {"accessModes": ["ReadWriteOnce"],
                              "resources": {"requests": {"storage": DATA_SIZE}}}}]}}
+
+
+def disruption_budget(spec: K8sSpec) -> dict:
+    """At most one member evicted at a time (a drain, an upgrade): the quorum stays. The
+    training pods get none: their agents hand their ranks over on SIGTERM."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": names.meta(spec, names.etcd_service(spec), COMPONENT),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(spec)}}}

@@ -36,7 +36,7 @@ def job_template(spec: K8sSpec, *, role: str, count: int, args: list[str],
         "backoffLimit": spec.backoff_limit,
         "podFailurePolicy": {"rules": policy.pod_failure_rules(pod.CONTAINER)},
         "successPolicy": policy.JOB_SUCCESS_POLICY,
-        "template": {"metadata": {"labels": names.labels(spec, role)},
+        "template": {"metadata": pod.template_metadata(spec, role),
                      "spec": pod.pod_spec(spec, container)}}
     return out
 

@@ -49,8 +49,8 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
     --master-port; etcd: --rdzv-endpoint, --local-addr $(POD_IP) and the TLS files);
     --run-dir, --secret-file, --shutdown-timeout, --node-timeout, --max-restarts; --spares
     and --metrics-port/--metrics-addr when set; --event-dir or --event-stdout
-    (`event_args`); --tee 3 with the rank prefix; --continue-dead-job; the script and its
-    arguments.
+    (`event_args`); --tee 3 with the rank prefix; `--run-arg`'s; --continue-dead-job; the
+    script and its arguments.
 
     `pet`: the pod's controller sets torchrun's PET_NNODES, PET_NPROC_PER_NODE,
     PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT (Trainer's torch plugin,
@@ -83,7 +83,7 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
     if spec.metrics:
         args += ["--metrics-port", str(spec.metrics_port), "--metrics-addr", "0.0.0.0"]
     args += event_args(spec)
-    args += ["--tee", "3", "--log-line-prefix-template", RANK_PREFIX]
+    args += ["--tee", "3", "--log-line-prefix-template", RANK_PREFIX, *spec.run_args]
     args += ["--continue-dead-job", spec.script, *spec.script_args]
     return args
 
@@ -151,29 +151,60 @@ def fabric_env(spec: K8sSpec) -> list[dict]:
 
 def env(spec: K8sSpec, identity: list[dict]) -> list[dict]:
     """The container's environment, in order (a later value may use an earlier one as
-    $(NAME)): the job's identity, the pod's name, IP and UID (its event file's name), then
-    NCCL's and EFA's. The Job
+    $(NAME)): the job's identity, the pod's name, IP and UID (its event file's name), HOME
+    and the caches on the writable `home` volume, NCCL's and EFA's, then `--env`'s. The Job
     controller injects JOB_COMPLETION_INDEX itself."""
     return [*identity, _from_field("POD_NAME", "metadata.name"),
             _from_field("POD_IP", "status.podIP"), _from_field(POD_UID_ENV, "metadata.uid"),
-            *fabric_env(spec)]
+            *({"name": k, "value": v} for k, v in CACHE_ENV), *fabric_env(spec),
+            *({"name": k, "value": v} for k, v in spec.extra_env)]
 
 
 def resources(spec: K8sSpec) -> dict:
-    """GPUs and EFA interfaces, limits = requests; {} when neither is asked for."""
-    amounts = {}
+    """CPU, memory (`sizing`), GPUs and EFA interfaces, limits = requests: Guaranteed QoS."""
+    amounts = {"cpu": spec.pod_cpu, "memory": spec.pod_memory}
     if spec.gpus:
         amounts["nvidia.com/gpu"] = str(spec.gpus)
     if spec.efa:
         amounts["vpc.amazonaws.com/efa"] = str(spec.efa)
-    return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else {}
+    return {"limits": dict(amounts), "requests": dict(amounts)}
+
+
+HOME_DIR = "/var/run/unbroken/home"
+"""A writable emptyDir: HOME and the caches a non-root user must be able to write."""
+CACHE_ENV = (("HOME", HOME_DIR), ("HF_HOME", f"{HOME_DIR}/.cache/huggingface"),
+             ("TRITON_CACHE_DIR", f"{HOME_DIR}/.cache/triton"),
+             ("TORCHINDUCTOR_CACHE_DIR", f"{HOME_DIR}/.cache/torchinductor"))
+DO_NOT_DISRUPT = {"karpenter.sh/do-not-disrupt": "true"}
+"""Karpenter does not consolidate a node away under a training pod (unbroken drains on
+SIGTERM, but a voluntary disruption still costs a recovery)."""
+
+
+def pod_security_context(spec: K8sSpec) -> dict:
+    """Non-root, the volumes given to its group (only where their owner differs: large
+    checkpoint volumes are not walked each start), the runtime's default seccomp."""
+    uid = spec.run_as_user
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict:
+    """The restricted profile's container part: no privilege escalation, no capability."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def template_metadata(spec: K8sSpec, role: str) -> dict:
+    """A training pod template's labels and annotations."""
+    return {"labels": names.labels(spec, role), "annotations": dict(DO_NOT_DISRUPT)}
 
 
 def volumes(spec: K8sSpec) -> list[dict]:
-    """run (emptyDir), secret (the job's Secret, 0400), checkpoints (PVC or hostPath, when
+    """run and home (emptyDirs), secret (the job's Secret, 0400), checkpoints (PVC or hostPath, when
     given), shm (memory-backed /dev/shm), etcd-tls (when etcd serves TLS)."""
     out: list[dict] = [
         {"name": "run", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
         {"name": "secret", "secret": {"secretName": spec.secret_name, "defaultMode": SECRET_MODE,
                                       "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}}]
     if spec.checkpoint_pvc:
@@ -191,6 +222,7 @@ def volumes(spec: K8sSpec) -> list[dict]:
 
 def volume_mounts(spec: K8sSpec) -> list[dict]:
     out: list[dict] = [{"name": "run", "mountPath": RUN_DIR},
+                       {"name": "home", "mountPath": HOME_DIR},
                        {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
     if spec.checkpoint_pvc or spec.checkpoint_host_path:
         out.append({"name": "checkpoints", "mountPath": spec.checkpoint_mount})
@@ -208,12 +240,10 @@ def container(spec: K8sSpec, *, name: str, args: list[str], identity: list[dict]
     if spec.metrics:
         ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics_port,
                       "protocol": "TCP"})
-    out = {"name": name, "image": spec.image, "command": list(COMMAND), "args": args,
-           "env": env(spec, identity), "ports": ports}
-    if res := resources(spec):
-        out["resources"] = res
-    out["volumeMounts"] = volume_mounts(spec)
-    return out
+    return {"name": name, "image": spec.image, "command": list(COMMAND), "args": args,
+            "env": env(spec, identity), "ports": ports, "resources": resources(spec),
+            "securityContext": container_security_context(),
+            "volumeMounts": volume_mounts(spec)}
 
 
 def pod_spec(spec: K8sSpec, the_container: dict, *, restart_policy: str | None = "Never") -> dict:
@@ -224,6 +254,13 @@ def pod_spec(spec: K8sSpec, the_container: dict, *, restart_policy: str | None =
     if restart_policy:
         out["restartPolicy"] = restart_policy
     out["terminationGracePeriodSeconds"] = spec.grace_seconds
+    if spec.service_account:
+        out["serviceAccountName"] = spec.service_account
+    if spec.priority_class:
+        out["priorityClassName"] = spec.priority_class
+    if spec.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    out["securityContext"] = pod_security_context(spec)
     out["containers"] = [the_container]
     out["volumes"] = volumes(spec)
     if spec.node_selector:
@@ -238,3 +275,10 @@ def secret_command(spec: K8sSpec) -> str:
     never shown, stored or rendered."""
     return (f"kubectl create secret generic {spec.secret_name} --namespace {spec.namespace} "
             f"--from-literal={SECRET_KEY}=\"$(openssl rand -hex 32)\"")
+
+
+def service_account(spec: K8sSpec) -> dict:
+    """The pods' ServiceAccount, annotated with the IAM role IRSA gives its pods."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {**names.meta(spec, spec.service_account or "", "training"),
+                         "annotations": {"eks.amazonaws.com/role-arn": spec.irsa_role_arn}}}

@@ -39,7 +39,7 @@ def _replica(spec: K8sSpec, count: int) -> dict:
     container = pod.container(spec, name=CONTAINER, args=pod.agent_args(spec, pet=True),
                               identity=pod.pytorchjob_identity_env(), c10d_port_name=PORT_NAME)
     return {"replicas": count, "restartPolicy": RESTART_POLICY,
-            "template": {"metadata": {"labels": names.labels(spec, "node")},
+            "template": {"metadata": pod.template_metadata(spec, "node"),
                          "spec": pod.pod_spec(spec, container, restart_policy=None)}}
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from unbroken.errors import UserError
-from unbroken.k8s import etcd, jobset, observability, pytorchjob, trainer
+from unbroken.k8s import etcd, jobset, observability, pod, pytorchjob, trainer
 from unbroken.k8s.spec import ControlPlane, K8sSpec, Workload
 from unbroken.k8s.yaml_io import pyyaml
 
@@ -29,8 +29,10 @@ NOT_A_STRING = re.compile(r"[-+]?(\.[0-9][0-9_]*|[0-9][0-9_]*(\.[0-9_]*)?)([eE][
 def render(spec: K8sSpec) -> list[dict]:
     """Every object the job needs, in the order `kubectl apply` should create them."""
     objs: list[dict] = []
+    if spec.irsa_role_arn:
+        objs.append(pod.service_account(spec))
     if spec.control_plane == ControlPlane.ETCD:
-        objs += [etcd.service(spec), etcd.statefulset(spec)]
+        objs += [etcd.service(spec), etcd.statefulset(spec), etcd.disruption_budget(spec)]
     if spec.workload == Workload.JOBSET:
         objs.append(jobset.jobset(spec))
     elif spec.workload == Workload.TRAINJOB:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.errors import UserError
+from unbroken.k8s import sizing
 from unbroken.launch.flags.values import parse_nnodes
 
 
@@ -47,6 +48,10 @@ DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0
 LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 QUANTITY = re.compile(r"(\d+(\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+METRICS_PORT = 9478
+CROWDED_PORTS = {9100: "node-exporter", 9400: "dcgm-exporter", 9464: "OpenTelemetry's "
+                 "Prometheus exporter", 8080: "cAdvisor and many apps"}
+"""Ports a metrics port must not take: hostNetwork exporters and sidecars hold them."""
 TRAINER_MASTER_PORT = 29500  # Trainer's torch plugin sets PET_MASTER_PORT to this, always
 # Paths the pod mounts for unbroken itself (pod.py); a checkpoint mount must not shadow them
 # (/var/run is /run in most images).
@@ -147,8 +152,9 @@ class K8sSpec:
     """Serve Prometheus metrics and render a metrics Service, a ServiceMonitor and a
     PrometheusRule (both need the Prometheus Operator's CRDs) and the Grafana dashboard's
     ConfigMap."""
-    metrics_port: int = 9400
-    """The port every agent serves /metrics on (`--metrics-port`)."""
+    metrics_port: int = 9478
+    """The port every agent serves /metrics on (`--metrics-port`): none of the common
+    exporters' (`CROWDED_PORTS`)."""
     control_plane: ControlPlane = ControlPlane.EMBEDDED
     """Embedded TCPStore on node 0, or an etcd StatefulSet."""
     etcd_replicas: int = 3
@@ -181,17 +187,67 @@ class K8sSpec:
     1Gi): NCCL and DataLoader workers need more than a container's 64 MiB."""
     port: int = 29500
     """The c10d TCPStore port on node 0 (embedded control plane)."""
+    cpu: str = ""
+    """CPU per training pod, requests = limits (default: `sizing.cpu_cores`)."""
+    memory: str = ""
+    """Memory per training pod, requests = limits (default: `sizing.memory_bytes`, from
+    `/dev/shm`, the processes and `state_size`)."""
+    state_size: str = ""
+    """A rank's state (parameters, optimizer): the host copies hold 3 x this (default 8Gi
+    with GPUs, 256Mi without)."""
+    run_as_user: int = 1000
+    """The containers' user (and group, and the volumes' fsGroup): the image's user."""
+    service_account: str | None = None
+    """The pods' ServiceAccount (IRSA: the role that reaches S3)."""
+    irsa_role_arn: str | None = None
+    """With `service_account`: render it, annotated `eks.amazonaws.com/role-arn`."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets the kubelet pulls the image with."""
+    priority_class: str | None = None
+    """The pods' priorityClassName."""
+    run_args: tuple[str, ...] = ()
+    """More `unbroken run` flags, before the script (checked by its own parser)."""
+    extra_env: tuple[tuple[str, str], ...] = ()
+    """More environment variables for the training container, in order."""
 
     def __post_init__(self) -> None:
         if not self.secret_name:
             object.__setattr__(self, "secret_name", f"{self.name}-secret")
         if not self.shm_size:
             object.__setattr__(self, "shm_size", "16Gi" if self.gpus else "1Gi")
+        if not self.state_size:
+            object.__setattr__(self, "state_size", sizing.STATE_SIZE[bool(self.gpus)])
+        for name in ("image_pull_secrets", "run_args", "extra_env"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "workload", Workload(self.workload))
         object.__setattr__(self, "control_plane", ControlPlane(self.control_plane))
         object.__setattr__(self, "script_args", tuple(self.script_args))
         object.__setattr__(self, "tolerations", tuple(self.tolerations))
         self._check()
+
+    @property
+    def processes(self) -> int:
+        """Processes per training pod that hold state: workers and spares."""
+        return self.nproc_per_node + self.spares
+
+    @property
+    def pod_cpu(self) -> str:
+        return self.cpu or str(sizing.cpu_cores(gpus=bool(self.gpus), processes=self.processes))
+
+    @property
+    def pod_memory(self) -> str:
+        if self.memory:
+            return self.memory
+        return sizing.gibibytes(sizing.memory_bytes(
+            gpus=bool(self.gpus), processes=self.processes,
+            shm=sizing.quantity_bytes(self.shm_size) or 0,
+            state=sizing.quantity_bytes(self.state_size) or 0))
+
+    @property
+    def pod_security(self) -> str:
+        """The Pod Security level the training pods meet: `restricted`, or `baseline` where
+        a hostPath volume (`--checkpoint-host-path`) rules it out."""
+        return "baseline" if self.checkpoint_host_path else "restricted"
 
     @property
     def elastic(self) -> bool:
@@ -293,10 +349,58 @@ class K8sSpec:
             if tol.get("effect") not in TAINT_EFFECTS:
                 raise UserError(f"--toleration effect {tol.get('effect')!r} must be one of "
                                 f"{', '.join(TAINT_EFFECTS)}")
+        self._check_layout()
+        self._check_pod_settings()
         quantity = QUANTITY.fullmatch(self.shm_size)
         if quantity is None or float(quantity.group(1)) <= 0:
             raise UserError(f"--shm-size {self.shm_size!r} must be a positive size such as "
                             "16Gi or 512Mi")
+
+    def _check_layout(self) -> None:
+        """Layouts that cannot run: each process needs a GPU of its own."""
+        if not self.gpus:
+            return
+        if self.nproc_per_node > self.gpus:
+            raise UserError(f"--nproc-per-node {self.nproc_per_node} with --gpus {self.gpus}: "
+                            "each worker needs a GPU of its own (give --nproc-per-node "
+                            f"{self.gpus} or fewer)")
+        if self.processes > self.gpus:
+            raise UserError(f"--nproc-per-node {self.nproc_per_node} and --spares "
+                            f"{self.spares} need {self.processes} GPUs, the pod has "
+                            f"--gpus {self.gpus}: a spare holds a GPU of its own (give "
+                            f"--nproc-per-node {self.gpus - self.spares})")
+
+    def _check_pod_settings(self) -> None:
+        for flag, value in (("--memory", self.memory), ("--state-size", self.state_size)):
+            if value and (sizing.quantity_bytes(value) or 0) <= 0:
+                raise UserError(f"{flag} {value!r} must be a positive quantity such as 64Gi")
+        if self.cpu and (not re.fullmatch(r"\d+(\.\d+)?m?", self.cpu)
+                         or float(self.cpu.rstrip("m")) <= 0):
+            raise UserError(f"--cpu {self.cpu!r} must be a positive number of cores such as "
+                            "8 or 500m")
+        if not 0 < self.run_as_user < 2**31:
+            raise UserError(f"--run-as-user {self.run_as_user}: a non-root user id (1 or more)")
+        for flag, value in (("--service-account", self.service_account),
+                            ("--priority-class", self.priority_class),
+                            *(("--image-pull-secret", v) for v in self.image_pull_secrets)):
+            if value is not None and (len(value) > 253
+                                      or not DNS1123_SUBDOMAIN.fullmatch(value)):
+                raise UserError(f"{flag} {value!r} is not a valid object name (lowercase "
+                                "letters, digits, '-' and '.')")
+        if self.irsa_role_arn is not None:
+            if self.service_account is None:
+                raise UserError("--irsa-role-arn needs --service-account: the role is the "
+                                "ServiceAccount's annotation")
+            if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+",
+                                self.irsa_role_arn):
+                raise UserError(f"--irsa-role-arn {self.irsa_role_arn!r} is not an IAM role "
+                                "ARN (arn:aws:iam::123456789012:role/NAME)")
+        for key, _value in self.extra_env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise UserError(f"--env {key}=...: {key!r} is not an environment variable name")
+        if self.metrics and self.metrics_port in CROWDED_PORTS:
+            raise UserError(f"--metrics-port {self.metrics_port} is {CROWDED_PORTS[self.metrics_port]}'s "
+                            f"port on many nodes: choose another (default {METRICS_PORT})")
 
     def warnings(self) -> list[str]:
         """What is allowed but probably not meant, one line each."""
@@ -308,6 +412,10 @@ class K8sSpec:
             out.append(f"--checkpoint-host-path {self.checkpoint_host_path} is each node's own "
                        "directory: a multi-node job needs one shared file system (a "
                        "ReadWriteMany --checkpoint-pvc) unless that path is one on every node")
+        if self.checkpoint_host_path:
+            out.append("--checkpoint-host-path: the pods mount a hostPath volume "
+                       "(spec.volumes[].hostPath), so they meet the 'baseline' Pod Security "
+                       "profile, not 'restricted'")
         if self.efa and not self.gpus:
             out.append("--efa without --gpus: EFA carries NCCL's traffic; without GPUs the "
                        "workers' gloo traffic goes over TCP anyway")
