@@ -9,7 +9,10 @@ What is shown (docs/kubernetes.md, "What was shown here"):
   now holding those ranks is force-deleted, the returned node takes them after the node
   timeout; the JobSet completes;
 - a deleted pod with no standby: the job restarts, and the recreated pod is taken back in
-  as the node it was;
+  as the node it was; the report made afterwards from the shared volume alone counts the
+  deleted pod's steps and fault;
+- a recreated pod whose checkpoint volume is read-only fails its health check (exit 4, one
+  line) before it joins, and the job goes on with its standby;
 - the etcd StatefulSet as pods, and the leader's pod force-deleted: another agent leads, and
   the job finishes; then, on the same etcd, a JobSet restart of the same instance (every
   agent killed, the Job's backoffLimit spent) continues the job from its checkpoint past the
@@ -23,6 +26,7 @@ What is shown (docs/kubernetes.md, "What was shown here"):
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -91,7 +95,7 @@ def cluster(tmp_path):
     volume = tmp_path / "volumes" / "ckpt"
     volume.mkdir(parents=True)
     secrets = {f"{n}-secret": {"secret": SECRET}
-               for n in ("del", "back", "etcdjob", "id", "zero", "bad")}
+               for n in ("del", "back", "etcdjob", "id", "zero", "bad", "sick")}
     secrets["other-secret"] = {"secret": "0f" * 32}
     with Cluster(tmp_path / "cluster", volumes={"ckpt": volume}, secrets=secrets) as c:
         c.shared = volume
@@ -146,6 +150,61 @@ def test_a_deleted_training_pod_hands_its_ranks_to_the_standby_and_returns_as_on
         assert max(e["step"] for e in events(node0, "step")) == 399
         assert [p.code for p in run.incarnations("node", 0)] == [0]
         assert back.code == 0, back.log()
+    finally:
+        run.close()
+
+
+def test_a_recreated_pod_on_a_read_only_volume_fails_its_health_check_and_the_job_goes_on(
+        cluster, tmp_path):
+    """Node 1's pod deleted: its rank goes to the standby pod in place. Its recreation lands
+    where the checkpoint volume is read-only (its mount made so, for that pod alone): the
+    agent's health check refuses the node before it joins, exit 4 with one line, and the
+    job trains on; the next recreation, healthy, comes back as a standby node."""
+    objs = manifests(tmp_path, "sick", "--nnodes", "2", "--standby-nodes", "1",
+                     script_args=train_args(400, "go-sick"))
+    run = JobSetRun(cluster, objs["JobSet"][0], scheduling_delay=1.0, on_event=print)
+    create = run._create_pod
+
+    def on_a_bad_machine(job, index):  # node 1's first recreation: a read-only volume
+        if (job.rjob, index) != ("node", 1) or len(run.incarnations("node", 1)) != 1:
+            return create(job, index)
+        healthy = job.spec["template"]
+        sick = copy.deepcopy(healthy)
+        for mount in sick["spec"]["containers"][0]["volumeMounts"]:
+            if mount["name"] == "checkpoints":
+                mount["readOnly"] = True
+        job.spec["template"] = sick
+        try:
+            return create(job, index)
+        finally:
+            job.spec["template"] = healthy
+
+    run._create_pod = on_a_bad_machine
+    run.start()
+    try:
+        node0, node1, standby = run.pod("node", 0), run.pod("node", 1), run.pod("standby", 0)
+        wait_for(lambda: offered(events(standby, "spares_offered")), 180,
+                 "the standby pod's spare offered")
+        wait_for(lambda: steps_at_least(node0, 10) and steps_at_least(node1, 10), 120, "step 10")
+        run.delete_pod(node1)
+        sick = wait_for(lambda: next(iter(run.incarnations("node", 1)[1:]), None), 60,
+                        "node 1's pod to be recreated")
+        wait_for(lambda: sick.ended, 120, "the recreated pod's refusal",
+                 explain=sick.dir / "volumes" / "run")
+        assert sick.code == 4, sick.log()
+        said = [line for line in sick.log().splitlines() if "health check failed" in line]
+        assert len(said) == 1 and f"volume {CKPT}: not writable" in said[0], sick.log()
+        assert not events(sick, "workers_started") and not events(sick, "node_returned")
+        at_refusal = max(e["step"] for e in events(node0, "step"))
+        wait_for(lambda: steps_at_least(node0, at_refusal + 10), 120, "the job to go on")
+        back = wait_for(lambda: next(iter(run.incarnations("node", 1)[2:]), None), 120,
+                        "node 1's pod to be recreated again")
+        wait_for(lambda: events(back, "node_returned"), 120, "the healthy pod to return",
+                 explain=back.dir / "volumes" / "run")
+        go(cluster, "go-sick")
+        assert run.wait(240) == "Completed", run.log
+        assert not events(node0, "restart"), "in place: nobody restarted"
+        assert max(e["step"] for e in events(node0, "step")) == 399
     finally:
         run.close()
 

@@ -1,10 +1,10 @@
-"""The memory the runtime plans host copies against (runtime/host.py): the room under the
+"""The memory the runtime plans host copies against (host_memory.py): the room under the
 process's cgroup limit where that is less than the host's MemAvailable (a pod's memory
 limit), read from cgroup v2 and v1 files laid out as the kernel does, in a temp dir."""
 
 from __future__ import annotations
 
-from unbroken.runtime.host import cgroup_room
+from unbroken.host_memory import cgroup_room
 
 GI = 2**30
 

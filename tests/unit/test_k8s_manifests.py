@@ -606,7 +606,7 @@ def test_the_command_line_keeps_its_order_and_spelling():
         f"{tls}/tls.crt", "--etcd-key", f"{tls}/tls.key", "--run-dir", "/var/run/unbroken/run",
         "--secret-file", "/var/run/unbroken/secret/secret", "--shutdown-timeout", "55",
         "--node-timeout", "10", "--max-restarts", "10", "--spares", "1", "--event-stdout",
-        "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", "--continue-dead-job",
+        "--check-dir", "/checkpoints", "--check-memory", str(3 * 3 * 256 * 2**20), "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", "--continue-dead-job",
         "/app/train.py"]
     assert standby == [*node[:4], "--standby", *node[6:]]
 

@@ -11,7 +11,7 @@ environment value and never part of a manifest: `secret_command` says how to mak
 
 from __future__ import annotations
 
-from unbroken.k8s import names
+from unbroken.k8s import names, sizing
 from unbroken.k8s.spec import ControlPlane, K8sSpec
 from unbroken.telemetry.event_copy import POD_UID_ENV
 
@@ -49,7 +49,7 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
     --master-port; etcd: --rdzv-endpoint, --local-addr $(POD_IP) and the TLS files);
     --run-dir, --secret-file, --shutdown-timeout, --node-timeout, --max-restarts; --spares
     and --metrics-port/--metrics-addr when set; --event-dir or --event-stdout
-    (`event_args`); --tee 3 with the rank prefix; `--run-arg`'s; --continue-dead-job; the
+    (`event_args`); the health check's (`check_args`); --tee 3 with the rank prefix; `--run-arg`'s; --continue-dead-job; the
     script and its arguments.
 
     `pet`: the pod's controller sets torchrun's PET_NNODES, PET_NPROC_PER_NODE,
@@ -82,7 +82,7 @@ def agent_args(spec: K8sSpec, *, standby: bool = False, pet: bool = False) -> li
         args += ["--spares", str(spec.spares)]
     if spec.metrics:
         args += ["--metrics-port", str(spec.metrics_port), "--metrics-addr", "0.0.0.0"]
-    args += event_args(spec)
+    args += event_args(spec) + check_args(spec)
     args += ["--tee", "3", "--log-line-prefix-template", RANK_PREFIX, *spec.run_args]
     args += ["--continue-dead-job", spec.script, *spec.script_args]
     return args
@@ -100,6 +100,19 @@ def event_args(spec: K8sSpec) -> list[str]:
     if spec.checkpoint_pvc:
         return ["--event-dir", f"{spec.checkpoint_mount}/{EVENT_SUBDIR}/$({JOB_ID_VAR})"]
     return ["--event-stdout"]
+
+
+def check_args(spec: K8sSpec) -> list[str]:
+    """What the agent's health check covers before its node joins: the checkpoint volume
+    (writable, at speed), the memory of the processes' host copies, the GPUs."""
+    out = []
+    if spec.checkpoint_pvc or spec.checkpoint_host_path:
+        out += ["--check-dir", spec.checkpoint_mount]
+    state = sizing.quantity_bytes(spec.state_size) or 0
+    out += ["--check-memory", str(spec.processes * sizing.HOST_COPIES * state)]
+    if spec.gpus:
+        out += ["--check-gpus", str(spec.gpus)]
+    return out
 
 
 def _from_field(name: str, path: str) -> dict:

@@ -39,7 +39,7 @@ from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
 from unbroken.launch.leader.leader import Leader
-from unbroken.launch.node_telemetry import start_event_copy, start_node_metrics
+from unbroken.launch.node_telemetry import check_node, start_event_copy, start_node_metrics
 from unbroken.launch.workers.fork_client import ForkServer
 from unbroken.launch.workers.orphan_guard import OrphanGuard
 from unbroken.launch.workers.supervisor import NodeSupervisor
@@ -86,6 +86,12 @@ class Agent:
         self.say(f"run {cfg.run_id}: events in {Path(cfg.run_dir) / EVENTS_FILE}")
         for line in nccl_overrides(cfg):
             self.say(line)
+        if (refused := check_node(cfg, self.events, self.say)) is not None:
+            self.events.emit(ev.AgentExit(code=int(refused), events_dropped=self.events.dropped))
+            self.events.close()
+            for s, handler in previous.items() if restore_signals else ():
+                signal.signal(s, handler)
+            return refused
         guard, forks, sup = OrphanGuard(), None, None
         code: int | None = None  # None in the finally: leaving by an exception
         self.metrics = start_node_metrics(cfg, self.events, self.say)

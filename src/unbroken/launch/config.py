@@ -10,7 +10,7 @@ from pathlib import Path
 
 from unbroken.control.address import BackendKind, ControlAddress
 from unbroken.control.retry import DEFAULT_WINDOW
-from unbroken.launch.flags.groups import Etcd, ExtraNodes, Hangs, Recovery, Telemetry
+from unbroken.launch.flags.groups import Etcd, ExtraNodes, Hangs, Health, Recovery, Telemetry
 from unbroken.launch.log_spec import LogSpec
 
 __all__ = ["ExtraNodes", "LaunchConfig"]
@@ -74,6 +74,8 @@ class LaunchConfig:
     """When a worker is hung, and how often the agent looks (`--hang-timeout`, ...)."""
     etcd: Etcd = field(default_factory=Etcd)
     """etcd's credentials, and its leader election (`--leader-timeout`, `--continue-dead-job`)."""
+    health: Health = field(default_factory=Health)
+    """What this node checks before it joins (`--health-check`, `--check-*`)."""
     telemetry: Telemetry = field(default_factory=Telemetry)
     """/metrics and the status lines (`--metrics-port`, `--metrics-addr`, `--status-every`)."""
 

@@ -1,16 +1,20 @@
-"""What every agent keeps for its node, whatever its role: its /metrics (`--metrics-port`)
-and the copy of its events that outlives its pod (`--event-dir`, `--event-stdout`). Both
-read the node's events through a `NodeLog` of their own, fed by the agent's event log."""
+"""What every agent does for its node, whatever its role: its health check before it joins
+(`--health-check`), its /metrics (`--metrics-port`) and the copy of its events that
+outlives its pod (`--event-dir`, `--event-stdout`). The last two read the node's events
+through a `NodeLog` of their own, fed by the agent's event log."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
-from unbroken.errors import UserError
+from unbroken.errors import ExitCode, UserError
+from unbroken.launch import health_check
 from unbroken.launch.config import LaunchConfig
+from unbroken.telemetry import schema as ev
 from unbroken.telemetry.event_copy import POD_UID_ENV, EventCopy
 from unbroken.telemetry.events import EVENTS_FILE, EventLog
 from unbroken.telemetry.node_export import NodeExport, NodeTelemetry
@@ -63,3 +67,24 @@ def start_event_copy(cfg: LaunchConfig, events: EventLog, instance: str,
     if event_dir is not None:
         say(f"events: also in {event_dir} (this node's file: node<K>-<pod or agent id>.jsonl)")
     return copy
+
+
+def check_node(cfg: LaunchConfig, events: EventLog,
+               say: Callable[[str], None]) -> ExitCode | None:
+    """The node's health check (`health_check`), as an event; the quarantine code and one
+    line when it fails, else None."""
+    h = cfg.health
+    mode = health_check.HealthMode(h.health_check)
+    if mode == health_check.HealthMode.OFF:
+        return None
+    plan = health_check.plan(mode, volume=h.check_dir, min_write_mbps=h.check_min_write,
+                             memory_need=h.check_memory, gpus=h.check_gpus,
+                             local_world=cfg.nproc_per_node, node_rank=cfg.node_rank or 0)
+    checks = health_check.run(plan)
+    why = health_check.refusal(checks)
+    events.emit(ev.HealthChecked(mode=mode.value, checks=[asdict(c) for c in checks],
+                                 refused=why))
+    if why is None:
+        return None
+    say(why)
+    return ExitCode.QUARANTINED

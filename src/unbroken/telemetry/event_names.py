@@ -47,6 +47,7 @@ class Event(StrEnum):
     GEN_SWITCH = "gen_switch"
     GEN_UP = "gen_up"
     HANG_BLAMED = "hang_blamed"
+    HEALTH_CHECKED = "health_checked"
     IN_PLACE_UNAVAILABLE = "in_place_unavailable"
     JOINER_UNUSED = "joiner_unused"
     LEADER_DEPOSED = "leader_deposed"

@@ -34,8 +34,10 @@ from unbroken.launch.flags.values import (
     parse_rdzv_conf,
     parse_signals,
     port,
+    positive_float,
     seconds,
     seconds_or_zero,
+    size_bytes,
 )
 from unbroken.launch.log_spec import (
     PREFIX_TEMPLATE_VAR,
@@ -282,6 +284,33 @@ class Hangs:
 
 
 @dataclass(frozen=True)
+class Health:
+    """Health: what this node checks before it joins (`launch/health_check.py`)."""
+
+    health_check: str = flag(
+        "--health-check", choices=("off", "quick", "full"), default="quick",
+        help="check this node before it joins: quick (the default, under 10 s: memory, an "
+             "8 MiB write to --check-dir, the GPUs), full (also a 64 MiB write and a "
+             "collective across the node's ranks) or off; a node that fails exits 4 "
+             "(quarantined), saying what failed")
+    check_dir: str | None = flag(
+        "--check-dir", metavar="DIR",
+        help="the checkpoint volume, to check writable at --check-min-write (default: none)")
+    """None: no volume check."""
+    check_min_write: float = flag(
+        "--check-min-write", parse=positive_float, default=20.0, metavar="MB/S",
+        help="the least write speed --check-dir must show (default 20 MB/s)")
+    check_memory: int | None = flag(
+        "--check-memory", parse=size_bytes, metavar="SIZE",
+        help="the memory this node's processes need for their host copies, checked against "
+             "the cgroup's limit and the host's free memory (default: not checked)")
+    """None: no memory need known."""
+    check_gpus: int = flag(
+        "--check-gpus", parse=int, default=0, metavar="N",
+        help="GPUs NVML must see and hear from (default 0: not checked)")
+
+
+@dataclass(frozen=True)
 class Telemetry:
     """Telemetry: metrics, status lines and events."""
 
@@ -445,9 +474,10 @@ class RunFlags:
     recovery: Recovery
     hangs: Hangs
     etcd: Etcd
+    health: Health
     telemetry: Telemetry
     logs: Logs
 
 
-GROUPS = (Workers, Rendezvous, Recovery, Hangs, Etcd, Telemetry, Logs)
+GROUPS = (Workers, Rendezvous, Recovery, Hangs, Etcd, Health, Telemetry, Logs)
 """`RunFlags`' groups, in its fields' order: the parser's and the validation's order."""

@@ -50,7 +50,8 @@ def launch_config(run: RunFlags, warn: Warn, env: Mapping[str, str] = os.environ
         standby=rdzv.standby, secret_file=rdzv.secret_file, local_addr=rdzv.local_addr,
         retry_window=rdzv.retry_window,
         backend=BackendKind.ETCD if rdzv.etcd else BackendKind.TCP, etcd_endpoints=endpoints,
-        recovery=run.recovery, hangs=run.hangs, etcd=run.etcd, telemetry=run.telemetry)
+        recovery=run.recovery, hangs=run.hangs, etcd=run.etcd, health=run.health,
+        telemetry=run.telemetry)
 
 
 def _node_rank(rdzv: Rendezvous, recovery: Recovery, warn: Warn) -> tuple[int, bool]:

@@ -66,6 +66,28 @@ def seconds_or_zero(text: str) -> float:
     return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
 
 
+def size_bytes(text: str) -> int:
+    """A size in bytes: a number with an optional unit (`64Gi`, `512Mi`, `2G`, `1048576`)."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?B?", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 64Gi or 512Mi, got {text!r}")
+    unit = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+            "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}[m.group(2)]
+    return int(float(m.group(1)) * unit)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def port(text: str) -> int:
     try:
         value = int(text)

@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what a type checker sees: every class, as if imported here
 
 CLASSES: dict[str, tuple[str, ...]] = {
     "agent": (
-        "AgentStart", "Rendezvous", "ClockOffset", "WorkersStarted", "WarmInterpretersStarted", "ForkServerLost",
+        "AgentStart", "HealthChecked", "Rendezvous", "ClockOffset", "WorkersStarted", "WarmInterpretersStarted", "ForkServerLost",
         "WorkersStopped", "WorkersDone", "Restart", "Notice", "NodeDrained", "ControlUnsigned",
         "DeadJobFound", "DeadJobCleared", "NodeReturned", "AgentRejected", "ForgedMessage",
         "LeaseLost", "ControlPlaneLost", "ControlPlaneBack", "LeaderElected",

@@ -24,6 +24,16 @@ class AgentStart(EventBody):
     instance: str = doc("the agent's instance id: a restarted agent is a new instance")
 
 
+@event(Event.HEALTH_CHECKED)
+class HealthChecked(EventBody):
+    """An agent checked its node before it joined (`--health-check`)."""
+
+    mode: str = doc("`quick` or `full`")
+    checks: list[dict] = doc("each check: `name`, `ok`, `detail`, `seconds`, in order; a "
+                             "failed one ends the list")
+    refused: str | None = doc("the one line of a failed check (the agent exits 4), or null")
+
+
 @event(Event.RENDEZVOUS)
 class Rendezvous(EventBody):
     """Leader only: an attempt's nodes were gathered and its plan published."""
