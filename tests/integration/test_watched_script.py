@@ -53,13 +53,21 @@ def test_an_unchanged_scripts_saves_restart_and_redone_steps_are_accounted(tmp_p
     # Wasted: the steps after the save it resumed from (20-27), computed again. As the killed
     # rank timed them: it wrote step 27 before its SIGKILL, while rank 0 may be stopped by
     # the agent before it writes its own (the ranks' steps are in lockstep: one all-reduce).
+    # Rank 0 also loses the step the fault cut short: it computed step 28 from the end of
+    # step 27 until its workers were stopped (a CI run under load stretched that window to
+    # 0.12 s past the tolerance: it is charged, and belongs to the expectation).
     steps = _measured(out, 0, 1)["steps"]
     assert steps[-1][0] == KILL_AT
     redone = sum(end - start for step, start, end in steps if step >= 2 * SAVE_EVERY)
+    stopped = max(e["t"] for e in result.events("fault") + result.events("workers_stopped")
+                  if e.get("attempt", 0) == 0)
+    cut_short = max(0.0, stopped - steps[-1][2])
     for rank in (0, 1):
         assert ranks[rank]["checkpoint_restore"] > 0
-        assert ranks[rank]["wasted_progress"] == pytest.approx(redone, rel=0.2), \
-            (rank, ranks[rank], redone, r["faults"])
+    assert ranks[1]["wasted_progress"] == pytest.approx(redone, rel=0.2), \
+        (ranks[1], redone, r["faults"])
+    assert 0.8 * redone <= ranks[0]["wasted_progress"] <= 1.2 * redone + cut_short, \
+        (ranks[0], redone, cut_short, r["faults"])
     # The projection of what this setup loses at scale, from the run's own saves.
     proc = subprocess.run(unbroken_cmd("simulate", "--gpus", "64", "--from-run", str(run_dir),
                                        "--job-mttf-hours", "1.8", "--seeds", "5"),
