@@ -52,6 +52,11 @@ __all__ = [
 ]
 
 
+def __dir__() -> list[str]:
+    """The public names (`__all__`, the lazily imported ones included) and the module's own."""
+    return sorted(set(__all__) | set(globals()))
+
+
 def __getattr__(name: str) -> Any:
     if name in ("Run", "init"):
         from unbroken.runtime import run

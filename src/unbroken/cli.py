@@ -43,9 +43,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch a training script (a drop-in for torchrun)")
     add_run_flags(run, os.environ)  # PET_* give the defaults, as torchrun's parser reads them
     demo = sub.add_parser("demo", help="train the example GPT with 4 workers through injected faults")
-    demo.add_argument("--steps", type=positive_int("--steps"), default=600)
-    demo.add_argument("--workers", type=positive_int("--workers"), default=4)
-    demo.add_argument("--run-dir", default=None)
+    demo.add_argument("--steps", type=positive_int("--steps"), default=600,
+                      help="steps to train (default 600)")
+    demo.add_argument("--workers", type=positive_int("--workers"), default=4,
+                      help="worker processes (default 4)")
+    demo.add_argument("--run-dir", default=None,
+                      help="where its events go (default unbroken_runs/RUN_ID)")
     demo.add_argument("--no-faults", action="store_true", help="run without injected faults")
     report = sub.add_parser("report", help="summarise a run from its event log: goodput, "
                                            "faults, steps (text, JSON, CSV/Parquet, HTML)")
@@ -71,9 +74,12 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                        help="c10d: the node-0 agent's HOST:PORT; etcd: the cluster's "
                             "HOST:PORT[,HOST:PORT...] (reaches the job after any failover)")
-    drain.add_argument("--master-addr", "--master_addr", default=None)
-    drain.add_argument("--master-port", "--master_port", type=port, default=None)
-    drain.add_argument("--rdzv-id", "--rdzv_id", dest="run_id", default=None)
+    drain.add_argument("--master-addr", "--master_addr", default=None,
+                       help="the job's control store, as `unbroken run` was given it")
+    drain.add_argument("--master-port", "--master_port", type=port, default=None,
+                       help="its port")
+    drain.add_argument("--rdzv-id", "--rdzv_id", dest="run_id", default=None,
+                       help="the job's id, as `unbroken run` was given it")
     for flag, text in (("--etcd-cacert", "CA that signed etcd's certificate"),
                        ("--etcd-cert", "client certificate"), ("--etcd-key", "its key"),
                        ("--etcd-user", "etcd user (password in UNBROKEN_ETCD_PASSWORD)")):
@@ -132,7 +138,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, separators=(",", ":")))
     else:
-        print(format_summary(summarize(args.run_dir)))
+        summary = summarize(args.run_dir)
+        for f, row in zip(summary["faults"], report["faults"], strict=True):
+            f["cost"] = sum((row.get("cost_s") or {}).values())
+        print(format_summary(summary))
         print(format_goodput(report))
         if report.get("anomalies") is not None:
             from unbroken.telemetry.anomaly_report import format_anomalies
@@ -177,7 +186,11 @@ def _cmd_k8s(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the sub-command's own parser: its name, its --help
+        sub = next(a for a in parser._actions if a.dest == "command")
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"run": _cmd_run, "demo": _cmd_demo, "report": _cmd_report, "drain": _cmd_drain,
                 "k8s": _cmd_k8s, "simulate": run_simulate}
     try:

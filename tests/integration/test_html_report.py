@@ -267,3 +267,32 @@ def test_a_plain_script_report_says_what_is_unknown_and_loads(tmp_path):
     dom = browse(broken, tmp_path, "--dump-dom")
     assert title_of(dom).startswith(f"unbroken report: broken (1 of {n} plots did not load: "
                                     "Timeline per rank"), title_of(dom)
+
+
+@needs_chromium
+def test_a_real_runs_fault_row_is_filled_in_the_browser(tmp_path):
+    """A real job (2 workers, gloo) with an injected crash, its report made as `unbroken
+    report --html` makes it, and the fault table's cells read from Chromium's DOM: where,
+    whether injected, detection, downtime, redone steps, cost; none left blank."""
+    from conftest import TINY, launch
+
+    from unbroken.telemetry.report import build_report
+
+    result = launch(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                    "--fault", "crash:rank=1,step=6", args=["--steps", "12", *TINY], timeout=180)
+    assert result.code == 0, result.output
+    page = write_html(build_report([tmp_path / "run"]), tmp_path / "report.html")
+    dom = browse(page, tmp_path, "--dump-dom")
+    faults = re.search(r'<section id="faults">.*?<thead>(.*?)</thead>.*?<tbody>(.*?)</tbody>',
+                       dom, re.S)
+    heads = [re.sub(r"<[^>]+>", "", h).strip() for h in re.findall(r"<th[^>]*>(.*?)</th>",
+                                                                   faults.group(1), re.S)]
+    (row,) = re.findall(r"<tr>(.*?)</tr>", faults.group(2), re.S)
+    cells = dict(zip(heads, [re.sub(r"<[^>]+>", " ", c).strip()
+                             for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)],
+                     strict=True))
+    assert cells["kind"] == "crash" and cells["rank"] == "1" and cells["node"] == "0", cells
+    assert cells["host"] not in ("", "—") and cells["fault"] == "injected", cells
+    for column in ("detection s", "downtime s", "redone steps", "cost rank-s"):
+        assert re.fullmatch(r"\d+(\.\d+)?", cells[column]), (column, cells)
+    assert float(cells["downtime s"]) > 0 and float(cells["cost rank-s"]) > 0, cells

@@ -40,3 +40,24 @@ def test_bad_input_gets_one_clear_line_and_exit_2(argv, said, tmp_path, monkeypa
     assert len(lines) == 1, lines  # one clear line: no usage dump, no traceback
     for needle in said:
         assert needle in lines[0], lines[0]
+
+
+def test_every_flag_of_every_sub_command_has_help():
+    from unbroken.cli import _build_parser
+
+    parser = _build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    bare = [(name, a.option_strings[0]) for name, p in sub.choices.items()
+            for a in p._actions if a.option_strings and not a.help]
+    assert not bare, bare
+
+
+def test_an_unknown_flag_is_named_by_its_sub_command(capsys):
+    from unbroken.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--bogus", "x"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("unbroken report: error: unrecognized arguments: --bogus "
+                   "(see `unbroken report --help`)")

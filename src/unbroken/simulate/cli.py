@@ -61,7 +61,8 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--sweep", action="store_true",
                        help="every scale from 8 to 131,072 GPUs, doubling")
     p.add_argument("--gpus-per-node", type=_number("--gpus-per-node", integer=True),
-                   default=d.gpus_per_node)
+                   default=d.gpus_per_node,
+                   help=f"GPUs a node holds, spares included (default {d.gpus_per_node})")
     p.add_argument("--days", type=_number("--days"), default=d.days,
                    help=f"wall time simulated (default {d.days:g})")
     p.add_argument("--seeds", type=_number("--seeds", integer=True), default=100,
@@ -73,7 +74,9 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
                       help="the job's MTTF at --mttf-gpus (default Meta RSC's 1.8 h at 16,384)")
     rate.add_argument("--gpu-mtbf-hours", type=_number("--gpu-mtbf-hours"), default=None,
                       help="one GPU's mean time between failures instead")
-    p.add_argument("--mttf-gpus", type=_number("--mttf-gpus", integer=True), default=16384)
+    p.add_argument("--mttf-gpus", type=_number("--mttf-gpus", integer=True), default=16384,
+                   help="the GPU count --mttf-h was measured at: the rate scales from it "
+                        "(default 16384, Meta's)")
     p.add_argument("--shares", type=_shares, default=None,
                    help="each failure kind's share, summing to 1 (default from Llama 3: "
                         "crash=0.75,node_lost=0.2,hang=0.02,sdc=0.01,straggler=0.02)")
@@ -103,15 +106,20 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
                    help="spare GPUs per node, within --gpus-per-node (8 GPUs and 1 spare "
                         "train on 7); auto: find the cheapest reserve")
     p.add_argument("--standby-nodes", type=_number("--standby-nodes", False, True),
-                   default=d.standby_nodes)
+                   default=d.standby_nodes,
+                   help=f"whole nodes standing by to take a lost node's ranks "
+                        f"(default {d.standby_nodes})")
     p.add_argument("--node-replace-min", type=_number("--node-replace-min"),
                    default=d.node_replace_s / 60,
                    help="the scheduler's time to give back a lost node, warm-up included")
-    p.add_argument("--step-s", type=_number("--step-s"), default=d.step_s)
+    p.add_argument("--step-s", type=_number("--step-s"), default=d.step_s,
+                   help=f"seconds a training step takes (default {d.step_s:g})")
     p.add_argument("--replica-gpus", type=_number("--replica-gpus", integer=True),
                    default=None, help="GPUs of one data-parallel replica (default a node)")
     p.add_argument("--state-gb-per-gpu", type=_number("--state-gb-per-gpu"),
-                   default=d.state_gb_per_gpu)
+                   default=d.state_gb_per_gpu,
+                   help=f"GB of model and optimizer state per GPU, what a checkpoint writes "
+                        f"(default {d.state_gb_per_gpu:g})")
     p.add_argument("--target-ettr", type=_number("--target-ettr"), default=None,
                    help="with --spares auto: the fewest reserved GPUs reaching this ETTR")
     p.add_argument("--gpu-hour-cost", type=_number("--gpu-hour-cost", False), default=None,

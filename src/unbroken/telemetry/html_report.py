@@ -300,14 +300,16 @@ class _Page:
                            for c, v in sorted(cost.items(), key=lambda kv: -kv[1])])
             detail = f.get("detail")
             rows.append([str(f.get("kind", "?")), num(f.get("rank")), num(f.get("node")),
+                         str(f.get("host") or "—"), "injected" if f.get("injected") else "real",
                          num(f.get("attempt")), num(f.get("step")), num(self.rel(f.get("t")), 2),
                          num(f.get("detection"), 2), num(f.get("downtime"), 2), num(f.get("redone")),
                          "in place" if f.get("in_place") else "restart", costs,
                          num(sum(cost.values()), 1),
                          "—" if detail is None else Detail(str(detail), clip(str(detail), 160))])
-        return [table(["kind", "rank", "node", "attempt", "step", "at s", "detection s",
-                       "downtime s", "redone steps", "recovery", "cost by category (rank-s)",
-                       "cost rank-s", "detail"], rows, numeric=(1, 2, 3, 4, 5, 6, 7, 8, 11))]
+        return [table(["kind", "rank", "node", "host", "fault", "attempt", "step", "at s",
+                       "detection s", "downtime s", "redone steps", "recovery",
+                       "cost by category (rank-s)", "cost rank-s", "detail"], rows,
+                      numeric=(1, 2, 5, 6, 7, 8, 9, 10, 13))]
 
     def recoveries_section(self) -> list[Any]:
         recoveries = self.r.get("recoveries") or []

@@ -21,7 +21,7 @@ from unbroken.telemetry.goodput import distinct_faults
 
 def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
     """The run's summary from its run dir, or from every node's run dir where the nodes do
-    not share one (merged on the leader's clock, as `report.load_events` does)."""
+    not share one (merged on the leader's clock, as `sources.load_events` does)."""
     if isinstance(run_dir, (str, Path)):
         path = Path(run_dir) / EVENTS_FILE
         if not path.is_file():
@@ -29,10 +29,16 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
                             "printed")
         records = read_events(path)
     else:
-        from unbroken.telemetry.report import load_events
+        from unbroken.telemetry.sources import load_events
 
         records = load_events(run_dir)
-    events = ev.decode_all(records)
+    names = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)
+    return summary_of(ev.decode_all(records), ", ".join(str(d) for d in names))
+
+
+def summary_of(events: list[ev.EventBody], run_dir: str) -> dict[str, Any]:
+    """The summary of a run's merged, decoded events (`summarize`); its faults in the order
+    they happened, as the goodput report's (`goodput.account`) are. Pure."""
     steps = [e for e in events if isinstance(e, ev.Step)]
     starts = [e.t for e in events if isinstance(e, ev.AgentStart)]
     exits = [e for e in events if isinstance(e, ev.AgentExit)]
@@ -58,7 +64,7 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
 
     durations = [statistics.fmean(e.duration for e in es) for es in by_step.values()]
     faults = []
-    for seen in distinct_faults(events):
+    for seen in sorted(distinct_faults(events), key=lambda f: f.began):
         f, t = seen.event, seen.t
         attempt = attempt_of(f)
         began = seen.began  # when it happened (goodput.distinct_faults)
@@ -82,8 +88,9 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
                           and attempt_of(e) > attempt and e.t > t), None)
         faults.append({
             "restart_s": round(restarted - began, 3) if restarted is not None else None,
-            "kind": f.kind, "rank": f.rank, "node": f.node, "attempt": attempt,
-            "step": f.step, "detail": f.detail, "in_place": bool(f.in_place),
+            "kind": f.kind, "rank": f.rank, "node": f.node, "host": f.host,
+            "attempt": attempt, "step": f.step, "detail": f.detail,
+            "in_place": bool(f.in_place), "injected": seen.injected,
             "detection": round(t - began, 3),
             "downtime": round(resumed.t - began, 3) if resumed else None,
             "redone": max(0, reached - resumed_from) if resumed_from is not None else None,
@@ -91,7 +98,7 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
     committed = max(by_step, default=-1) + 1
     return {
         "steps_known": bool(steps),
-        "run_dir": str(run_dir),
+        "run_dir": run_dir,
         "steps": committed,
         "steps_computed": len({(e.attempt, e.step) for e in steps}),
         "attempts": 1 + max((attempt_of(e) for e in events), default=0),
@@ -101,8 +108,18 @@ def summarize(run_dir: str | Path | Sequence[str | Path]) -> dict[str, Any]:
         "first_loss": mean_loss(min(by_step)) if by_step else None,
         "final_loss": mean_loss(max(by_step)) if by_step else None,
         "faults": faults,
+        "checkpoints_failed": _failed_saves(events),
         "exit_code": exits[-1].code if exits else None,
     } | ({"steps_watched": watched} if (watched := _watched_steps(events)) else {})
+
+
+def _failed_saves(events: list[ev.EventBody]) -> list[dict[str, Any]]:
+    """Each checkpoint save that committed nothing, once (every rank reports it), and why."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if isinstance(e, ev.CheckpointFailed) and e.source == "worker":
+            out.setdefault(e.step, {"step": e.step, "error": e.error})
+    return list(out.values())
 
 
 def _watched_steps(events: list[ev.EventBody]) -> int:
@@ -113,6 +130,15 @@ def _watched_steps(events: list[ev.EventBody]) -> int:
         if isinstance(e, ev.ScriptSteps):
             per[e.slot] = per.get(e.slot, 0) + len(e.steps)
     return max(per.values(), default=0)
+
+
+def _where(f: dict[str, Any]) -> str:
+    """ ` on node N (host)`, as far as the fault says."""
+    if f.get("rank") is None:  # a node's fault: its node is the subject already
+        return f" ({f['host']})" if f.get("host") else ""
+    if f.get("node") is None:
+        return ""
+    return f" on node {f['node']}" + (f" ({f['host']})" if f.get("host") else "")
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -144,8 +170,15 @@ def format_summary(s: dict[str, Any]) -> str:
         down = f"{f['downtime']:.2f}s" if f["downtime"] is not None else "not recovered"
         how = "in place" if f.get("in_place") else "by restart"
         redone = f", {f['redone']} step(s) redone" if f["redone"] is not None else ""
-        lines.append(f"   {i}. {f['kind']:<9} {who} at step {f['step']}: detected in "
-                     f"{f['detection']:.2f}s, {down} to the next step ({how}){redone}")
+        cost = (f", cost {f['cost']:.1f} rank-s" if f.get("cost") is not None else "")
+        lines.append(f"   {i}. {f['kind']:<9} {who}{_where(f)} at step {f['step']}"
+                     f"{' (injected)' if f.get('injected') else ''}: detected in "
+                     f"{f['detection']:.2f}s, {down} to the next step ({how}){redone}{cost}")
+    failed = s.get("checkpoints_failed") or []
+    if failed:
+        lines.append(f"  checkpoints     {len(failed)} save(s) failed; the previous one stayed "
+                     "the latest:")
+        lines += [f"    step {c['step']}: {c['error']}" for c in failed]
     if s["exit_code"] is not None:
         lines.append(f"  exit code       {s['exit_code']}")
     return "\n".join(lines)
