@@ -23,9 +23,17 @@ def test_an_old_run_dir_reports_as_it_did(tmp_path):
     # Added since (issue 28): whether each fault was injected; the rest is as it was then.
     # The demo injected all three (its log has their `fault_injected` events).
     assert [f.pop("injected") for f in report["faults"]] == [True, True, True]
-    assert json.loads(json.dumps(report, sort_keys=True)) == expected["report"]
+    # Added since: each fault's host, downtime and redone steps beside its cost (the
+    # summary's own figures), and the summary's failed checkpoint saves.
     summary = summarize(run)
+    for row, seen in zip(report["faults"], summary["faults"], strict=True):
+        assert [row.pop(k) for k in ("host", "downtime", "redone")] == \
+            [seen.pop("host"), seen["downtime"], seen["redone"]]
+        assert seen.pop("injected") is True
+    assert json.loads(json.dumps(report, sort_keys=True)) == expected["report"]
     summary.pop("run_dir")
+    failed = summary.pop("checkpoints_failed")
+    assert all(set(c) == {"step", "error"} for c in failed)
     assert json.loads(json.dumps(summary, sort_keys=True)) == expected["summary"]
 
 
