@@ -7,6 +7,7 @@ package index (pip), as `make install` does."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -27,6 +28,18 @@ def _fake_torch(site) -> None:
     (info / "RECORD").write_text("torch/__init__.py,,\n")
 
 
+def _source_tree(dest):
+    """The repository's tracked files copied to `dest`, as an image's build context holds
+    them: pip builds in its source tree (setuptools writes build/ there), never in ours."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           check=True, timeout=60).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
 def test_install_keeps_a_pre_release_torch_and_installs_the_rest(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -35,7 +48,8 @@ def test_install_keeps_a_pre_release_torch_and_installs_the_rest(tmp_path):
     _fake_torch(site)
     constraint = tmp_path / "constraint.txt"
     constraint.write_text(f"torch=={NGC_TORCH}\n")
-    done = subprocess.run(["bash", str(REPO / "deploy" / "install.sh"), str(REPO)],
+    source = _source_tree(tmp_path / "context")
+    done = subprocess.run(["bash", str(source / "deploy" / "install.sh"), str(source)],
                           env={"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "PYTHON": str(python),
                                "PIP_CONSTRAINT": str(constraint), "HOME": str(tmp_path)},
                           capture_output=True, text=True, timeout=900)
