@@ -52,7 +52,7 @@ $(PROMETHEUS):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
 	-$(SUDO) systemctl disable --now prometheus 2>/dev/null || true
 
-.PHONY: install demo test test-fast coverage lint
+.PHONY: install demo test test-fast coverage lint docs
 install: $(BIN)/unbroken $(T4)/.installed $(ETCD) $(IP) $(CHROMIUM) $(PROMETHEUS)
 
 demo: $(BIN)/unbroken  # the demo needs only the package: no etcd, ip or chromium
@@ -66,9 +66,17 @@ JOBS ?= 2
 # tests/integration (real agents, workers, faults, etcd, namespaces, a browser).
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
+	$(MAKE) docs
 	$(BIN)/pytest -q tests/unit
 	$(BIN)/pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=25 tests/integration
 	$(BIN)/pytest -q -m serial --durations=5 tests/integration
+
+# The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings), built
+# with warnings as errors into a temporary directory: a broken link or a missing object fails.
+# SITE=dir keeps the site there.
+docs: $(BIN)/unbroken
+	@site="$${SITE:-$$(mktemp -d)}"; $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"; \
+	  rc=$$?; [ -n "$${SITE:-}" ] || rm -rf "$$site"; exit $$rc
 
 test-fast: $(BIN)/unbroken
 	$(BIN)/pytest -q tests/unit
