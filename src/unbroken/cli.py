@@ -15,8 +15,25 @@ from unbroken.launch.flags.values import port, positive_int, seconds
 from unbroken.simulate.cli import add_simulate_flags, run_simulate
 
 
+class _Help(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it or there is
+    none to say (no value, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                or default in ("", []) or "default" in text or "%(default)" in text):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad input gets one line that says what is wrong and where to look, not a usage dump."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

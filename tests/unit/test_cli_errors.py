@@ -61,3 +61,24 @@ def test_an_unknown_flag_is_named_by_its_sub_command(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("unbroken report: error: unrecognized arguments: --bogus "
                    "(see `unbroken report --help`)")
+
+
+def test_every_flag_with_a_default_shows_it_in_its_help():
+    import argparse
+
+    from unbroken.cli import _build_parser
+
+    parser = _build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    silent = []
+    for name, p in sub.choices.items():
+        formatter = p._get_formatter()
+        for a in p._actions:
+            if not a.option_strings or a.default in (None, False, "", [], argparse.SUPPRESS):
+                continue
+            shown = formatter._get_help_string(a) % {"default": a.default}
+            if "default" not in shown:
+                silent.append((name, a.option_strings[0]))
+    assert not silent, silent
+    run_help = sub.choices["run"].format_help()
+    assert "(default: 30.0)" in " ".join(run_help.split())  # --control-retry-window
