@@ -120,3 +120,23 @@ def test_the_template_ships_with_the_package():
     assert Path("templates") / html_report.TEMPLATE in templates
     for template in templates:
         assert any(template.match(g) for g in globs), (template, globs)
+
+
+def test_the_loss_plot_marks_each_faults_step():
+    from unbroken.telemetry.html_plots import FAULT_COLOR, Plots
+
+    steps = [{"step": s, "loss": 3.0 - 0.1 * s, "redone": s == 6} for s in range(12)]
+    fig = Plots(bare_report(), T0, []).loss(steps, [6, 9])
+    marks = [line for line in fig.axes[0].lines if line.get_color() == FAULT_COLOR]
+    assert sorted(line.get_xdata()[0] for line in marks) == [6, 9]
+    assert all(len(set(line.get_xdata())) == 1 for line in marks)  # vertical lines
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels.count("fault (its step)") == 1
+
+
+def test_the_loss_sections_text_names_the_faults_steps():
+    report = bare_report() | {
+        "steps": [{"step": s, "loss": 1.0, "rank": 0} for s in range(8)],
+        "faults": [{"kind": "crash", "step": 5, "t": T0 + 1}, {"kind": "hang", "step": None}]}
+    (plot,) = html_report._Page(report).loss_section()
+    assert plot.alt == "Loss per step, the mean over ranks, faults marked at step 5"

@@ -242,7 +242,9 @@ class Plots:
         ax.legend(fontsize=8, loc="lower right")
         return fig
 
-    def loss(self, steps: list[dict[str, Any]]) -> Any:
+    def loss(self, steps: list[dict[str, Any]], fault_steps: list[int] = ()) -> Any:
+        """The loss per step (kept, and redone computations apart), a vertical line at the
+        step of each fault in `fault_steps`."""
         kept: dict[int, list[float]] = {}
         redone: dict[int, list[float]] = {}
         for s in steps:
@@ -258,6 +260,9 @@ class Plots:
             xs = sorted(kept)
             ax.plot(xs, [statistics.fmean(kept[x]) for x in xs], "-", color="#1f77b4",
                     linewidth=1.2, label="kept (mean over ranks)")
+        for i, x in enumerate(sorted(set(fault_steps))):
+            ax.axvline(x, color=FAULT_COLOR, linewidth=1.0, linestyle=":",
+                       label=None if i else "fault (its step)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)

@@ -287,7 +287,9 @@ class _Page:
         if not steps:
             return [Note("The loss is unknown: no step reported one."
                          if self.r.get("steps") else "The loss is unknown: no step was reported.")]
-        return [self.plot(self.plots.loss(steps), "Loss per step, the mean over ranks")]
+        at = sorted({int(f["step"]) for f in self.r.get("faults") or [] if finite(f.get("step"))})
+        marked = f", faults marked at step {', '.join(map(str, at))}" if at else ""
+        return [self.plot(self.plots.loss(steps, at), f"Loss per step, the mean over ranks{marked}")]
 
     def faults_section(self) -> list[Any]:
         faults = self.r.get("faults") or []
