@@ -4,7 +4,7 @@ that has pre-imported what the first imported.
 
 Attempt 0 imports the preimport list (transformers, accelerate: those installed), waits
 until the node's fork server says it has caught up with a list that holds them
-(`standby_imports` whose `listed` covers the list read), and exits 1.
+(`warm_imports` whose `listed` covers the list read), and exits 1.
 Attempt 1 notes what was imported before its first line, then initialises CUDA in the
 forked child, forms a world of one (NCCL on a GPU, gloo with --dry-run), steps a Linear
 with an all-reduce, and writes OUT/attempt1.json.
@@ -40,7 +40,7 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
                 wanted = len({n for n in names if valid_name(n)})
         elif wanted is not None:
             with open(os.path.join(run_dir, "events.jsonl")) as fh:
-                if any('"standby_imports"' in line and line.endswith("\n")
+                if any('"warm_imports"' in line and line.endswith("\n")
                        and json.loads(line).get("listed", 0) >= wanted for line in fh):
                     break
         time.sleep(0.2)

@@ -233,7 +233,7 @@ def plain_try(launcher: str, root: Path, index: int, workers: int, hang_after: f
         if victim is None:
             return RestartTry(launcher, error="never reached the kill step")
         # How many warm interpreters had caught up with the workers' module list at the kill.
-        warm = (len({e["pid"] for e in events_of(run_dir) if e["event"] == "standby_imports"})
+        warm = (len({e["pid"] for e in events_of(run_dir) if e["event"] == "warm_imports"})
                 if launcher.startswith("unbroken") else None)
         done = _kill_and_wait(
             launcher, proc, run_dir, victim, hang_after,

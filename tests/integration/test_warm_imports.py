@@ -1,6 +1,6 @@
 """The node's fork server pre-imports what the workers imported (installed packages and the
 standard library only), so that a plain script's restarted workers, forked from it, skip
-their own imports. (Its event keeps the name `standby_imports`.)"""
+their own imports. (Its event: `warm_imports`.)"""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_a_restarted_plain_script_finds_its_imports_done(tmp_path):
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--on-fault", "restart",
                  script=SCRIPTS / "plain_imports.py", args=[str(out)])
     try:
-        wait_for(lambda: [e for e in events_of(run_dir, "standby_imports")
+        wait_for(lambda: [e for e in events_of(run_dir, "warm_imports")
                           if e["source"] == "fork_server" and e["modules"] > 10], 90,
                  "the fork server to pre-import the workers' modules")
         (out / "go").touch()

@@ -148,3 +148,20 @@ def test_importing_the_package_imports_no_module_of_event_classes():
     from_package = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
                     and node.module == "unbroken.telemetry.schema" for alias in node.names]
     assert from_package == ["base"]
+
+
+def test_renamed_events_are_read_under_their_names_now():
+    """The fixture's log predates the renames (`standby_*` for what are now `warm_*` events):
+    read, every record carries the name now, and a raw old record decodes to its class."""
+    from unbroken.telemetry.event_names import RENAMED, Event
+
+    raw = [json.loads(line)["event"] for line in OLD_LOG.read_text().splitlines()]
+    old = [name for name in raw if name in RENAMED]
+    assert {"standby_ready", "standby_taken", "standbys_started"} <= set(old)
+    read = [r["event"] for r in read_events(OLD_LOG)]
+    assert not set(read) & set(RENAMED) and read.count("warm_started") == raw.count("standbys_started")
+    assert not set(RENAMED) & {e.value for e in Event}  # an old name never names a new event
+    body = schema.decode({"t": 1.0, "event": "standby_imports", "pid": 7, "modules": 3,
+                          "failed": [], "refused": [], "duration": 0.5})
+    assert isinstance(body, schema.WarmInterpreterImports) and body.event == "warm_imports"
+    assert body.extra == {}

@@ -1,6 +1,6 @@
 """Warm interpreters pre-import what the previous attempt's workers imported (installed
 packages and the standard library only), so that a plain script's restart skips its own
-imports. (Their events keep the names `standby_imports`, `standby_taken`.)"""
+imports. (Their events: `warm_imports`, `warm_taken`.)"""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import inspect
 import sys
 
 from unbroken.telemetry import schema
+from unbroken.telemetry.event_names import RENAMED
 from unbroken.telemetry.schema.base import EventBody, key_of
 
 INTRO = """\
@@ -95,6 +96,10 @@ def render() -> str:
         for cls in sorted(classes, key=lambda c: inspect.getsourcelines(c)[1]):
             out.append(f"| `{cls.EVENT.value}` | {_cell(inspect.getdoc(cls) or '')} | "
                        f"{_cell(_fields(cls)) or 'none'} |\n")
+    out.append("\n## Renamed events\n\nA log written before a rename is read under the name "
+               "now: `unbroken report`, `simulate --from-run` and `read_events` see the new "
+               "name.\n\n| old name | name now |\n|---|---|\n")
+    out += [f"| `{old}` | `{new.value}` |\n" for old, new in sorted(RENAMED.items())]
     return "".join(out)
 
 

@@ -3,7 +3,7 @@
 Each name has exactly one event class, its shape, in `telemetry.schema` (registered with
 `@event(Event.NAME)`); docs/events.md is generated from those classes, and
 tests/unit/test_event_schema.py checks both. Readers may compare with plain strings: an
-`Event` is a `str`.
+`Event` is a `str`. A renamed event's old name stays readable (`RENAMED`).
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ class Event(StrEnum):
     SPARES_OFFERED = "spares_offered"
     STALL = "stall"
     STALL_REPORTED = "stall_reported"
-    STANDBY_IMPORTS = "standby_imports"
-    STANDBYS_STARTED = "standbys_started"
-    STANDBY_READY = "standby_ready"
-    STANDBY_TAKEN = "standby_taken"
     STEP = "step"
     STEP_DROPPED = "step_dropped"
     MICRO_BATCHES_REPLAYED = "micro_batches_replayed"
@@ -95,6 +91,10 @@ class Event(StrEnum):
     SWITCH_FAILED = "switch_failed"
     TRAINING_DONE = "training_done"
     WORKERS_DONE = "workers_done"
+    WARM_IMPORTS = "warm_imports"
+    WARM_READY = "warm_ready"
+    WARM_STARTED = "warm_started"
+    WARM_TAKEN = "warm_taken"
     WORKERS_STARTED = "workers_started"
     WORKERS_STOPPED = "workers_stopped"
     WORKER_START = "worker_start"
@@ -115,3 +115,21 @@ class Event(StrEnum):
     SCRIPT_SAVE = "script_save"
     SCRIPT_SAVE_WAIT = "script_save_wait"
     SCRIPT_LOAD = "script_load"
+
+
+RENAMED: dict[str, Event] = {
+    "standby_imports": Event.WARM_IMPORTS,
+    "standby_ready": Event.WARM_READY,
+    "standby_taken": Event.WARM_TAKEN,
+    "standbys_started": Event.WARM_STARTED,
+}
+"""Old event name -> its name now. A log written before a rename is read under the new
+names (`events.parse_lines`, `schema.decode`), so `unbroken report` and `simulate
+--from-run` read old run dirs as new ones. "standby" means a standby node only (the
+glossary); the fork server's pre-imported interpreter, and the warm interpreters before it,
+are "warm"."""
+
+
+def current(name: str) -> str:
+    """`name` as it is called now: a renamed event's new name, any other name unchanged."""
+    return RENAMED.get(name, name)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.polling import PollTimeout, poll_until
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.event_names import Event, current
 from unbroken.telemetry.schema import SCHEMA_VERSION, VERSION_KEY, EventBody, encode
 
 EVENTS_FILE = "events.jsonl"
@@ -363,7 +363,8 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def parse_lines(lines: Any) -> list[dict[str, Any]]:
     """The events among a log's lines (text or bytes); torn lines (a killed writer, a full
-    disk) and lines that are not objects are skipped."""
+    disk) and lines that are not objects are skipped. An event renamed since the log was
+    written comes under its name now (`event_names.RENAMED`)."""
     events = []
     for line in lines:
         try:
@@ -371,6 +372,8 @@ def parse_lines(lines: Any) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
         if isinstance(event, dict):
+            if isinstance(name := event.get("event"), str):
+                event["event"] = current(name)  # a renamed event under its name now
             events.append(event)
     return events
 

@@ -15,7 +15,6 @@ shared (one file system), its own node's otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 from unbroken.telemetry import schema as ev
 from unbroken.telemetry.categories import BADPUT
+from unbroken.telemetry.events import parse_lines
 from unbroken.telemetry.goodput import account, fault_key
 from unbroken.telemetry.job_ledger import CapacityLedger
 from unbroken.telemetry.metric_names import Metric
@@ -67,13 +67,7 @@ class EventTail:
         text = self._partial + self._fh.read()
         lines = text.split("\n")
         self._partial = lines.pop()  # a line still being written (no newline yet)
-        events = []
-        for line in lines:
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue  # a torn line from a killed writer
-        return events
+        return parse_lines(lines)  # a torn line from a killed writer is skipped
 
     def close(self) -> None:
         if self._fh is not None:

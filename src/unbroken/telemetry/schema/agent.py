@@ -69,10 +69,10 @@ class WorkersStarted(EventBody):
     pids: dict[str, int] = doc("rank → pid")
 
 
-@event(Event.STANDBYS_STARTED)
+@event(Event.WARM_STARTED)
 class WarmInterpretersStarted(EventBody):
     """Warm interpreters were started for the next attempt (before the fork server: read in
-    older runs' logs, no longer written; the name predates the term, not standby nodes)."""
+    older runs' logs, no longer written; older logs: `standbys_started`)."""
 
     count: int = doc("how many")
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from unbroken.telemetry.event_names import Event
+from unbroken.telemetry.event_names import Event, current
 
 SCHEMA_VERSION = 1
 """The version each record carries in `v`. 0 (no `v`): written before the events had a
@@ -148,7 +148,7 @@ def decode(record: Mapping[str, Any]) -> EventBody:
     """The record as its event class (see the module's contract). Never raises for a
     record's content: an unknown name is an `UnknownEvent`."""
     name = record.get("event")
-    cls = _class_of(name) if isinstance(name, str) else None
+    cls = _class_of(current(name)) if isinstance(name, str) else None
     keys = _keys(cls or UnknownEvent)
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}

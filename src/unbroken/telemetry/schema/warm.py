@@ -1,8 +1,9 @@
 """The events of what imports ahead of a worker: the node's fork server
-(`runtime/fork_server.py`, source `fork_server`: `standby_imports`) and, in older runs' logs,
-the warm interpreters it replaced (source `standby`: `standby_ready`, `standby_imports`,
-`standby_taken`, no longer written). Not standby nodes (`--standby`): the names predate
-the terms and keep their spelling."""
+(`runtime/fork_server.py`, source `fork_server`: `warm_imports`) and, in older runs' logs,
+the warm interpreters it replaced (source `standby`: `warm_ready`, `warm_imports`,
+`warm_taken`, no longer written). Older logs call them `standby_ready`, `standby_imports`
+and `standby_taken`; they are read under the names here (`event_names.RENAMED`): "standby"
+now means a standby node (`--standby`) only."""
 
 from __future__ import annotations
 
@@ -12,18 +13,18 @@ from unbroken.telemetry.schema.base import EventBody, doc, event, optional
 SECTION = "Warm interpreter events"
 
 
-@event(Event.STANDBY_READY)
+@event(Event.WARM_READY)
 class WarmInterpreterReady(EventBody):
-    """A warm interpreter (the event's name predates the term) imported torch."""
+    """A warm interpreter imported torch (older logs: `standby_ready`)."""
 
     pid: int = doc("its process id")
     warmup: float = doc("seconds to import torch, at low priority while training runs")
 
 
-@event(Event.STANDBY_IMPORTS)
+@event(Event.WARM_IMPORTS)
 class WarmInterpreterImports(EventBody):
     """The node's fork server (source `fork_server`; before it, a warm interpreter, source
-    `standby`: the event's name predates both) caught up with the node's list of modules the
+    `standby`; older logs: `standby_imports`) caught up with the node's list of modules the
     workers imported (`RUN_DIR/node_K/modules.json`); again whenever the list grows. Every
     worker forked from then on has them imported."""
 
@@ -41,10 +42,10 @@ class WarmInterpreterImports(EventBody):
     duration: float = doc("seconds spent importing them")
 
 
-@event(Event.STANDBY_TAKEN)
+@event(Event.WARM_TAKEN)
 class WarmInterpreterTaken(EventBody):
-    """A warm interpreter (the event's name predates the term) becomes a worker (`rank`,
-    `attempt`: the worker it becomes)."""
+    """A warm interpreter becomes a worker (`rank`, `attempt`: the worker it becomes; older
+    logs: `standby_taken`)."""
 
     pid: int = doc("its process id")
     modules: int = doc("modules pre-imported")
