@@ -37,7 +37,7 @@ def test_each_field_declares_its_flag_help_and_pet_variable_once() -> None:
     fields = _declared()
     names = Counter(field.name for field, _ in fields)
     assert [n for n, k in names.items() if k > 1] == [], "a field name (argparse dest) twice"
-    options = _options(spec.names for _, spec in fields)
+    options = _options(spec.names + spec.renamed_from for _, spec in fields)
     assert [o for o, k in options.items() if k > 1] == [], "an option string twice"
     pets = Counter(pet_name(field, spec) for field, spec in fields)
     del pets[None]  # the script and its arguments
@@ -50,7 +50,8 @@ def test_each_field_declares_its_flag_help_and_pet_variable_once() -> None:
 
 def test_the_generated_parser_has_exactly_the_flags_the_hand_written_one_had() -> None:
     golden = json.loads(GOLDEN.read_text())
-    ours = {spec.names: (field, spec) for field, spec in _declared() if spec.names}
+    ours = {spec.names + spec.renamed_from: (field, spec) for field, spec in _declared()
+            if spec.names}
     assert sorted(ours) == sorted(tuple(g["options"]) for g in golden)
     for g in golden:
         field, spec = ours[tuple(g["options"])]
@@ -75,6 +76,17 @@ def test_the_parser_reads_pet_variables_from_the_mapping_it_is_given() -> None:
     quiet = argparse.ArgumentParser()
     add_run_flags(quiet, {})
     assert quiet.parse_args(["s.py"]).max_restarts == 0
+
+
+def test_a_renamed_flag_parses_with_a_one_line_deprecation(capsys) -> None:
+    parser = argparse.ArgumentParser(prog="unbroken run")
+    add_run_flags(parser, {})
+    assert parser.parse_args(["--no-warm-restarts", "s.py"]).fork_server is False
+    assert capsys.readouterr().err == ("unbroken run: --no-warm-restarts is deprecated: use "
+                                       "--no-fork-server (the old name will be removed in a "
+                                       "later release)\n")
+    assert parser.parse_args(["--no-fork-server", "s.py"]).fork_server is False
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("make,says", [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -56,16 +57,20 @@ class Flag:
     metavar: str | None = None
     pet: str | None = None
     """Its torchrun variable; None: `PET_<FIELD NAME>`."""
+    renamed_from: tuple[str, ...] = ()
+    """Its old names: still parsed, each saying in one stderr line that it is deprecated."""
 
 
 def flag(*names: str, help: str, default: Any = None, parse: Callable[[str], Any] | None = None,
          choices: tuple[str, ...] | None = None, kind: Kind = Kind.VALUE,
-         metavar: str | None = None, pet: str | None = None, torchrun: bool = False) -> Any:
+         metavar: str | None = None, pet: str | None = None, torchrun: bool = False,
+         renamed_from: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a flag. `torchrun=True`: the first name is torchrun's,
-    taken in its two spellings (`--nproc-per-node` and `--nproc_per_node`)."""
+    taken in its two spellings (`--nproc-per-node` and `--nproc_per_node`). `renamed_from`:
+    the flag's old names, parsed with a one-line deprecation."""
     if torchrun and "-" in names[0][2:]:
         names = (names[0], "--" + names[0][2:].replace("-", "_"), *names[1:])
-    meta = Flag(tuple(names), help, parse, choices, kind, metavar, pet)
+    meta = Flag(tuple(names), help, parse, choices, kind, metavar, pet, renamed_from)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={_KEY: meta})
     return dataclasses.field(default=default, metadata={_KEY: meta})
@@ -89,7 +94,22 @@ class BadPet:
     message: str
 
 
-class PetValue(argparse.Action):
+class _Renamed(argparse.Action):
+    """An action that says, in one stderr line, when it was called by an old name."""
+
+    def __init__(self, option_strings: list[str], dest: str, renamed: tuple[str, ...] = (),
+                 **kw: Any) -> None:
+        self.renamed = renamed
+        super().__init__(option_strings, dest, **kw)
+
+    def deprecation(self, parser: Any, option_string: Any) -> None:
+        if option_string in self.renamed:
+            now = next(o for o in self.option_strings if o not in self.renamed)
+            sys.stderr.write(f"{parser.prog}: {option_string} is deprecated: use {now} "
+                             "(the old name will be removed in a later release)\n")
+
+
+class PetValue(_Renamed):
     """torch's `env` action: the default is `PET_<NAME>` when set (a string, which argparse
     then passes through the flag's type, as it would the command line's)."""
 
@@ -103,10 +123,11 @@ class PetValue(argparse.Action):
         super().__init__(option_strings, dest, default=default, choices=choices, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        self.deprecation(parser, option_string)
         setattr(namespace, self.dest, values)
 
 
-class PetSwitch(argparse.Action):
+class PetSwitch(_Renamed):
     """torch's `check_env`: a switch whose default is its `PET_` variable read as a number
     (`true` and `yes` too); `const` is what the flag sets (False for `--no-...`)."""
 
@@ -117,10 +138,11 @@ class PetSwitch(argparse.Action):
                          default=const if given else not const, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        self.deprecation(parser, option_string)
         setattr(namespace, self.dest, self.const)
 
 
-class PetAppend(argparse.Action):
+class PetAppend(_Renamed):
     """A repeatable flag; its `PET_` variable is the first value."""
 
     def __init__(self, option_strings: list[str], dest: str, pet: str, env: Mapping[str, str],
@@ -128,6 +150,7 @@ class PetAppend(argparse.Action):
         super().__init__(option_strings, dest, default=[env[pet]] if pet in env else default, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        self.deprecation(parser, option_string)
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
 
 
@@ -150,13 +173,14 @@ def add_group(parser: argparse.ArgumentParser, group: type, env: Mapping[str, st
             out.add_argument(field.name, nargs=argparse.REMAINDER, help=spec.help)
             continue
         kw: dict[str, Any] = {"dest": field.name, "help": spec.help, "action": _ACTIONS[spec.kind],
-                              "pet": pet_name(field, spec), "env": env}
+                              "pet": pet_name(field, spec), "env": env,
+                              "renamed": spec.renamed_from}
         if spec.kind == Kind.OFF_SWITCH:
             kw["const"] = False
         elif spec.kind != Kind.SWITCH:
             kw.update(default=default, type=spec.parse, choices=spec.choices,
                       metavar=spec.metavar)
-        out.add_argument(*spec.names, **kw)
+        out.add_argument(*spec.names, *spec.renamed_from, **kw)
 
 
 def read_group(group: type, namespace: argparse.Namespace) -> Any:

@@ -231,8 +231,8 @@ class Recovery:
                                         "restart")
     join_timeout: float = 60.0
     """`--on-fault wait`: how long survivors wait for a replacement, then shrink (no flag)."""
-    fork_server: bool = flag("--no-fork-server", "--no-warm-restarts", kind=Kind.OFF_SWITCH,
-                             default=True,
+    fork_server: bool = flag("--no-fork-server", kind=Kind.OFF_SWITCH, default=True,
+                             renamed_from=("--no-warm-restarts",),
                              help="start every worker as a fresh interpreter (by default a "
                                   "fork server per node, which has imported torch and the "
                                   "workers' installed libraries, forks them in milliseconds; "
