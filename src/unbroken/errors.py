@@ -8,8 +8,9 @@ from enum import IntEnum, StrEnum
 
 class ExitCode(IntEnum):
     """Exit codes of `unbroken run`: what ended this node's agent, and what a scheduler
-    should do about it (`RETRY`). Declared once: the README's table and the Kubernetes
-    failure policies follow this enum (tests/unit/test_exit_codes.py checks the README)."""
+    should do about it (`RETRY`). Declared once: the table in docs/troubleshoot.md and the
+    Kubernetes failure policies follow this enum (tests/unit/test_exit_codes.py checks the
+    table)."""
 
     SUCCESS = 0
     """Every rank trained to the end."""

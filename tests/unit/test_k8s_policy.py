@@ -1,6 +1,6 @@
 """The exit-code table on Kubernetes (`unbroken.k8s.policy`) is derived from `errors.RETRY`,
-and docs/kubernetes.md holds it exactly (as tests/unit/test_exit_codes.py checks the
-README's)."""
+and docs/kubernetes.md holds it exactly (as tests/unit/test_exit_codes.py checks
+docs/troubleshoot.md's)."""
 
 from __future__ import annotations
 
