@@ -326,7 +326,7 @@ def test_an_agent_with_another_secret_is_told_so_and_cannot_take_the_lead(tmp_pa
     time.sleep(1.0)  # node 0 has stood as leader
     intruder = _etcd_agent(tmp_path, etcd_endpoint, 1, "bb" * 32)
     r1 = finish(intruder, run_dirs[1], timeout=60)
-    assert r1.code == 2, r1.output  # ExitCode.USAGE: a permanent misconfiguration (README)
+    assert r1.code == 2, r1.output  # ExitCode.USAGE: permanent (docs/troubleshoot.md)
     assert "secret differs from the job's" in r1.output and "Traceback" not in r1.output
     r0 = finish(leader, run_dirs[0], timeout=60)  # node 1 never joined: node 0 says so
     assert r0.code == 3 and "node(s) [1] did not join" in r0.output, r0.output

@@ -105,7 +105,7 @@ def _endless_two_node_job(hosts, *extra):
 
 def test_with_the_tcpstore_followers_stop_when_the_leader_dies(isolated_hosts):
     """The TCPStore lives in the node-0 agent: it is the job's single point of failure
-    (README). A follower rides the loss out for --control-retry-window, then stops its
+    (docs/running.md). A follower rides the loss out for --control-retry-window, then stops its
     workers and exits 3. (With etcd the job goes on: tests/integration/test_failover.py.)"""
     hosts = isolated_hosts
     leader, follower = _endless_two_node_job(hosts, "--control-retry-window", "3")
