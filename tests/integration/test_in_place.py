@@ -237,17 +237,44 @@ def test_in_place_recoveries_spend_the_restart_budget(tmp_path):
     assert len(result.events("gen_up")) == 1  # the first was recovered in place
 
 
+def _rank_1_killed_at_step_5(tmp_path, *script_args: str):
+    """ckpt_train.py on 3 workers (`script_args` added), a replacement awaited on a fault;
+    rank 1 SIGKILLed from outside once a step >= 5 is logged. The finished run."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2", "--on-fault", "wait",
+                 script=SCRIPTS / "ckpt_train.py",
+                 args=["--steps", str(STEPS), *script_args, "--step-sleep", "0.05"])
+    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
+    wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120, "step 5")
+    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
+    return finish(proc, run_dir)
+
+
 def test_a_group_the_script_forms_itself_is_the_launchers_and_recovers_in_place(tmp_path):
     """Accelerate, Lightning and torchtitan call `init_process_group` themselves: under
     `unbroken run` that call forms a group the engine can abort, so a SIGKILL is recovered
     in place (the replacement's own call forms the stand-in world, not a second job)."""
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc-per-node", "3", "--max-restarts", "2", "--on-fault", "wait",
-                 script=SCRIPTS / "ckpt_train.py",
-                 args=["--steps", str(STEPS), "--own-group", "--step-sleep", "0.05"])
-    started = wait_for(lambda: events_of(run_dir, "workers_started"), 60, "workers to start")
-    wait_for(lambda: any(e["step"] >= 5 for e in events_of(run_dir, "step")), 120, "step 5")
-    os.kill(started[0]["pids"]["1"], signal.SIGKILL)
-    result = finish(proc, run_dir)
+    result = _rank_1_killed_at_step_5(tmp_path, "--own-group")
     assert not result.events("in_place_unavailable"), result.events("in_place_unavailable")
     _assert_in_place(result, [("crash", 1)], replaced={1})
+
+
+def test_after_a_switch_the_old_generations_view_is_collected(tmp_path):
+    """The DDP that build() made for generation 0 (its buckets, on a GPU) is gone before the
+    survivors build generation 1's: nothing of the old generation is kept while the new one
+    is built (the failed step's frames forgotten, cycles collected; `generations/release.py`).
+    build() counts the earlier views still alive (weak references, after a collection, so
+    only what is still referenced counts) and each step logs it."""
+    result = _rank_1_killed_at_step_5(tmp_path, "--count-old-views")
+    _assert_in_place(result, [("crash", 1)], replaced={1})
+    survivors = [e for e in result.events("step") if e["rank"] in (0, 2) and e["gen"] >= 1]
+    assert survivors, "no step ran after the switch"
+    assert all(e["views"] >= 2 for e in survivors)  # built again in the new generation
+    assert [e for e in survivors if e["old_views"] != 0] == []
+    # And already while build() made the new one: the old view was not held by the failed
+    # step's frames (a survivor whose backward broke in DDP's all-reduce held it there).
+    assert [e for e in survivors if e["old_at_build"] != 0] == []
+    broke = [e for e in result.events("gen_leave") if e["rank"] in (0, 2) and e["gen"] == 0]
+    assert broke and all(e["reason"] == "peer" for e in broke), broke
+    switch = [e for e in result.events("gen_switch") if e["rank"] in (0, 2)]
+    assert switch and all(e["free"] >= 0.0 for e in switch)

@@ -6,8 +6,10 @@ optimizer state there at the end, to compare runs of different world sizes.
 """
 
 import argparse
+import gc
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,9 @@ p.add_argument("--own-group", action="store_true",
                     "Lightning and torchtitan do")
 p.add_argument("--replacements-crash", action="store_true",
                help="a replacement worker raises before it can join (a crash loop)")
+p.add_argument("--count-old-views", action="store_true",
+               help="log, with each step, how many views that build() made in earlier "
+                    "generations are still alive (weak references)")
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                help="cuda: the model on this worker's GPU, NCCL (benchmarks/gpu_multi.py)")
 args = p.parse_args()
@@ -59,20 +64,34 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 run.track(model, optimizer)
 
 
+BUILT = []  # --count-old-views: a weak reference to each DDP that build() made
+ALIVE_AT_BUILD = []  # how many of the earlier ones were still alive at each build()
+
+
 def build():
     if args.fsdp or run.world_size == 1:
         return model
     ddp = DDP(model)
     if args.exact:
         ddp.register_comm_hook(None, unbroken.exact_allreduce)
+    if args.count_old_views:
+        gc.collect()  # what only a cycle keeps is not counted: only what is still referenced
+        ALIVE_AT_BUILD.append(sum(ref() is not None for ref in BUILT))
+        BUILT.append(weakref.ref(ddp))
     return ddp
 
 
 def step_fn(step, net):
+    if args.count_old_views and args.step_sleep:
+        time.sleep(args.step_sleep)  # first: a peer killed now breaks this step's backward
     g = torch.Generator().manual_seed(step * 100 + run.rank)
     x = torch.randn(4, 6, generator=g).to(device)
     net(x).pow(2).mean().backward()
-    if args.step_sleep and not (args.sleep_until and os.path.exists(args.sleep_until)):
+    if args.count_old_views:
+        run.log(old_views=sum(ref() is not None for ref in BUILT[:-1]), views=len(BUILT),
+                old_at_build=ALIVE_AT_BUILD[-1])
+    if args.step_sleep and not args.count_old_views and not (
+            args.sleep_until and os.path.exists(args.sleep_until)):
         time.sleep(args.step_sleep)
 
 

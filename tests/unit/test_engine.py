@@ -97,6 +97,7 @@ class OneMemberGenerations(Generations):
     state, or no one does. `broken_syncs` tries fail as a peer's death would."""
 
     broken_syncs = 0
+    oom_syncs = 0  # tries whose state step runs out of device memory
 
     def replicated(self, get_state: Callable[[], Any], set_state: Callable[[Any], None],
                    ) -> Callable[[Plan, int, bool], SyncResult]:
@@ -104,6 +105,9 @@ class OneMemberGenerations(Generations):
             if self.broken_syncs:
                 self.broken_syncs -= 1
                 raise RuntimeError("[gloo] Connection closed by peer")
+            if self.oom_syncs:
+                self.oom_syncs -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if not holds_state:
                 raise NoStateError("no member holds committed state")
             return SyncResult(step=committed_step, source=None, received_bytes=0)
@@ -194,6 +198,38 @@ def test_a_switch_that_fails_on_the_way_tries_the_next_generation():
     assert [d[0] for d in membership.departures] == [0, 1, 2]
     assert events.named("gen_switch")[0]["tries"] == 3
     assert engine.position.gen == 3 and engine.position.step == 4
+
+
+def _peer_dies_at_step_2(engine: Engine) -> Callable[[int], None]:
+    def body(step: int) -> None:
+        if step == 2 and engine.position.gen == 0:
+            raise RuntimeError("[gloo] Connection closed by peer")
+    return body
+
+
+def test_out_of_memory_in_a_switch_is_the_switchs_fault_freed_and_tried_again():
+    membership, events = FakeMembership(), Recorder()
+    engine, _ = _engine(membership, events)
+    engine.generations.oom_syncs = 1
+    ran = _train(engine, 4, _peer_dies_at_step_2(engine))
+    assert ran == [(0, 0), (1, 0), (2, 0), (2, 2), (3, 2)]  # the worker lives on, in place
+    assert [d[3] for d in membership.departures] == [LeaveReason.PEER, LeaveReason.OUT_OF_MEMORY]
+    failed, = events.named("switch_failed")
+    assert failed["out_of_memory"] is True and "CUDA out of memory" in failed["error"]
+    switch, = events.named("gen_switch")
+    assert switch["tries"] == 2 and switch["free"] >= 0.0
+    assert not events.named("step_failed")  # never classified as the user's error
+
+
+def test_out_of_memory_twice_in_a_switch_restarts_the_job():
+    membership, events = FakeMembership(), Recorder()
+    engine, _ = _engine(membership, events)
+    engine.generations.oom_syncs = 2
+    with pytest.raises(NoStateError, match="out of memory"):
+        _train(engine, 4, _peer_dies_at_step_2(engine))
+    assert [d[3] for d in membership.departures] == [
+        LeaveReason.PEER, LeaveReason.OUT_OF_MEMORY, LeaveReason.NO_STATE]
+    assert [f.get("out_of_memory") for f in events.named("switch_failed")] == [True, True]
 
 
 def test_a_dropped_step_commits_nothing_and_runs_again():

@@ -139,8 +139,9 @@ def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_figures()
 def test_a_layout_aligns_every_tensor_so_any_dtype_views_it_in_place():
     import torch
 
+    from unbroken.checkpoint.host_buffer import ALIGN, Layout
     from unbroken.runtime.generations.state_sync import byte_view
-    from unbroken.runtime.sharded.host_copy import ALIGN, Layout, chunks
+    from unbroken.runtime.sharded.host_copy import chunks
 
     tensors = [torch.arange(3, dtype=torch.int8), torch.zeros(0), torch.randn(5, 7),
                torch.tensor(3.0, dtype=torch.float64), torch.arange(4, dtype=torch.int64)]

@@ -40,12 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken.checkpoint.interval import Schedule
-from unbroken.checkpoint.layout import (
-    committed_checkpoints,
-    remove_torn,
-    step_name,
-    temporary_dir,
-)
+from unbroken.checkpoint.layout import committed_checkpoints, remove_torn, step_name, temporary_dir
 from unbroken.checkpoint.loader import choose, describe_dcp_failure, load_into
 from unbroken.checkpoint.persist import (
     CheckpointDirNotShared,
@@ -55,6 +50,7 @@ from unbroken.checkpoint.persist import (
     persist,
 )
 from unbroken.checkpoint.staging import HostImage, Staged, StagingArea, local_tensor
+from unbroken.checkpoint.writers import Replicated, assign, digest, fill, replicated
 from unbroken.errors import first_line
 from unbroken.telemetry import schema as ev
 
@@ -85,6 +81,7 @@ class _Save:
     not_shared: CheckpointDirNotShared | None = None  # rank 0: refused, checkpoint_dir not shared
     image: HostImage | None = None  # a host copy taken by others, persisted from in place
     copy_ok: bool = False  # the staged copy is whole (a rollback may restore it)
+    area: StagingArea | None = None  # an abandoned save's staging, closed when it ends
     verified: bool | None = None  # the replicas agreed at `step`; None: not checked
 
     @property
@@ -108,10 +105,12 @@ class Checkpointer:
         persist_timeout: float = 600.0,
         schedule: Schedule | None = None,
         fault_point: Callable[[str, int], None] = lambda point, step: None,
+        available_memory: Callable[[], int] | None = None,
     ) -> None:
         """`group` carries the writes, `control_group` the decision to save (both gloo, and
         never the training group). `clean_stale`: remove torn saves of earlier attempts
-        (rank 0); a replacement joining a running job must not, the others may be saving."""
+        (rank 0); a replacement joining a running job must not, the others may be saving.
+        `available_memory`: this rank's host memory, which the staged copy must fit."""
         if keep < 1:
             raise ValueError("keep must be at least 1")
         if keep_every is not None and keep_every < 1:
@@ -127,7 +126,8 @@ class Checkpointer:
         self.schedule = schedule or Schedule()
         self.fault_point = fault_point  # injected faults in the writer (tests)
         self.tag = f"a{attempt}"  # names this writer's temporary directories
-        self._staging = StagingArea()
+        self.available_memory = available_memory
+        self._staging = StagingArea(available_memory)
         self._save: _Save | None = None
         self._deferrals = 0
         self._loaded_step: int | None = None
@@ -161,7 +161,8 @@ class Checkpointer:
         if save is not None and not save.done.is_set():
             save.abandoned = True
             self._save = None
-            self._staging = StagingArea()  # its writer may still read the old buffers
+            save.area = self._staging  # its writer may still read it: closed when it ends
+            self._staging = StagingArea(self.available_memory)
             self.record(ev.CheckpointFailed(step=save.step, stall=round(save.stall, 6),
                         duration=round(time.monotonic() - save.started, 6),
                         error=f"abandoned: generation {generation} formed while it was written"))
@@ -207,12 +208,19 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._save is not None and not self._save.done.is_set()
 
-    def _agree(self, busy: bool, proposal: int) -> tuple[bool, int]:
-        """(is any rank still writing, the largest proposed interval), the same on every rank."""
-        vote = torch.tensor([int(busy), proposal], dtype=torch.int64)
+    def _agree(self, busy: bool, proposal: int, layout: int = 0) -> tuple[bool, int, bool]:
+        """(is any rank still writing, the largest proposed interval, do all ranks hold the
+        same replicated tensors: `writers.digest`), the same on every rank."""
+        vote = torch.tensor([int(busy), proposal, layout, -layout], dtype=torch.int64)
         if dist.is_initialized() and self.control_group is not None:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control_group)
-        return bool(vote[0]), int(vote[1])
+        return bool(vote[0]), int(vote[1]), int(vote[2]) == -int(vote[3])
+
+    def _writers(self, state: dict[str, Any]) -> tuple[list[Replicated], int]:
+        """The state's replicated tensors and their digest; none in a world of one writer."""
+        world = dist.get_world_size(self.group) if dist.is_initialized() and self.group is not None else 1
+        items = list(replicated(state)) if world > 1 else []
+        return items, digest(items) if items else 0
 
     def start(self, state: dict[str, Any], step: int, step_time: float | None = None,
               image: HostImage | None = None, verified: bool | None = None) -> bool:
@@ -248,7 +256,8 @@ class Checkpointer:
         last = self._last
         proposal = self.schedule.propose(step_time, last.stall if last else None,
                                          last.persisted if last and last.committed else None)
-        anyone_busy, interval = self._agree(busy, proposal)
+        items, layout = self._writers(state)
+        anyone_busy, interval, same = self._agree(busy, proposal, layout)
         if anyone_busy:
             self._deferrals += 1
             self.schedule.deferred(step, self._deferrals)
@@ -261,8 +270,12 @@ class Checkpointer:
             self.record(ev.CheckpointInterval(steps=interval, reason=self.schedule.reason))
         self._deferrals = 0
         stage_error = None
+        writers = assign(items, dist.get_world_size(self.group)) if items and same else {}
+        me = dist.get_rank(self.group) if writers else 0
+        leave_out = frozenset(path for path, rank in writers.items() if rank != me)
         try:
-            staged = self._staging.stage(state, self._late(), image)
+            staged = self._staging.stage(state, self._late(), image, leave_out)
+            staged.writers, staged.items = writers, {it.path: it for it in items}
         except Exception as exc:  # noqa: BLE001 -- no memory for the buffers, an uncopyable value
             staged, stage_error = Staged(state={}), first_line(exc)  # the peers must hear of it
         save = _Save(step=step, staged=staged, started=t0, image=image, verified=verified)
@@ -291,6 +304,8 @@ class Checkpointer:
             save.copied.set()  # whatever happened, never leave the loop or the vote waiting
             if save.image is not None:
                 save.image.release()
+            if save.area is not None:
+                save.area.close()  # abandoned: nothing reads its pinned buffer any more
             save.done.set()
 
     def _write_and_commit(self, save: _Save, group: dist.ProcessGroup | None, rank: int,
@@ -355,7 +370,8 @@ class Checkpointer:
                 self.record(ev.CheckpointSaved(step=save.step, path=str(c.path), bytes=c.bytes,
                             stall=round(save.stall, 6), snapshot=round(t1 - t0, 6),
                             persist=round(end - t1, 6), durable=round(durable, 6),
-                            deleted=c.deleted or None, retention_error=c.retention_error))
+                            deleted=c.deleted or None, retention_error=c.retention_error,
+                            staged_bytes=save.staged.nbytes, pinned_bytes=save.staged.pinned))
             else:
                 if save.not_shared is not None and not self._said_not_shared:
                     self._say_not_shared(save.step, save.not_shared)
@@ -384,6 +400,17 @@ class Checkpointer:
         if save is None or not save.copy_ok or save.image is not None or not save.staged.state:
             return None
         return save.step, save.staged.state
+
+    def fill_left_out(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`host_copy()`'s state made whole (collective on the control group, after every
+        rank agreed on its step): each replicated tensor left to another writer is
+        broadcast from that writer's copy (`writers.fill`)."""
+        staged = self._save.staged if self._save is not None else Staged(state={})
+        if not staged.writers:
+            return state
+        return fill(state, staged.writers, staged.items, dist.get_rank(self.group),
+                    lambda t, w: dist.broadcast(t, src=dist.get_global_rank(self.group, w),
+                                                group=self.control_group))
 
     def agree_step(self, step: int) -> bool:
         """True if every rank passes the same `step` (collective on the control group)."""
@@ -424,7 +451,7 @@ class Checkpointer:
             else step == self._loaded_step  # a checkpoint loaded and nothing run since
         # Agreed, not decided per rank: a rank whose wait ran out just before its save
         # committed must not start a save that the others skip.
-        anyone_busy, anyone_lacks = self._agree(self.in_flight, int(not have))
+        anyone_busy, anyone_lacks, _ = self._agree(self.in_flight, int(not have))
         if not anyone_lacks:
             return True
         if anyone_busy:
@@ -443,7 +470,7 @@ class Checkpointer:
         """After a generation switch: agree afresh on when the next save is due (collective).
         A replacement has no schedule of its own yet; every member's is reset alike."""
         proposal = self.schedule.interval
-        _, interval = self._agree(False, proposal)
+        _, interval, _ = self._agree(False, proposal)
         self._deferrals = 0
         self.schedule.reset(step, interval)
 

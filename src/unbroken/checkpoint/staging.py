@@ -6,11 +6,13 @@ are copied by the checkpoint's background thread while the next step's forward a
 run; the optimizers' step pre-hook waits for the copy (`Checkpointer.protect`). Everything
 else (buffers such as BatchNorm statistics, which a forward pass updates; counters; RNG
 state; Python values such as the learning rate, which a scheduler changes) is copied at once.
-Buffers are allocated on the first save and reused, so a checkpoint costs no allocation.
+The buffer (one, of exactly the staged bytes) is allocated on the first save and reused, so
+a checkpoint costs no allocation; a data-parallel rank stages only the replicated tensors
+it writes (`writers.assign`).
 A sharded job in place already holds one host copy of its shards (the peer snapshots' own
 copy, `runtime/sharded/snapshots.py`), taken at every checkpoint step: `stage` is then given it as a
 `HostImage`, and its tensors are persisted from that copy's views, not copied again.
-On GPU they are pinned and filled on a side stream; DTensor shards stay DTensors, so the
+On GPU the buffer is pinned (registered, exact size) and filled on a side stream; DTensor shards stay DTensors, so the
 persisted checkpoint keeps its sharding and reshards on load.
 """
 
@@ -23,6 +25,9 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from unbroken.checkpoint.host_buffer import HostBuffer, Layout, typed_view
+from unbroken.checkpoint.writers import Path, Replicated
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +44,9 @@ class Staged:
     ready: Any = None  # on GPU: an event marking where the main stream had got to
     device: Any = None  # on GPU: the training thread's device (the copy thread has its own)
     nbytes: int = 0
+    pinned: int = 0  # host bytes the staging area held pinned for it
+    writers: dict[Path, int] = field(default_factory=dict)  # replicated tensor -> its writer
+    items: dict[Path, Replicated] = field(default_factory=dict)  # the replicated tensors
 
 
 class HostImage(Protocol):
@@ -56,50 +64,81 @@ class HostImage(Protocol):
 
 
 class StagingArea:
-    """Reusable CPU buffers for one training state; `stage` then `copy_pending`.
+    """One flat host buffer of exactly the staged tensors' size for one training state;
+    `stage` then `copy_pending`.
 
     "Staging", as torch DCP's async save calls it: not the peer snapshots of sharded state
-    (`runtime/sharded/snapshots.py`), which are another thing."""
+    (`runtime/sharded/snapshots.py`), which are another thing. On GPU the buffer is pinned
+    by registering it (`host_buffer.HostBuffer`): the bytes pinned are the bytes staged, not
+    a power of two per tensor, and the allocation is reused while the layout holds."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._used: set[str] = set()  # the keys the current save uses
+    def __init__(self, available: Callable[[], int] | None = None) -> None:
+        """`available`: host memory this rank may use, in bytes (None: not checked); a
+        buffer that would take more than 80 % of it is refused (`refusal`)."""
+        self.available = available
+        self._host: HostBuffer | None = None
+        self._layout: Layout | None = None
         self._streams: dict[Any, Any] = {}  # device -> side stream
+        self.paths: list[Path] = []  # the places of the tensors the last `stage` copied
 
-    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        self._used.add(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            pin = like.is_cuda
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
-            self._buffers[key] = buf
-        return buf
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory this area holds pinned (registered with CUDA) now."""
+        return self._host.pinned_bytes if self._host is not None else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this area holds now, pinned or not."""
+        return self._host.nbytes if self._host is not None else 0
+
+    def close(self) -> None:
+        """Unregister the buffer and let it go (a save still reading views keeps its bytes,
+        unpinned); the next `stage` allocates afresh."""
+        if self._host is not None:
+            self._host.close()
+        self._host, self._layout = None, None
 
     def stage(self, state: dict[str, Any], late: Callable[[torch.Tensor], bool],
-              image: HostImage | None = None) -> Staged:
+              image: HostImage | None = None, leave_out: frozenset[Path] = frozenset()) -> Staged:
         """Copy now what may change before the next optimizer update; defer the rest.
 
         `late(t)`: True for tensors only an optimizer update changes (parameters and
         optimizer state), which the background thread copies. A tensor that `image` holds
         is not copied: its view in the image takes its place (the writer waits for the
-        image). Buffers this save does not use are freed.
+        image). `leave_out`: the places (`writers.Path`) of tensors in dicts that another
+        rank writes: left out of the staged state altogether. The buffer is re-made only
+        when the staged tensors' sizes change.
         """
         staged = Staged(state={})
-        self._used = set()
-        staged.state = self._walk(state, "", late, staged, image)
-        self._buffers = {k: v for k, v in self._buffers.items() if k in self._used}
+        wanted: list[tuple[Path, torch.Tensor]] = []
+        _collect(state, (), image, leave_out, wanted)
+        layout = Layout.of([t for _, t in wanted])
+        if layout != self._layout:
+            self.close()
+            pin = any(t.is_cuda for _, t in wanted)
+            if self.available is not None and (why := refusal(layout.total, self.available(),
+                                                              pin)):
+                raise MemoryError(why)
+            self._host, self._layout = HostBuffer(layout.total, pin=pin), layout
+        self.paths = [path for path, _ in wanted]  # what this save stages, in buffer order
+        raws = layout.slices(self._host.tensor) if wanted else []
+        views = {path: typed_view(raw, t)
+                 for (path, t), raw in zip(wanted, raws, strict=True)}
+        staged.state = self._walk(state, (), late, staged, image, views, leave_out)
+        staged.pinned = self.pinned_bytes
         if any(src.is_cuda for src, _ in staged.pending):
             staged.device = torch.cuda.current_device()
             staged.ready = torch.cuda.Event()
             staged.ready.record()
         return staged
 
-    def _walk(self, obj: Any, key: str, late: Callable[[torch.Tensor], bool], staged: Staged,
-              image: HostImage | None) -> Any:
+    def _walk(self, obj: Any, path: Path, late: Callable[[torch.Tensor], bool], staged: Staged,
+              image: HostImage | None, views: dict[Path, torch.Tensor],
+              leave_out: frozenset[Path]) -> Any:
         if isinstance(obj, torch.Tensor):
             src = local_tensor(obj).detach()
             held = image.view_of(src) if image is not None else None
-            buf = held if held is not None else self._buffer(key, src)
+            buf = held if held is not None else views[path]
             staged.nbytes += buf.numel() * buf.element_size()
             if held is not None:
                 pass  # the image's copy: complete once image.wait() returns
@@ -112,9 +151,11 @@ class StagingArea:
                 return DTensor(buf, obj._spec, requires_grad=False)
             return buf
         if isinstance(obj, dict):
-            return {k: self._walk(v, f"{key}/{k}", late, staged, image) for k, v in obj.items()}
+            return {k: self._walk(v, (*path, k), late, staged, image, views, leave_out)
+                    for k, v in obj.items() if (*path, k) not in leave_out}
         if isinstance(obj, (list, tuple)):
-            items = [self._walk(v, f"{key}/{i}", late, staged, image) for i, v in enumerate(obj)]
+            items = [self._walk(v, (*path, i), late, staged, image, views, leave_out)
+                     for i, v in enumerate(obj)]
             return type(obj)(items) if isinstance(obj, list) else tuple(items)
         return copy.deepcopy(obj)
 
@@ -135,3 +176,31 @@ class StagingArea:
             for src, buf in staged.pending:
                 buf.copy_(src)
         staged.pending.clear()
+
+
+def refusal(nbytes: int, available: int, pinned: bool) -> str | None:
+    """Why a staging buffer of `nbytes` would not fit in `available` bytes of host memory
+    (at most 80 % of it is used), with the figures; or None."""
+    if nbytes <= 0.8 * available:
+        return None
+    kind = "pinned " if pinned else ""
+    return (f"the checkpoint's staged copy needs {nbytes / 2**20:.0f} MiB of {kind}host memory "
+            f"on this rank and {available / 2**20:.0f} MiB is available: the save is skipped "
+            "(lower the state's size per rank, or give the pod more memory)")
+
+
+def _collect(obj: Any, path: Path, image: HostImage | None, leave_out: frozenset[Path],
+             out: list[tuple[Path, torch.Tensor]]) -> None:
+    """The tensors `stage` copies into its buffer (neither left out nor held by `image`), in
+    the order `_walk` meets them."""
+    if isinstance(obj, torch.Tensor):
+        src = local_tensor(obj).detach()
+        if image is None or image.view_of(src) is None:
+            out.append((path, src))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if (*path, k) not in leave_out:
+                _collect(v, (*path, k), image, leave_out, out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _collect(v, (*path, i), image, leave_out, out)

@@ -164,6 +164,7 @@ class LeaveReason(StrEnum):
     SWITCH = "switch"  # asked to move at a step boundary
     SUPERSEDED = "superseded"  # a member died before the generation formed
     NO_STATE = "no_state"  # the state cannot come from a peer (sharded)
+    OUT_OF_MEMORY = "out_of_memory"  # a switch ran out of memory: freed, and tried again
 
 
 @dataclass

@@ -91,7 +91,7 @@ class CheckpointDuty:
         kept = self.checkpointer.host_copy()
         if not self.checkpointer.agree_step(kept[0] if kept is not None else -1):
             return None
-        return tracked.restore(kept[1])
+        return tracked.restore(self.checkpointer.fill_left_out(kept[1]))
 
     def finish(self, tracked: TrackedState, step: int) -> None:
         """The final state, committed before the worker reports done (bounded by the

@@ -18,8 +18,8 @@ which are collective, what may raise) is in docs/engine.md. In short, per step:
     engine.commit(step, metrics)     # the step is committed; checkpoints and snapshots
 
 The engine holds the worker's `Position` and replaces it in one place (`_move`). Its
-collaborators (the event log, heartbeat, fault injector, checkpointer, generations) are
-passed in, so that it can run in-process against fakes that implement their protocols.
+collaborators (events, heartbeat, faults, checkpointer, generations) are passed in: fakes
+can stand in.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from unbroken.runtime.checkpoint_duty import CheckpointDuty
 from unbroken.runtime.config import EngineSettings
 from unbroken.runtime.generations.fence import Fence, unfenceable
 from unbroken.runtime.generations.recovery import Generations
+from unbroken.runtime.generations.release import forget_frames
 from unbroken.runtime.generations.watchdog import NO_WATCHDOG, Watchdog, watch
 from unbroken.runtime.groups.process_group import AbortableGroups, nccl_errors
 from unbroken.runtime.groups.world import is_fake_world, is_sharded
@@ -342,6 +343,7 @@ class Engine:
         if not self.in_place or kind == ErrorClass.STOP:
             raise exc
         self.need_tracked("a step").discard_gradients()
+        forget_frames(exc)  # the failed step's locals (activations, the old view) let go
         if kind == ErrorClass.PEER:
             self._join(LeaveReason.PEER, error=first_line(exc))
             return
@@ -488,13 +490,11 @@ class Engine:
 
 
 def _exit_unneeded(engine: Engine) -> NoReturn:
-    """This worker is not needed (the job ended, or a spare took its rank): exit 0."""
-    engine.close()
+    engine.close()  # not needed (the job ended, or a spare took its rank): exit 0
     engine.events.close()
     sys.exit(0)
 
 
 def _say(position: Position, line: str) -> None:
-    """A line for the user, from rank 0."""
-    if position.rank == 0:
+    if position.rank == 0:  # a line for the user, from rank 0
         print(f"unbroken: {line}", file=sys.stderr, flush=True)

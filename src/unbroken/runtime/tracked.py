@@ -66,7 +66,9 @@ class TrackedState:
             if f"extra_{name}" in state:  # the runtime's own may be missing from an old one
                 obj.load_state_dict(state[f"extra_{name}"])
         if "rng_cpu" in state["unbroken"]:  # a checkpoint's; state from a peer has none
-            torch.set_rng_state(state["unbroken"]["rng_cpu"])
+            # A copy of its own: a staged copy's is a view into one flat buffer, which
+            # torch's generator cannot take (it reads the storage, not the view).
+            torch.set_rng_state(state["unbroken"]["rng_cpu"].clone())
         self.whole = True
         return int(state["unbroken"]["step"])
 

@@ -24,6 +24,7 @@ import torch
 from unbroken.control.messages import LeaveReason
 from unbroken.errors import first_line, is_peer_error
 from unbroken.runtime.generations.membership import Membership, Plan
+from unbroken.runtime.generations.release import forget_frames, out_of_memory, release
 from unbroken.runtime.generations.state_sync import NoStateError, SyncResult, sync_state
 from unbroken.runtime.generations.watchdog import NO_WATCHDOG, Watchdog
 from unbroken.runtime.groups.process_group import (
@@ -163,10 +164,11 @@ class Generations:
         of the switch. `whole()` says whether the tracked state is still whole after a failed
         try (a receipt may have torn it). Raises `NoStateError` if no member holds state,
         `JobFinished`, `Drained` or `RecoveryTimeout` from the membership."""
-        tries = 0
+        tries = ooms = 0
         committed_step, holds_state = position.step, position.holds_state
         while True:
             tries += 1
+            freed = release()  # the old generation's memory, before the new one is made
             t0 = time.monotonic()
             plan = self.membership.next_plan(self.gen, joining=joining)
             t1 = time.monotonic()
@@ -205,14 +207,24 @@ class Generations:
                            error=first_line(exc))
                 raise NoStateError(str(exc)) from exc
             except Exception as exc:  # a member died or left mid-switch: try the next plan
-                if not is_peer_error(exc):
+                oom = out_of_memory(exc)  # the switch's fault, never the user's
+                if not (oom or is_peer_error(exc)):
                     raise
-                self.record(ev.SwitchFailed(gen=plan.gen, error=first_line(exc)))
+                forget_frames(exc)
+                ooms += oom
+                self.record(ev.SwitchFailed(gen=plan.gen, error=first_line(exc),
+                                            out_of_memory=oom or None))
                 holds_state = holds_state and whole()
-                self.leave(committed_step, holds_state, LeaveReason.PEER, error=first_line(exc))
+                if ooms > 1:  # freed once and out of memory again: the job restarts
+                    self.leave(committed_step, holds_state, LeaveReason.NO_STATE,
+                               error=f"out of memory twice in a switch: {first_line(exc)}")
+                    raise NoStateError(first_line(exc)) from None
+                self.leave(committed_step, holds_state,
+                           LeaveReason.OUT_OF_MEMORY if oom else LeaveReason.PEER,
+                           error=first_line(exc))
                 joining = joining and not holds_state
                 continue
-            phases = {"wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2, "sync": t4 - t3,
-                      "build": t5 - t4}
+            phases = {"free": freed, "wait_plan": t1 - t0, "gather": t2 - t1, "form": t3 - t2,
+                      "sync": t4 - t3, "build": t5 - t4}
             return Switch(plan, arrived, result, ckpt_groups, view,
                           {k: round(v, 6) for k, v in phases.items()}, tries, rolled_back)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from unbroken.runtime.sharded.host_copy import auto_every, host_bytes, refusal
+from unbroken.runtime.sharded.host_copy import HostBudget, auto_every, refusal
 from unbroken.runtime.sharded.snapshots import PeerSnapshots, RoundImage
 from unbroken.telemetry import schema as ev
 
@@ -35,6 +35,11 @@ class SnapshotPacer:
     @property
     def shard_bytes(self) -> int:
         return self.snaps.shards.nbytes()
+
+    def budget(self) -> HostBudget:
+        """The snapshots' host memory per rank now: the copies, and the exchange's ring on
+        GPU."""
+        return HostBudget(self.shard_bytes, self.snaps.replicas, self.snaps.transient_bytes())
 
     def after_commit(self, step: int, last_step: int, step_seconds: float | None,
                      checkpoint_due: bool = False,
@@ -68,32 +73,33 @@ class SnapshotPacer:
                                             cap=checkpoint_every)])
         dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=snaps.group)
         snaps.every = int(proposal.item())
-        host = host_bytes(self.shard_bytes, snaps.replicas)
+        budget = self.budget()
         self.record(ev.SnapshotConfig(every=snaps.every, auto=True, replicas=snaps.replicas,
-                    shard_bytes=self.shard_bytes, host_bytes=host,
+                    shard_bytes=self.shard_bytes, host_bytes=budget.total,
+                    transient_bytes=budget.transient or None,
                     round_s=round(snaps.round_seconds or 0.0, 6), step_s=round(step_seconds, 6),
                     checkpoint_every=checkpoint_every))
         cap = (f", and never more than the checkpoint interval ({checkpoint_every})"
                if checkpoint_every else "")
         self.say(f"an in-memory snapshot every {snaps.every} step(s): a round takes "
                  f"{snaps.round_seconds or 0:.3f} s and a step {step_seconds:.3f} s, so at "
-                 f"most 1 % of step time{cap}; {host / 2**20:.0f} MiB of host memory per rank "
-                 f"((1 + 2 x {snaps.replicas}) x {self.shard_bytes / 2**20:.0f} MiB, the "
-                 "checkpoint's copy included)")
+                 f"most 1 % of step time{cap}; {budget.describe()} of host memory per rank, "
+                 "the checkpoint's copy included")
 
     def _fit(self) -> bool:
         """Agree (collective) that snapshots fit in every rank's host memory; if one rank's
         do not, none takes any, and each says why with the figures."""
         snaps = self.snaps
-        need = host_bytes(self.shard_bytes, snaps.replicas)
-        why = refusal(self.shard_bytes, snaps.replicas, self.available)
+        budget = self.budget()
+        need = budget.total
+        why = refusal(self.shard_bytes, snaps.replicas, self.available, budget.transient)
         fits = torch.tensor([0 if why else 1])
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=snaps.group)
         if fits.item():
             if snaps.every is not None:
                 self.record(ev.SnapshotConfig(every=snaps.every, auto=False,
                             replicas=snaps.replicas, shard_bytes=self.shard_bytes,
-                            host_bytes=need))
+                            host_bytes=need, transient_bytes=budget.transient or None))
             return True
         why = why or "another rank's in-memory snapshots would not fit in its host memory"
         self.record(ev.SnapshotsRefused(reason=why, need_bytes=need,

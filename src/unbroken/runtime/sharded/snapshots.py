@@ -9,7 +9,10 @@ A round, at a committed step `k` (the same steps on every rank, and every checkp
    elsewhere. It receives each of its senders' shards into the older of that stream's two
    buffers. What a forward pass may change (buffers) was copied aside on the main thread
    first; parameters and optimizer state change only in the optimizer's update, which the
-   step pre-hook holds until the round ends. Sent and received in chunks of `CHUNK` bytes.
+   step pre-hook holds until the round ends. Sent and received in chunks of `CHUNK` bytes;
+   every receive is posted before the first chunk is sent. On GPU the chunks go through a
+   ring of `RING_SLOTS` pinned chunks on a stream of their own (`chunk_ring.ChunkRing`),
+   never a whole host copy of the shard.
 2. **Agree.** One all-reduce (MIN) on the snapshot group: every rank received every copy
    whole. Only then is a held copy of `k` usable, and only then is a copy of an older step
    given up.
@@ -23,8 +26,9 @@ rank's only local copy of `k - K` while its buddy, which holds the other, may di
 The cost: the exchange must end within the step that follows (the update waits for it);
 it is not spread over the steps between rounds (docs/design-notes.md says why).
 
-Host memory per rank: one own buffer and two per buddy, `(1 + 2 * replicas) * shard`; the
-storage checkpoint adds nothing (it persists from `own`). A buffer is marked with its step
+Host memory per rank: one own buffer and two per buddy, `(1 + 2 * replicas) * shard`, and on
+GPU the ring's `RING_SLOTS * CHUNK` bytes (`host_copy.HostBudget`); the storage checkpoint
+adds nothing (it persists from `own`, pinned on GPU: exact size, `HostBuffer`). A buffer is marked with its step
 only once it is whole; a half-received one is never reported (`holdings`).
 """
 
@@ -40,7 +44,16 @@ import torch
 import torch.distributed as dist
 
 from unbroken.runtime.generations.state_sync import byte_view
-from unbroken.runtime.sharded.host_copy import Copy, Layout, buddies, chunks, writable
+from unbroken.runtime.sharded.chunk_ring import ChunkRing
+from unbroken.runtime.sharded.host_copy import (
+    CHUNK,
+    RING_SLOTS,
+    Copy,
+    Layout,
+    buddies,
+    chunks,
+    writable,
+)
 from unbroken.runtime.sharded.shards import LocalShards
 
 LEASE_TIMEOUT = 120.0
@@ -107,6 +120,9 @@ class PeerSnapshots:
         self.stalls = 0.0  # seconds the loop waited for rounds
         self.fault_point: Callable[[str, int], None] = lambda point, step: None
         """Injected faults (tests): called with ("sent", step) after each chunk sent."""
+        self.ring = ChunkRing(RING_SLOTS, CHUNK)
+        """The exchange's staging of device bytes (GPU shards only)."""
+        self._ready: Any = None  # GPU: an event where the main stream stood at `take`
         for opt in shards.optimizers:
             opt.register_step_pre_hook(lambda *_: self._wait_copied())
 
@@ -141,9 +157,13 @@ class PeerSnapshots:
         sources: list[torch.Tensor] | None = None
         failed = None
         try:
+            on_gpu = any(t.is_cuda for t in tensors)
             if self.own.layout != layout:
-                self.own.fit(layout)
+                self.own.fit(layout, pin=on_gpu)
             sources = self._sources(tensors)
+            if on_gpu:
+                self._ready = torch.cuda.Event()
+                self._ready.record()  # the last update's kernels: the copies wait for them
         except Exception as exc:  # out of host memory, say: this round carries no copy
             failed = f"the copy failed: {type(exc).__name__}: {exc}".splitlines()[0]
         self.stalls += time.monotonic() - t0
@@ -223,8 +243,7 @@ class PeerSnapshots:
                     f"{LEASE_TIMEOUT:.0f} s")
         own = self.own
         own.step = -1
-        for dst, src in zip(own.views(), sources, strict=True):
-            dst.copy_(src)
+        self.ring.copy(list(zip(own.views(), sources, strict=True)), self._ready)
         own.meta, own.rng, own.step = meta, rng, step
         return None
 
@@ -238,25 +257,48 @@ class PeerSnapshots:
 
     def _exchange(self, step: int, sources: list[torch.Tensor] | None, layout: Layout,
                   meta: dict[str, Any]) -> None:
-        """Send ours to each buddy while receiving each of theirs (non-blocking both ways,
-        so the ring cannot deadlock). `sources` None: our copy failed; the header says so."""
+        """Send ours to each buddy while receiving each of theirs: our header first, then
+        every sender's header received and every receive of its chunks posted, then our
+        chunks (through the pinned ring on GPU). A rank waits on its own sends only once all
+        of its receives are posted, so the ring of buddies cannot deadlock however small the
+        chunk ring. `sources` None: our copy failed; the header says so."""
         group = self._group
         if group is None or not (self._send or self._recv):
             return
         if sources is None:
-            outgoing = [torch.tensor([-1, 0, 0, 0], dtype=torch.int64)]
+            header = [torch.tensor([-1, 0, 0, 0], dtype=torch.int64)]
         else:
             blob = json.dumps(meta).encode()
-            outgoing = [torch.tensor([step, len(blob), len(layout.sizes), layout.total],
-                                     dtype=torch.int64),
-                        torch.tensor(layout.sizes, dtype=torch.int64),
-                        torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
-            outgoing += [p if p.device.type == "cpu" else p.cpu() for p in chunks(sources)]
-        sends = []
-        for k, t in enumerate(outgoing):
-            sends += [dist.isend(t, dst=dst, group=group, tag=k) for dst in self._send]
-            if k >= 3:
+            header = [torch.tensor([step, len(blob), len(layout.sizes), layout.total],
+                                   dtype=torch.int64),
+                      torch.tensor(layout.sizes, dtype=torch.int64),
+                      torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+        sends = [dist.isend(t, dst=dst, group=group, tag=k)
+                 for k, t in enumerate(header) for dst in self._send]
+        incoming = self._post_receives(step, group)
+        if sources is not None:
+            def post(piece: torch.Tensor, i: int) -> list[Any]:
+                works = [dist.isend(piece, dst=dst, group=group, tag=3 + i) for dst in self._send]
                 self.fault_point("sent", step)
+                return works
+
+            if any(src.is_cuda for src in sources):
+                sends += self.ring.send(chunks(sources), post, self._ready)
+            else:  # host memory already: sent from where it lies
+                sends += [w for i, piece in enumerate(chunks(sources)) for w in post(piece, i)]
+        for w in sends:
+            w.wait()
+        for target, meta_buf, works in incoming:
+            for w in works:
+                w.wait()
+            target.meta = json.loads(bytes(meta_buf.numpy()).decode())
+            target.step = step  # whole: only now usable (the agreement follows)
+
+    def _post_receives(self, step: int, group: dist.ProcessGroup,
+                       ) -> list[tuple[Copy, torch.Tensor, list[Any]]]:
+        """Each sender's header, then every receive of its round posted: (the buffer it
+        fills, its meta's buffer, the receives' works). Senders that say their copy failed
+        send nothing more."""
         heads = {src: torch.zeros(4, dtype=torch.int64) for src in self._recv}
         head_work = {src: dist.irecv(heads[src], src=src, group=group, tag=0)
                      for src in self._recv}
@@ -282,13 +324,11 @@ class PeerSnapshots:
             works += [dist.irecv(p, src=src, group=group, tag=3 + i)
                       for i, p in enumerate(chunks(target.views()))]
             incoming.append((target, meta_buf, works))
-        for w in sends:
-            w.wait()
-        for target, meta_buf, works in incoming:
-            for w in works:
-                w.wait()
-            target.meta = json.loads(bytes(meta_buf.numpy()).decode())
-            target.step = step  # whole: only now usable (the agreement follows)
+        return incoming
+
+    def transient_bytes(self) -> int:
+        """A round's host memory beyond the copies: the ring's chunks, on GPU only."""
+        return self.ring.host_bytes if any(t.is_cuda for t in self.shards.tensors()) else 0
 
     # ------------------------------------------------------------ the checkpoint's view
     def image(self, step: int) -> RoundImage | None:

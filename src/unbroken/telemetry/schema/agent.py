@@ -301,7 +301,7 @@ class AgentExit(EventBody):
 
 @event(Event.EVENTS_DROPPED)
 class EventsDropped(EventBody):
-    """Written when a writer (agent, worker or standby) closes its log, if it had to drop
+    """Written when a writer (agent, fork server or worker) closes its log, if it had to drop
     events it could not write (a full disk); missing if it still cannot be written."""
 
     dropped: int = doc("events dropped")

@@ -32,6 +32,11 @@ class CheckpointSaved(EventBody):
     durable: float = doc("call to commit")
     deleted: list[int] | None = doc("steps removed by retention (rank 0)")
     retention_error: str | None = doc("why retention failed, or null")
+    staged_bytes: int | None = optional(
+        "bytes this rank staged: its shards and the replicated tensors it writes (a "
+        "data-parallel rank leaves the others' to them)")
+    pinned_bytes: int | None = optional(
+        "host bytes pinned for the staged copy (GPU: exactly its size; 0 on CPU)")
 
 
 @event(Event.CHECKPOINT_FAILED)

@@ -68,7 +68,8 @@ class GenLeave(EventBody):
     step: int = doc("committed steps held")
     reason: str = doc("`peer`: a collective failed; `exception`; `switch`: asked to move at a "
                       "step boundary; `superseded`: a member died before the generation "
-                      "formed; `no_state`: the state cannot come from a peer")
+                      "formed; `no_state`: the state cannot come from a peer; "
+                      "`out_of_memory`: the switch ran out of memory, and is tried again")
     holds_state: bool = doc("whether it holds the committed state")
     duration: float = doc("seconds to leave")
     error: str | None = optional("the error it left on (`peer`, `exception`), first line: "
@@ -85,6 +86,10 @@ class SwitchFailed(EventBody):
 
     gen: int = doc("the generation")
     error: str = doc("the error")
+    out_of_memory: bool | None = optional(
+        "the switch ran out of memory (its state sync or the rebuild): a fault of the switch, "
+        "never the user's; the old generation's memory is freed and the switch tried once "
+        "more, then the job restarts")
 
 
 @event(Event.GEN_SWITCH)
@@ -101,6 +106,8 @@ class GenSwitch(EventBody):
     rolled_back: int = doc("committed steps this worker gave up: sharded state resumed from an "
                            "older snapshot")
     duration: float = doc("leave → ready to train")
+    free: float | None = optional("phase: the old generation's memory collected and the "
+                                  "CUDA cache emptied, before the new one is made")
     wait_plan: float | None = optional("phase: waiting for the plan")
     gather: float | None = optional("phase: gathering the members")
     form: float | None = optional("phase: forming the process groups")
@@ -184,11 +191,14 @@ class SnapshotConfig(EventBody):
     replicas: int = doc("copies kept on peers")
     shard_bytes: int = doc("this rank's shards")
     host_bytes: int = doc("host memory per rank for every copy: (1 + 2 x replicas) x "
-                          "shard_bytes, the storage checkpoint's included")
+                          "shard_bytes, the storage checkpoint's included, and "
+                          "`transient_bytes`")
     round_s: float | None = optional("a round's exchange and copy")
     step_s: float | None = optional("the step time")
     checkpoint_every: int | None = optional("the checkpoint interval in steps, which `every` "
                                             "never exceeds")
+    transient_bytes: int | None = optional(
+        "GPU shards: the pinned chunks a round's exchange stages its sends through")
 
 
 @event(Event.SNAPSHOTS_REFUSED)
