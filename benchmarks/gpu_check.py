@@ -17,8 +17,9 @@ The checks (`gpu_checks.py`; the letters are the review's, I and the numbers our
   fds, RSS and device memory must stay flat (risk 10).
 - D backend strings: `init_process_group()`, `"cpu:gloo,cuda:nccl"` and `"nccl"`: the group
   holds NCCL, `interrupt` reaches it, the next collective fails as a peer error (risk 4).
-- E pinned footprint: the checkpoint staging's pinned bytes against the tensors' (risk 7,
-  fixed by issue 51: fails until then).
+- E pinned footprint: the checkpoint staging's pinned host bytes against the tensors', for
+  odd sizes: one registered buffer of exact size, nothing in torch's caching host allocator
+  (risk 7).
 - F state sync through the device: torch refuses point-to-point to self, so one GPU cannot
   carry it: skipped, saying so (`gpu_multi.py` needs 2 GPUs).
 - G FSDP2 aborted mid-forward: reset, re-formed, mesh rebound, a step; device memory back
@@ -32,7 +33,10 @@ The checks (`gpu_checks.py`; the letters are the review's, I and the numbers our
   together, each in a thread of its own, within `ABORT_BOUND` (risk 6).
 - L a worker forked from the node's fork server, after it pre-imported torch and the real
   preimport list (transformers, accelerate: those installed), initialises CUDA, forms an
-  NCCL world of one and steps (issue 45; `gpu_fork_probe.py` under `unbroken run`).
+  NCCL world of one and steps (`gpu_fork_probe.py` under `unbroken run`).
+- M the snapshot exchange's ring: a 256 MiB device shard streamed through 4 pinned 4 MiB
+  chunks on their own stream; host memory during it within the ring's 16 MiB, the bytes
+  equal (risk 8; a whole round needs a buddy on another rank: `gpu_multi.py`).
 - 1 checkpoints of CUDA tensors equal clones taken at each commit; 4 a device-side assert is
   the worker's own device error; 6 the replica checksum on the device equals the CPU's.
 
@@ -44,7 +48,7 @@ and appends its JSON line to `--out` when it ends, so a run cut off still return
 "skipped", "why", ...figures}}}`; the exit status is the number of failures.
 
 `--dry-run` runs each check's own code on CPU tensors and gloo up to its first CUDA-only
-call (A, C, D, E, F, G, J, K, L, 1 and 6 run their control flow; B, H, I and 4 are skipped)
+call (A, C, D, E, F, G, J, K, L, M, 1 and 6 run their control flow; B, H, I and 4 are skipped)
 and says what it exercised: it proves the script, nothing about CUDA. It runs in the integration tier
 (tests/integration/test_gpu_check_dry_run.py). The script needs torch >= 2.11 and nothing of
 the venv: the lent machines have their own torch and no network.

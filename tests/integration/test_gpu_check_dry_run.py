@@ -12,7 +12,7 @@ import sys
 from conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-CONTROL_FLOW = ("A", "C", "D", "E", "F", "G", "J", "K", "L", "1", "6")
+CONTROL_FLOW = ("A", "C", "D", "E", "F", "G", "J", "K", "L", "M", "1", "6")
 """The checks whose own code runs on CPU (the rest are CUDA's or NCCL's alone)."""
 
 
@@ -32,6 +32,9 @@ def test_the_dry_run_lists_every_check_and_runs_the_control_flow_of_a_c_d_e_f_g(
         assert letters[letter]["why"].startswith("dry run:"), letters[letter]
     assert all(v["result"] in ("pass", "skipped") for v in checks.values()), checks
     assert letters["A"]["fence_refused"] is True and letters["A"]["state_whole"] is True
+    ring = letters["M"]  # a shard streamed through the exchange's ring, bytes equal
+    assert ring["ring_mib"] == 16 and ring["shard_mib"] > ring["ring_mib"], ring
+    assert letters["E"]["host_bytes"] < letters["E"]["nbytes"] * 1.01, letters["E"]
     fork = letters["L"]  # forked with transformers and accelerate pre-imported
     assert fork["before"] == {"torch": True, "transformers": True, "accelerate": True}, fork
     # Each check appended its line as it ended: a run cut off returns what ran.
