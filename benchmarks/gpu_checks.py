@@ -5,7 +5,6 @@ and returns its result: `{"result": "pass"|"fail"|"skipped", "why": one line, ..
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -229,7 +228,6 @@ def churn(dry: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from unbroken.runtime.generations.release import release
-
     from unbroken.runtime.groups.process_group import AbortableGroups
 
     dev = _device(dry)

@@ -22,6 +22,7 @@ Both work under `unbroken run`, under `torchrun`, and in a single plain process.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -135,6 +136,9 @@ class Run:
         self._metrics: dict[str, float] = {}
         self._long_depth = 0  # nested run.phase() blocks
         self._loop: OwnLoop | None = None  # `run.steps(total, data=...)`
+        # What exists now (the imports, the runtime) is never garbage: a switch's collection
+        # (`generations/release.py`) then walks only what the script makes from here on.
+        gc.freeze()
 
     # ------------------------------------------------------------------ where we stand
     @property

@@ -38,8 +38,8 @@ def forget_frames(exc: BaseException) -> None:
 
 def release() -> float:
     """Collect what the old generation left (cycles included) and return the CUDA cache's
-    free blocks to the device; the seconds it took. The fork server froze the imports'
-    objects (`gc.freeze`), so a collection walks only what the script made."""
+    free blocks to the device; the seconds it took. `unbroken.init()` froze what existed
+    then (`gc.freeze`), so a collection walks only what the script made since."""
     t0 = time.monotonic()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
