@@ -48,6 +48,20 @@ class Layout:
         return [flat[o:o + n] for o, n in zip(self.offsets, self.sizes, strict=True)]
 
 
+def separate(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Each tensor's bytes in `flat` (a contiguous uint8 host tensor) as a tensor with a
+    storage of exactly its own size, aliasing `flat`'s memory (which it keeps alive). DCP
+    clones a tensor whose storage is larger than itself before it writes it (a view of one
+    flat buffer would be copied again, in the writer, for every tensor): these it writes
+    from where they lie."""
+    if not layout.sizes:
+        return []
+    whole = memoryview(flat.numpy()).cast("B")
+    return [torch.frombuffer(whole[o:o + n], dtype=torch.uint8) if n else
+            torch.empty(0, dtype=torch.uint8)
+            for o, n in zip(layout.offsets, layout.sizes, strict=True)]
+
+
 def typed_view(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`raw` (bytes, `ALIGN`-aligned) seen as a contiguous tensor of `like`'s dtype and shape."""
     if like.numel() == 0:

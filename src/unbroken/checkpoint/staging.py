@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint.host_buffer import HostBuffer, Layout, typed_view
+from unbroken.checkpoint.host_buffer import HostBuffer, Layout, separate, typed_view
 from unbroken.checkpoint.writers import Path, Replicated
 
 
@@ -78,6 +78,9 @@ class StagingArea:
         self.available = available
         self._host: HostBuffer | None = None
         self._layout: Layout | None = None
+        self._raws: list[torch.Tensor] = []  # each tensor's bytes in the buffer
+        self._shape: list[Any] = []  # (place, dtype, shape) of each, when `_views` was made
+        self._views: dict[Path, torch.Tensor] = {}
         self._streams: dict[Any, Any] = {}  # device -> side stream
         self.paths: list[Path] = []  # the places of the tensors the last `stage` copied
 
@@ -96,7 +99,7 @@ class StagingArea:
         unpinned); the next `stage` allocates afresh."""
         if self._host is not None:
             self._host.close()
-        self._host, self._layout = None, None
+        self._host, self._layout, self._raws, self._shape = None, None, [], []
 
     def stage(self, state: dict[str, Any], late: Callable[[torch.Tensor], bool],
               image: HostImage | None = None, leave_out: frozenset[Path] = frozenset()) -> Staged:
@@ -113,17 +116,22 @@ class StagingArea:
         wanted: list[tuple[Path, torch.Tensor]] = []
         _collect(state, (), image, leave_out, wanted)
         layout = Layout.of([t for _, t in wanted])
-        if layout != self._layout:
+        if layout != self._layout or self._host is None:
             self.close()
             pin = any(t.is_cuda for _, t in wanted)
             if self.available is not None and (why := refusal(layout.total, self.available(),
                                                               pin)):
                 raise MemoryError(why)
             self._host, self._layout = HostBuffer(layout.total, pin=pin), layout
+            # Storages of their own (DCP clones a view of a larger one), made once per layout.
+            self._raws = separate(self._host.tensor, layout)
         self.paths = [path for path, _ in wanted]  # what this save stages, in buffer order
-        raws = layout.slices(self._host.tensor) if wanted else []
-        views = {path: typed_view(raw, t)
-                 for (path, t), raw in zip(wanted, raws, strict=True)}
+        shape = [(path, t.dtype, t.shape) for path, t in wanted]
+        if shape != self._shape:  # the typed views too are made once, while the state holds
+            self._shape = shape
+            self._views = {path: typed_view(raw, t)
+                           for (path, t), raw in zip(wanted, self._raws, strict=True)}
+        views = self._views
         staged.state = self._walk(state, (), late, staged, image, views, leave_out)
         staged.pinned = self.pinned_bytes
         if any(src.is_cuda for src, _ in staged.pending):

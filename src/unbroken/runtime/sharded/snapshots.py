@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.checkpoint.host_buffer import separate
 from unbroken.runtime.generations.state_sync import byte_view
 from unbroken.runtime.sharded.chunk_ring import ChunkRing
 from unbroken.runtime.sharded.host_copy import (
@@ -337,7 +338,9 @@ class PeerSnapshots:
         if self.last_step != step or self.own.layout is None:
             return None
         views = {}
-        for t, raw in zip(self.shards.tensors(), self.own.views(), strict=True):
+        # Storages of their own (aliasing `own`): DCP clones a view of a larger buffer.
+        for t, raw in zip(self.shards.tensors(), separate(self.own.buf, self.own.layout),
+                          strict=True):
             if t.numel():
                 views[t.data_ptr()] = raw.view(t.dtype).view(t.shape)
         image = RoundImage(step, views, self._copied, self)
