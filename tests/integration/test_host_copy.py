@@ -170,6 +170,7 @@ def test_a_replicated_rollback_restores_the_checkpoints_host_copy_not_storage(tm
     membership, events = FakeMembership(), Recorder()
     ckpt = Checkpointer(tmp_path / "ckpt", record=events.emit, schedule=Schedule(every_steps=5))
     engine, _ = _engine(membership, events, checkpointer=ckpt)
+    engine.tracked.optimizers[0].param_groups[0]["momentum"] = 0.9  # state to stage
     engine.start(8, build=None, shadow_step=lambda step, view: None)
     at_5 = rng_5 = None
     while (step := engine.begin()) is not None and step < 7:
@@ -192,4 +193,10 @@ def test_a_replicated_rollback_restores_the_checkpoints_host_copy_not_storage(tm
     rolled, = events.named("rolled_back")
     assert (rolled["step"], rolled["from_step"], rolled["restored_from"]) == (5, 7, "host")
     assert not events.named("checkpoint_loaded")
+    # The optimizer's state is its own again, not the staged copy's buffers (which the next
+    # save overwrites, and which its writer reads while training goes on).
+    staged = {t.data_ptr() for t in ckpt._staging._raws}
+    live = [v for s in engine.tracked.optimizers[0].state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.numel()]
+    assert live and not [v for v in live if v.data_ptr() in staged]
     engine.close()

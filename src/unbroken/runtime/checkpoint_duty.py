@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from unbroken.errors import UserError
 from unbroken.runtime.groups.process_group import CheckpointGroups
 from unbroken.runtime.tracked import TrackedState
@@ -91,7 +93,11 @@ class CheckpointDuty:
         kept = self.checkpointer.host_copy()
         if not self.checkpointer.agree_step(kept[0] if kept is not None else -1):
             return None
-        return tracked.restore(self.checkpointer.fill_left_out(kept[1]))
+        state = self.checkpointer.fill_left_out(kept[1])
+        # The model's load copies into its parameters; an optimizer's keeps the tensors it
+        # is given when their dtype and device match (a CPU job's), and the staged copy's are
+        # the next save's buffers: they must not become the live state.
+        return tracked.restore({k: v if k == "model" else _cloned(v) for k, v in state.items()})
 
     def finish(self, tracked: TrackedState, step: int) -> None:
         """The final state, committed before the worker reports done (bounded by the
@@ -123,3 +129,16 @@ class CheckpointDuty:
         if self.checkpointer is not None:
             self.checkpointer.use_groups(groups and groups.writes, groups and groups.control, gen)
             self.checkpointer.rejoin(step)
+
+
+def _cloned(obj: Any) -> Any:
+    """`obj` with each tensor in it cloned (dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cloned(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_cloned(v) for v in obj)
+    return obj
