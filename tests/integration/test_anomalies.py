@@ -66,8 +66,12 @@ def test_repeated_nans_stop_the_job_with_exit_1_naming_steps_and_batches(tmp_pat
                     args=_args(tmp_path, "x", "--steps", "30", "--max-anomalies", "3"))
     assert result.code == 1, result.output
     assert not result.events("restart")
+    # Every rank that got that far says it (the first to stop ends the job and the others
+    # may be stopped before they write it: a loaded CI run lost rank 0's): the same record.
     limit = result.events("anomaly_limit")
-    assert [e["rank"] for e in limit] == [0]
+    assert limit and len({e["rank"] for e in limit}) == len(limit)
+    assert all({k: e[k] for k in ("steps", "batches", "report")} ==
+               {k: limit[0][k] for k in ("steps", "batches", "report")} for e in limit)
     assert limit[0]["steps"] == [5, 7, 9] and limit[0]["kinds"] == ["nan"] * 3
     batches = limit[0]["batches"]
     assert len(batches) == 3 and all(len(b) == 2 and None not in b for b in batches)

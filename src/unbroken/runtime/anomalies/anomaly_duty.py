@@ -201,7 +201,15 @@ class AnomalyDuty:
         if rank == 0:
             self._record(decision, gen)
         if decision.stop is not None:
-            raise JobStopped(numerics.report(decision.stop))
+            # Every rank says it: the first to stop ends the job, and the leader may stop the
+            # others (rank 0 among them) before they get this far.
+            s = decision.stop
+            self.emit(ev.AnomalyLimit(steps=[e.step for e in s.entries],
+                                      kinds=[str(e.kind) for e in s.entries],
+                                      batches=[list(e.batches) for e in s.entries],
+                                      limit=s.limit, window=s.window,
+                                      report=numerics.report(s)))
+            raise JobStopped(numerics.report(s))
         if decision.hardware and self.replicas is not None:
             self.replicas.now = True  # a transient fault: are the replicas still identical?
         return decision
@@ -218,13 +226,6 @@ class AnomalyDuty:
                                            reproduced=c.reproduced, first=_finite(c.first),
                                            again=_finite(c.again), tolerance=c.tolerance,
                                            ranks=list(c.ranks)))
-        if d.stop is not None:
-            s = d.stop
-            self.emit(ev.AnomalyLimit(steps=[e.step for e in s.entries],
-                                      kinds=[str(e.kind) for e in s.entries],
-                                      batches=[list(e.batches) for e in s.entries],
-                                      limit=s.limit, window=s.window,
-                                      report=numerics.report(s)))
 
 
 def _finite(x: float | None) -> float | None:

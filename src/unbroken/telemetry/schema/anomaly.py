@@ -64,7 +64,8 @@ class StepSkipped(EventBody):
 
 @event(Event.ANOMALY_LIMIT)
 class AnomalyLimit(EventBody):
-    """Too many anomalies in a window: the job stops, exit 1 (rank 0)."""
+    """Too many anomalies in a window: the job stops, exit 1. Every rank writes it (the
+    first to stop ends the job; the others may be stopped before they write it)."""
 
     steps: list[int] = doc("the anomalous steps in the window")
     kinds: list[str] = doc("their kinds")
