@@ -108,6 +108,9 @@ def run_check(key: str, out: Path, dry: bool, env: dict[str, str]) -> dict:
            else f"exited {proc.returncode}" if crashed else "wrote no result")
     line = {"check": key, "result": "fail", "why": f"{why}: {' | '.join(tail)}",
             "seconds": seconds}
+    stacks = gpu_checks.stacks_file(out, key)
+    if stacks.exists() and stacks.stat().st_size:  # it hung: where, thread by thread
+        line["stacks"] = stacks.read_text(errors="replace")[-6000:]
     with out.open("a") as f:
         f.write(json.dumps(line) + "\n")
     return line

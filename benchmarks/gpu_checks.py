@@ -682,8 +682,22 @@ CHECKS = {
 
 def run_child(key: str, out: Path, dry: bool) -> int:
     """Run `key`'s check here and append its line to `out`; exit 0 whatever it found (a
-    failed check is a result, a crash is the runner's to record)."""
+    failed check is a result, a crash is the runner's to record). A check still running 3 s
+    before its timeout writes every thread's stack to `stacks_file(out, key)` and exits: a
+    hang says where it hung."""
+    import faulthandler
+
+    stacks = stacks_file(out, key).open("w")
+    faulthandler.dump_traceback_later(max(1, CHECKS[key].timeout - 3), exit=True, file=stacks)
     line = {"check": key, **CHECKS[key].fn(dry)}
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
+    stacks_file(out, key).unlink()  # it ended: nothing to say where it hung
     with out.open("a") as f:
         f.write(json.dumps(line, default=str) + "\n")
     return 0
+
+
+def stacks_file(out: Path, key: str) -> Path:
+    """Where `key`'s child writes its threads' stacks if it hangs."""
+    return out.with_name(f"{out.stem}.{key}.stacks.txt")
