@@ -50,7 +50,7 @@ def test_an_unchanged_scripts_saves_restart_and_redone_steps_are_accounted(tmp_p
     one = sum(sum(_measured(out, a, 0)["saves"]) for a in (0, 1))
     job = sum(s["checkpoint_save"] for s in ranks.values())
     assert one * 0.8 <= job <= 2 * one * 1.2, (job, one)
-    # Wasted: the steps after the save it resumed from (20-27), computed again. As the killed
+    # Wasted: the steps after the save it resumed from (21-27), computed again. As the killed
     # rank timed them: it wrote step 27 before its SIGKILL, while rank 0 may be stopped by
     # the agent before it writes its own (the ranks' steps are in lockstep: one all-reduce).
     # Rank 0 also loses the step the fault cut short: it computed step 28 from the end of
@@ -58,15 +58,24 @@ def test_an_unchanged_scripts_saves_restart_and_redone_steps_are_accounted(tmp_p
     # 0.12 s past the tolerance: it is charged, and belongs to the expectation).
     steps = _measured(out, 0, 1)["steps"]
     assert steps[-1][0] == KILL_AT
+    # As the script times its steps, step 20's span holds the wait for rank 0's save at
+    # its end; the accounting's spans run from one step's end to the next, so that wait
+    # falls in the redone span after it. Summed from step 20, the two agree but for it.
     redone = sum(end - start for step, start, end in steps if step >= 2 * SAVE_EVERY)
     stopped = max(e["t"] for e in result.events("fault") + result.events("workers_stopped")
                   if e.get("attempt", 0) == 0)
     cut_short = max(0.0, stopped - steps[-1][2])
     for rank in (0, 1):
         assert ranks[rank]["checkpoint_restore"] > 0
-    assert ranks[1]["wasted_progress"] == pytest.approx(redone, rel=0.2), \
-        (ranks[1], redone, r["faults"])
-    assert 0.8 * redone <= ranks[0]["wasted_progress"] <= 1.2 * redone + cut_short, \
+    # With torch.save only rank 0 saves, and rank 1 waits for it at its next collective:
+    # that wait (the excess of its step after the save over its median step, at most the
+    # save's time) is charged to checkpoint_save, not to the redone steps (`watched_steps`'
+    # rule). So rank 1's wasted is the redone steps' time less at most the save's.
+    save_20 = _measured(out, 0, 0)["saves"][1] if form == "torch.save" else 0.0
+    assert 0.8 * (redone - save_20) - 0.02 <= ranks[1]["wasted_progress"] <= 1.2 * redone, \
+        (ranks[1], redone, save_20, r["faults"])
+    assert 0.8 * (redone - save_20) - 0.02 <= ranks[0]["wasted_progress"] \
+        <= 1.2 * redone + cut_short, \
         (ranks[0], redone, cut_short, r["faults"])
     # The projection of what this setup loses at scale, from the run's own saves.
     proc = subprocess.run(unbroken_cmd("simulate", "--gpus", "64", "--from-run", str(run_dir),
