@@ -106,6 +106,12 @@ class JobStopped(Exception):
     limit was reached); its message is the one-line report. Classified `STOP`."""
 
 
+def out_of_memory_text(type_name: str, text: str) -> bool:
+    """An allocation that did not fit (device or host), by the error's type name and text."""
+    return type_name in ("OutOfMemoryError", "MemoryError") or "out of memory" in (
+        f"{type_name}: {text}".lower())
+
+
 def classify_text(type_name: str, text: str, own_device: int | None = None) -> ErrorClass:
     """`classify` on an error's type name and message, as an agent reads them in an error
     record (pure). An NCCL error about CUDA is this worker's device unless it names
@@ -117,7 +123,7 @@ def classify_text(type_name: str, text: str, own_device: int | None = None) -> E
         return ErrorClass.OWN_DEVICE
     if type_name == UpdateRefused.__name__:
         return ErrorClass.PEER
-    if type_name == "OutOfMemoryError" or "out of memory" in whole.lower():
+    if out_of_memory_text(type_name, text):
         return ErrorClass.USER
     if type_name == "AcceleratorError" or any(m in whole for m in OWN_DEVICE_MARKERS):
         named = {int(n) for n in re.findall(r"cuda:(\d+)", whole)}

@@ -24,6 +24,8 @@ import traceback
 
 import torch
 
+from unbroken.errors import out_of_memory_text
+
 
 def forget_frames(exc: BaseException) -> None:
     """Clear the locals of the frames `exc` was raised through (those that have returned; the
@@ -48,7 +50,6 @@ def release() -> float:
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """The error is an allocation that did not fit (device or host)."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return "out of memory" in str(exc).lower()
+    """The error is an allocation that did not fit (device or host): `errors`' test, which
+    `classify` uses too."""
+    return out_of_memory_text(type(exc).__name__, str(exc))
