@@ -140,7 +140,7 @@ class Scenarios:
 
     def fence(self) -> dict:
         job = self.job("fence", 2, ["--fault", "crash:rank=1,step=12,at=update",
-                                    "--fault", "slow:rank=0,step=12,at=update,seconds=2"])
+                                    "--fault", "slow:rank=0,step=12,at=update,seconds=60,until=abort"])
         leave = [e for e in job.of("gen_leave") if e.get("slot") == 0]
         error = leave[0].get("error", "") if leave else ""
         return verdict({"in place": in_place(job) is None,

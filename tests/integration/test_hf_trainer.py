@@ -98,14 +98,15 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
 def test_a_peer_killed_before_the_update_is_refused_at_the_fence_and_redone(
         tmp_path, fault_free):
     """Rank 1 dies at step 6's update point (`at=update`: its micro-batches reduced), rank 0
-    held 2 s at the same point: rank 0's watchdog aborts the generation, and the fence
-    refuses its optimizer step inside the Trainer's loop. The adapter recovers there, runs
+    held at the same point until its watchdog aborts the generation (`until=abort`), and the
+    fence refuses its optimizer step inside the Trainer's loop. The adapter recovers there, runs
     the update's micro-batches again in the new generation and steps; the run ends
     bit-identical to the fault-free one."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, *FLAGS, "--on-fault", "wait",
                     "--fault", "crash:rank=1,step=6,at=update",
-                    "--fault", "slow:rank=0,step=6,at=update,seconds=2", script=SCRIPT,
+                    "--fault", "slow:rank=0,step=6,at=update,seconds=60,until=abort",
+                    script=SCRIPT,
                     timeout=300, args=_args(out, "--accum", "2", "--save-steps", "100",
                                             "--final", str(tmp_path / "faulted.pt")))
     survivor = result.events("workers_started")[0]["pids"]["0"]

@@ -125,7 +125,8 @@ def test_replacements_make_the_run_bit_identical_even_when_the_state_sender_dies
 
 def test_a_peer_killed_between_the_reduction_and_the_update_is_refused_at_the_fence(tmp_path):
     """Rank 1 dies at step 12's update point (its gradients reduced, `at=update`), while
-    rank 0 is held 2 s at the same point: the leader breaks the generation, rank 0's
+    rank 0 is held at the same point until its generation is aborted (`until=abort`, so the
+    order holds however long the notice takes on a loaded machine): the leader breaks the generation, rank 0's
     watchdog aborts it, and at its update the fence refuses (on NCCL the update would
     otherwise have been queued behind the aborted reduction). Rank 0 leaves saying so,
     still holding step 12's state; step 12 is redone once in the next generation, and the
@@ -136,7 +137,7 @@ def test_a_peer_killed_between_the_reduction_and_the_update_is_refused_at_the_fe
     assert clean.code == 0, clean.output
     faulty = launch(tmp_path / "faulty", "--nproc-per-node", "2", "--max-restarts", "2",
                     "--on-fault", "wait", "--fault", "crash:rank=1,step=12,at=update",
-                    "--fault", "slow:rank=0,step=12,at=update,seconds=2",
+                    "--fault", "slow:rank=0,step=12,at=update,seconds=60,until=abort",
                     args=[*args, "--final-state", str(tmp_path / "faulty.pt")])
     _assert_in_place(faulty, [("crash", 1)], replaced={1})
     leave = [e for e in faulty.events("gen_leave") if e["slot"] == 0][0]

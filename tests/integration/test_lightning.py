@@ -135,12 +135,14 @@ def test_a_fault_in_the_middle_of_gradient_accumulation_drops_the_partial_update
 
 def test_a_peer_killed_before_the_update_is_refused_at_the_fence(tmp_path, fault_free):
     """Rank 1 dies at step 4's update point (`at=update`: after its last closure's reduction
-    and the check), rank 0 held 2 s there: the strategy's fence after the closure refuses
+    and the check), rank 0 held there until its watchdog aborts the generation (`until=abort`,
+    whatever the notice takes on a loaded machine): the strategy's fence after the closure refuses
     rank 0's update (the optimizer's own pre-hook, before the closure, let it by); the
     update is redone in the new generation, its earlier batch first, and the final
     parameters equal the fault-free run's."""
+    held = "slow:rank=0,step=4,at=update,seconds=60,until=abort"
     run_dir, proc = _faulted(tmp_path, flags=("--fault", "crash:rank=1,step=4,at=update",
-                                              "--fault", "slow:rank=0,step=4,at=update,seconds=2"))
+                                              "--fault", held))
     started = wait_for(lambda: events_of(run_dir, "workers_started"), 120, "workers to start",
                        explain=run_dir)
     result = finish(proc, run_dir, timeout=300)

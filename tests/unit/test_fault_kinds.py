@@ -59,6 +59,8 @@ def _params(*shapes, dtype=torch.float32) -> list[torch.Tensor]:
     ("slow:rank=0,step=3,seconds=0.25,steps=4", FaultSpec("slow", 0, 3, 0.25, steps=4)),
     ("slow:rank=0,step=3,steps=4,factor=3", FaultSpec("slow", 0, 3, steps=4, factor=3.0)),
     ("slow:rank=0,step=3,factor=1.5", FaultSpec("slow", 0, 3, factor=1.5)),
+    ("slow:rank=0,step=3,seconds=60,at=update,until=abort",
+     FaultSpec("slow", 0, 3, 60.0, at="update", until="abort")),
     ("nan:rank=1,step=10", FaultSpec("nan", 1, 10)),
     ("nan:rank=1,step=10,persistent=1", FaultSpec("nan", 1, 10, persistent=True)),
     ("spike:rank=0,step=4,scale=100", FaultSpec("spike", 0, 4, scale=100.0)),
@@ -105,6 +107,9 @@ def test_numeric_kinds_fire_at_their_own_point():
     ("slow:rank=0,step=1,steps=3,at=persist", "need at=step"),
     ("slow:rank=0,step=1,seconds=inf", ">= 0"),
     ("nan:rank=0,step=1,persistent=yes", "persistent= must be 1 or 0"),
+    ("slow:rank=0,step=1,until=abort", "until= takes abort, with at=update"),
+    ("slow:rank=0,step=1,at=update,until=never", "until= takes abort, with at=update"),
+    ("crash:rank=0,step=1,at=update,until=abort", "field until= is not valid for crash"),
     ("bitflip:rank=0,step=1,bit=x", "non-numeric"),
     # a field another kind takes is named, with the kind that refuses it
     ("crash:rank=0,step=1,factor=2", "field factor= is not valid for crash"),
@@ -299,3 +304,23 @@ def test_a_factor_without_a_step_time_sleeps_nothing_until_one_is_given():
     for step in range(3):
         inj.at_step(step, step_time=None if step == 0 else 4.0 + step)
     assert slept == [0.0, 5.0, 5.0] and not any(map(math.isnan, slept))
+
+
+def test_a_slow_until_abort_wakes_when_its_generation_is_aborted_or_its_seconds_end():
+    """The straggler held at its update point until the fault is noticed (a fence test's
+    order made independent of how long the notice takes), and never past `seconds`."""
+    slept: list[float] = []
+    inj, _, _ = _injector("slow:rank=0,step=4,seconds=60,at=update,until=abort",
+                          sleep=slept.append)
+    polls = iter([False] * 7 + [True])
+    inj.at_point("update", 4, aborted=lambda: next(polls))
+    assert len(slept) == 7 and sum(slept) == pytest.approx(0.14)
+    slept.clear()
+    inj, _, _ = _injector("slow:rank=0,step=4,seconds=0.05,at=update,until=abort",
+                          sleep=slept.append)
+    inj.at_point("update", 4, aborted=lambda: False)
+    assert sum(slept) == pytest.approx(0.05) and len(slept) == 3
+    slept.clear()
+    inj, _, _ = _injector("slow:rank=0,step=4,seconds=2,at=update", sleep=slept.append)
+    inj.at_point("update", 4, aborted=lambda: True)  # without until=, its seconds in full
+    assert slept == [2.0]

@@ -39,6 +39,9 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)  # looked up at each call, so that a patched time.sleep is seen
 
 
+_WAKE_SLICE = 0.02  # s: how often a `slow` with `until=abort` looks at its generation
+
+
 class FaultInjector:
     def __init__(
         self,
@@ -86,10 +89,13 @@ class FaultInjector:
                 self._emit(fault, step)
                 self._sleep(self._slow_seconds(fault, step_time))
 
-    def at_point(self, point: str, step: int) -> None:
+    def at_point(self, point: str, step: int,
+                 aborted: Callable[[], bool] = lambda: False) -> None:
         """At a point (`join`, `send`: recovery points; `update`: before step `step`'s update)
-        while holding committed step `step`."""
-        self._fire([f for f in self._at_points if f.at == point and step >= f.step], step)
+        while holding committed step `step`. `aborted()`: the generation was aborted (a
+        `slow` fault with `until=abort` sleeps until it says so, or its `seconds` end)."""
+        self._fire([f for f in self._at_points if f.at == point and step >= f.step], step,
+                   aborted=aborted)
 
     def corrupt_gradients(self, step: int, params: Sequence[torch.Tensor]) -> bool:
         """A `nan` fault of `step`: element 0 (flat) of the first of `params` with a
@@ -175,8 +181,8 @@ class FaultInjector:
             self._frozen[fault.key] = step_time
         return (fault.factor - 1) * self._frozen.get(fault.key, 0.0)
 
-    def _fire(self, faults: Iterable[FaultSpec], step: int,
-              step_time: float | None = None) -> None:
+    def _fire(self, faults: Iterable[FaultSpec], step: int, step_time: float | None = None,
+              aborted: Callable[[], bool] = lambda: False) -> None:
         for fault in faults:
             if not self._take(fault, hold=False):
                 continue
@@ -192,8 +198,17 @@ class FaultInjector:
 
                 raise torch.AcceleratorError(f"CUDA error: an illegal memory access was "
                                              f"encountered (injected fault {fault})")
+            elif fault.kind == "slow" and fault.until == "abort":
+                self._sleep_until(aborted, fault.seconds)
             elif fault.kind == "slow":
                 self._sleep(self._slow_seconds(fault, step_time))
+
+    def _sleep_until(self, woken: Callable[[], bool], seconds: float) -> None:
+        """Sleep up to `seconds`, in slices of `_WAKE_SLICE`, until `woken()`."""
+        left = seconds
+        while left > 0 and not woken():
+            self._sleep(min(_WAKE_SLICE, left))
+            left -= _WAKE_SLICE
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,10 @@ detection to find; each fires at the one point its kind names (`FaultSpec.point`
 
 `slow` may span a window: `slow:rank=R,step=S,steps=N,factor=F` makes steps S..S+N-1 each
 sleep (F-1) x the step time (frozen at the window's first step); `steps=N,seconds=X` sleeps
-X in each.
+X in each. `slow:...,at=update,seconds=X,until=abort` sleeps at most X but wakes as soon
+as the rank's watchdog aborts its generation on notice of a peer's fault: the straggler
+reaches its fence after the fault is known, however long the notice takes (a loaded machine,
+a slow control plane).
 
 A fault fires once per job; a `persistent=1` fault, and a `slow` window, fire again on every
 matching execution in the process that first fired them (see `unbroken.faults.inject`).
@@ -66,6 +69,11 @@ FAULT_POINTS = {
 }
 """Where a process fault fires (`at=`): each point's name and when it fires."""
 
+UNTIL = {
+    "abort": "a `slow` at the update point wakes once the watchdog aborts its generation",
+}
+"""What may end a `slow` fault's sleep early (`until=`)."""
+
 # The numeric kinds fire at one fixed point each: after backward, when the loss is checked,
 # after the update.
 NUMERIC_POINTS = {"nan": "grad", "spike": "loss", "bitflip": "update"}
@@ -76,7 +84,7 @@ _FIELDS_BY_KIND = {
     "hang": _PROCESS_FIELDS,
     "exception": _PROCESS_FIELDS,
     "device_error": _PROCESS_FIELDS,
-    "slow": _PROCESS_FIELDS | {"seconds", "steps", "factor"},
+    "slow": _PROCESS_FIELDS | {"seconds", "steps", "factor", "until"},
     "nan": {"rank", "step", "persistent"},
     "spike": {"rank", "step", "scale", "persistent"},
     "bitflip": {"rank", "step", "param", "index", "bit", "persistent"},
@@ -103,6 +111,7 @@ class FaultSpec:
     param: int = 0  # bitflip: which parameter, in the order given
     index: int = 0  # bitflip: which element of it, flat
     bit: int = 20  # bitflip: which bit of that element
+    until: str | None = None  # slow at=update: "abort" wakes it when its generation is aborted
 
     def __str__(self) -> str:
         out = [f"{self.kind}:rank={self.rank},step={self.step}"]
@@ -121,6 +130,8 @@ class FaultSpec:
             out.append("persistent=1")
         if self.at != "step":
             out.append(f"at={self.at}")
+        if self.until is not None:
+            out.append(f"until={self.until}")
         return ",".join(out)
 
     @property
@@ -187,6 +198,7 @@ def _parse_one(text: str) -> FaultSpec:
             param=int(fields.get("param", 0)),
             index=int(fields.get("index", 0)),
             bit=int(fields.get("bit", 20)),
+            until=fields.get("until"),
         )
     except ValueError as exc:
         raise UserError(f"fault {text!r} has a non-numeric value: {exc}") from None
@@ -208,6 +220,8 @@ def _check(spec: FaultSpec, text: str) -> None:
         raise UserError(f"fault {text!r}: factor= must be a finite number > 1")
     if (spec.steps != 1 or spec.factor is not None) and spec.at != "step":
         raise UserError(f"fault {text!r}: steps= and factor= need at=step (a step window)")
+    if spec.until is not None and (spec.until not in UNTIL or spec.at != "update"):
+        raise UserError(f"fault {text!r}: until= takes {', '.join(UNTIL)}, with at=update")
     if spec.param < 0 or spec.index < 0:
         raise UserError(f"fault {text!r}: param= and index= must be >= 0")
     if not 0 <= spec.bit <= 63:

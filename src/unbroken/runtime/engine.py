@@ -109,7 +109,7 @@ class Engine:
         self._pending: ev.Step | None = None  # a committed step's event, until `settle`
         self.anomalies = AnomalyDuty(s.anomalies, events.emit, file_drain)
         self.fence = Fence(lambda: self._position, lambda gen: self._watchdog.aborted(gen),
-                           nccl_errors, lambda step: faults.at_point("update", step))
+                           nccl_errors, lambda *at: faults.at_point("update", *at))
 
     # ------------------------------------------------------------------ position
     @property

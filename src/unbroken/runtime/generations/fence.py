@@ -83,10 +83,11 @@ class Fence:
 
     def __init__(self, position: Callable[[], Position], aborted: Callable[[int], bool],
                  nccl_errors: Callable[[], list[str]],
-                 before: Callable[[int], None] = lambda step: None) -> None:
+                 before: Callable[[int, Callable[[], bool]], None] = lambda s, a: None) -> None:
         """`position()`: the engine's; `aborted(gen)`: the watchdog aborted `gen`;
         `nccl_errors()`: the current groups' NCCL backends that report an error;
-        `before(step)`: called first (injected faults at the `update` point)."""
+        `before(step, aborted)`: called first (injected faults at the `update` point; its
+        `aborted()` says whether the current generation was aborted)."""
         self._position, self._aborted, self._nccl_errors = position, aborted, nccl_errors
         self._before = before
         self._drained: tuple[int, int] | None = None  # (gen, step) whose stream was drained
@@ -97,7 +98,7 @@ class Fence:
         """Before an update (after clipping, before any optimizer updates): raises
         `UpdateRefused` if it must not be queued."""
         pos = self._position()
-        self._before(pos.step)
+        self._before(pos.step, lambda: self._aborted(pos.gen))
         if self._drained != (pos.gen, pos.step):
             self.waits += drain_stream()
             self._drained = (pos.gen, pos.step)
