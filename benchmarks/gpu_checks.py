@@ -634,13 +634,18 @@ def fork_then_cuda(dry: bool) -> dict:
     """L: a worker forked from a fork server that pre-imported torch and the real preimport
     list (transformers, accelerate) initialises CUDA, forms an NCCL world of one and steps
     (`gpu_fork_probe.py`, under `unbroken run`: attempt 1 is forked after attempt 0's list)."""
-    import math
-    import subprocess
-    import sys
     import tempfile
 
     here = Path(__file__).resolve().parent
-    tmp = Path(tempfile.mkdtemp(prefix="gpu-fork-"))
+    with tempfile.TemporaryDirectory(prefix="gpu-fork-") as name:  # nothing left behind
+        return _forked(here, Path(name), dry)
+
+
+def _forked(here: Path, tmp: Path, dry: bool) -> dict:
+    import math
+    import subprocess
+    import sys
+
     cmd = [sys.executable, "-m", "unbroken", "run", "--standalone", "--nproc-per-node", "1",
            "--max-restarts", "1", "--on-fault", "restart", "--run-dir", str(tmp / "run"), str(here / "gpu_fork_probe.py"),
            str(tmp), *(["--dry-run"] if dry else [])]
