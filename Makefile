@@ -68,7 +68,7 @@ test: install
 	$(BIN)/ruff check src tests benchmarks examples
 	$(MAKE) docs
 	$(BIN)/pytest -q tests/unit
-	$(BIN)/pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=25 tests/integration
+	$(BIN)/pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=60 tests/integration
 	$(BIN)/pytest -q -m serial --durations=5 tests/integration
 
 # The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings), built
