@@ -227,11 +227,16 @@ def test_a_leader_paused_past_the_timeout_is_deposed_and_writes_nothing_after(is
     """SIGSTOP on the leader's agent (a long GC pause, a frozen VM): the other node takes
     the lead and goes on in place without it. On SIGCONT the old leader's first write is
     fenced (or its first look finds the claim taken): it stands down, exit 3, and the
-    job's result is the new leader's."""
+    job's result is the new leader's.
+
+    Node 0's agent starts 3 s after node 1's, past the 2 s `--leader-timeout`: node 1 still
+    gives it the lead (it waits up to `FIRST_CLAIM_WAIT` for node 0's claim at start)."""
     hosts = isolated_hosts
     node0, node1 = _run_dirs(hosts, 0, 1)
     flags = ("--nnodes", "2", "--max-restarts", "3")
-    a0, a1 = _agent(hosts, 0, *flags, steps=200), _agent(hosts, 1, *flags, steps=200)
+    a1 = _agent(hosts, 1, *flags, steps=200)
+    time.sleep(3.0)  # node 0's host comes up late, as pods do
+    a0 = _agent(hosts, 0, *flags, steps=200)
     _at_step(node0, 10)
     os.kill(a0.pid, signal.SIGSTOP)
     try:
@@ -247,6 +252,7 @@ def test_a_leader_paused_past_the_timeout_is_deposed_and_writes_nothing_after(is
     assert "leads now" in deposed["error"] or "leadership passed to node 1" in deposed["error"]
     (elected,) = r1.events("leader_elected")
     assert elected["previous"] == 0 and elected["term"] == 1
+    assert "did not claim the lead" not in r1.output
     assert summarize(node1)["steps"] == 200
 
 

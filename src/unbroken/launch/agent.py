@@ -34,7 +34,7 @@ from unbroken.launch import returning
 from unbroken.launch.attempt import AttemptWatch
 from unbroken.launch.config import LaunchConfig
 from unbroken.launch.drain import CONTROL_FILE
-from unbroken.launch.election import Deposed, Elected, Election, HandedOver
+from unbroken.launch.election import FIRST_CLAIM_WAIT, Deposed, Elected, Election, HandedOver
 from unbroken.launch.failure_report import root_cause_report
 from unbroken.launch.first_contact import FirstContact
 from unbroken.launch.follower import Follower
@@ -107,11 +107,15 @@ class Agent:
             election = None
             leads = cfg.is_leader
             if cfg.elects:
-                election = Election(channel, cfg.node_rank, self.instance, cfg.etcd.leader_timeout)
+                election = Election(channel, cfg.node_rank, self.instance, cfg.etcd.leader_timeout,
+                                    min(FIRST_CLAIM_WAIT, cfg.rdzv_timeout))
                 # A standby node does not stand at start (the job's nodes lead first) but
                 # watches the leader as every follower does, and can take over.
                 leads = not cfg.standby and election.stand(first=cfg.is_leader).instance \
                     == self.instance
+                if leads and not cfg.is_leader:
+                    self.say(f"node 0 did not claim the lead within {election.first_wait:g}s: "
+                             f"node {cfg.node_rank} leads the job")
             args = (cfg, channel, watch, self.events, self.instance, self._sleep,
                     self._report_failure, election, self.metrics)
             code = self._play(Leader if leads else Follower, args)

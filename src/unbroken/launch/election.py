@@ -36,6 +36,12 @@ from unbroken.control.schema import LEADER, agent_lease
 from unbroken.errors import ControlPlaneError
 from unbroken.polling import PollTimeout, poll_until
 
+FIRST_CLAIM_WAIT = 30.0
+"""Seconds the other nodes give node 0 to claim the lead at the job's start (at most the
+rendezvous timeout): hosts and pods start seconds apart, and an agent's imports take seconds
+on a loaded host, so a node 0 a little late still leads. Not `--leader-timeout`, which is
+how long a leader may go silent before another agent replaces it."""
+
 WRONG_SECRET = ("the job's control messages are signed with another secret than this "
                 "agent's: give every node the same --secret-file or UNBROKEN_SECRET")
 
@@ -67,23 +73,28 @@ class Deposed(ControlPlaneError):
 
 
 class Election:
-    def __init__(self, channel: Channel, node: int, instance: str, timeout: float) -> None:
+    def __init__(self, channel: Channel, node: int, instance: str, timeout: float,
+                 first_wait: float = FIRST_CLAIM_WAIT) -> None:
+        """`timeout`: `--leader-timeout`; `first_wait`: how long a node other than 0 waits
+        for node 0's claim at start (`FIRST_CLAIM_WAIT`, at most the rendezvous timeout)."""
         self.channel = channel
         self.mine = LeaderClaim(node=node, instance=instance, term=0)
         self.timeout = timeout
+        self.first_wait = first_wait
         self._watch = LeaseWatch(channel.backend, pause_limit=timeout / 2,
                                  confirm_after=timeout / 2)
         self.seen: LeaderClaim | None = None  # the claim a follower's last look found
 
     def stand(self, first: bool) -> LeaderClaim:
         """At start: claim leadership if nobody holds it; returns the claim that holds.
-        Node 0 stands `first`; the others give it up to the timeout to do so, so that the
-        job's leader is node 0 unless node 0 is late."""
+        Node 0 stands `first`; the others give it up to `first_wait` to do so, so that the
+        job's leader is node 0 unless node 0 is that late (or never comes)."""
         if self.channel.signed_elsewhere(LEADER):
             raise ControlPlaneError(WRONG_SECRET)
         if not first:
             try:
-                self.seen = poll_until(self._held, self.timeout, 0.05, what="node 0's claim")
+                self.seen = poll_until(self._held, self.first_wait, 0.05,
+                                       what="node 0's claim")
                 return self.seen
             except PollTimeout:
                 pass  # node 0 is late: anyone may stand
