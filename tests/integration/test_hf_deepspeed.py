@@ -3,9 +3,10 @@ in place: it says so in one line, trains as under torchrun, and a SIGKILLed rank
 every worker, which resume from the Trainer's own DeepSpeed checkpoint and finish.
 
 DeepSpeed compiles one C++ op (its shared-memory collective) the first time a process group
-starts under it, whatever DS_BUILD_OPS says: kept in torch's extension cache
-(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), once per machine as for any user. The
-first run on a machine pays for it: about 60 s here, 150 s in a loaded CI run."""
+starts under it, whatever DS_BUILD_OPS says: kept in .venv/torch-extensions, once per venv
+(torch's own cache in ~/.cache would not serve a new clone either: the build is keyed on the
+venv's absolute paths). A clean clone's run pays for it: about 60 s alone, 150-180 s in the
+loaded suite."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _logged(path) -> list[int]:
         return []
 
 
-def test_a_deepspeed_trainer_job_says_it_restarts_then_restarts_and_finishes(tmp_path):
+def test_a_deepspeed_trainer_job_says_it_restarts_then_restarts_and_finishes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch-extensions"))
     run_dir, out, steps = tmp_path / "run", tmp_path / "out", tmp_path / "steps.log"
     proc = start(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", script=SCRIPT,
                  args=["--output-dir", str(out), "--zero", "2", "--steps", str(STEPS),
