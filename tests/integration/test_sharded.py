@@ -106,12 +106,15 @@ def test_hsdp_rank_killed_gets_its_shard_from_the_replica_and_loses_no_step(tmp_
 
 
 def test_a_shard_and_its_buddy_both_killed_fall_back_to_the_storage_checkpoint(tmp_path):
-    """Ranks 1 and 2 die together; 2 held the only other copy of shard 1. No step has
-    every shard: the members say why, and the job restarts from the storage checkpoint."""
+    """Rank 1 dies, and rank 2, which held the only other copy of shard 1 (its buddy's
+    snapshot), dies as it is about to send it to rank 1's replacement (`at=send`). No step
+    has every shard: the members say why, and the job restarts from the storage checkpoint.
+    (Two crashes at the same step were not together: under load rank 2 was still in the
+    staging collective before that step when rank 1 died, and sent the shard first.)"""
     ckpt = tmp_path / "ckpt"
     # The user's FSDP2 example (examples/fsdp2), tiny: its sharded checkpoints are restored.
     result = launch(tmp_path / "run", "--nproc-per-node", "4", "--max-restarts", "3",
-                    "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=12",
+                    "--fault", "crash:rank=1,step=12", "--fault", "crash:rank=2,step=12,at=send",
                     script=FSDP2_EXAMPLE, timeout=300,
                     args=["--steps", "20", "--step-sleep", "0.05", "--snapshot-every", "5",
                           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",

@@ -131,8 +131,9 @@ class Switcher:
         """The state step of a sharded switch: this rank's shard at the step every shard is
         held at, from itself, a replica or a buddy's snapshot."""
         def sync(plan: Plan, committed_step: int, holds_state: bool) -> SyncResult:
-            result = self.sharded.sync(plan.rank, plan.world_size, committed_step, holds_state,
-                                       torn=tracked.tear)
+            result = self.sharded.sync(
+                plan.rank, plan.world_size, committed_step, holds_state, torn=tracked.tear,
+                before_send=lambda step: self.generations.fault_point("send", step))
             tracked.whole = True
             shard_plan = self.sharded.plan
             self.record(ev.ShardSync(

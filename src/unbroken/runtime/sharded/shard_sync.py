@@ -91,9 +91,12 @@ class ShardedSync:
         return group
 
     def sync(self, rank: int, world: int, committed_step: int, holds_state: bool,
-             torn: Callable[[], None] = lambda: None) -> SyncResult:
+             torn: Callable[[], None] = lambda: None,
+             before_send: Callable[[int], None] = lambda step: None) -> SyncResult:
         """`torn()` is called just before this rank's live state is first overwritten (a
-        receipt or a restore): from then on it holds no committed state until this returns."""
+        receipt or a restore): from then on it holds no committed state until this returns.
+        `before_send(step)`: just before this rank sends a shard of `step` (injected faults
+        at the `send` point)."""
         group = self.form(rank, world)
         snaps = self.snapshots
         mine: list[tuple[int, int, int]] = []
@@ -133,6 +136,7 @@ class ShardedSync:
                 else:
                     copy = snaps.find(needs[t.dst], plan.step)
                     meta, tensors = copy.meta, copy.views()
+                before_send(plan.step)
                 send_shard(meta, tensors, t.dst, group)
             elif t.dst == rank:
                 torn()
